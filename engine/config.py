@@ -1,0 +1,70 @@
+"""EngineConfig: every knob of the engine, validated by pydantic.
+
+The YAML (serve.yaml), the CLI and the Python API all build this model, so a bad value fails the same
+way everywhere: pydantic's ValidationError is a ValueError whose message names the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        "default",
+        min_length=1,
+        description="'default' (embedded SmolLM2-135M-Instruct), 'tiny' (random tiny llama with the "
+        "default tokenizer, for tests) or the path of a local MLX / mlx-lm model folder.",
+    )
+    dtype: DType = Field(
+        "auto",
+        description="Weights and KV dtype. 'auto': float32 on the CPU (quantized and half matmuls are "
+        "slow there), the model's own float dtype (bfloat16 for the default) on a GPU.",
+    )
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests running (holding KV) at once.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, le=1 << 20, description="Token budget of one engine step, decode tokens included."
+    )
+    prefill_chunk_size: int = Field(
+        512, ge=1, le=1 << 20, description="Most prompt tokens of one request computed in one step."
+    )
+    max_model_len: Optional[int] = Field(
+        None, ge=2, le=1 << 22,
+        description="Longest prompt + output in tokens. None: the model's max_position_embeddings.",
+    )
+    memory_limit_bytes: Union[Literal["auto"], int] = Field(
+        "auto",
+        description="Memory the engine may use (weights + KV + transients). 'auto': memory_utilization "
+        "x what MLX reports for the device (the recommended working set on Metal, physical memory "
+        "elsewhere).",
+    )
+    memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of device memory used when memory_limit_bytes is auto."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the engine's sampler (requests may override).")
+    cache_dir: Optional[str] = Field(
+        None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
+        "~/.cache/mlx-serve.",
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "EngineConfig":
+        if isinstance(self.memory_limit_bytes, int) and self.memory_limit_bytes < (1 << 20):
+            raise ValueError(f"memory_limit_bytes={self.memory_limit_bytes} must be 'auto' or >= 1 MiB")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk_size={self.prefill_chunk_size} must be <= "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} must be <= max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}: every running request decodes one token per step"
+            )
+        return self
