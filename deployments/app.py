@@ -1,0 +1,163 @@
+"""build_app: the Ray Serve application, from AppArgs (serve.yaml `args:` or Python).
+
+This is the only place `serve.deployment` and `serve.ingress` are applied; EngineReplica and
+OpenAIIngress stay plain classes (Ray Serve LLM's `build_llm_deployment` does the same):
+
+    serve run config/serve.yaml                       # or: serve deploy config/serve.yaml
+    serve.run(build_app({"engine": {"model": "tiny"}}), name="mlx-llm", route_prefix="/")
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+
+from deployments.ingress import IngressSettings, OpenAIIngress
+from deployments.replica import EngineFactory, EngineReplica
+
+APP_NAME = "mlx-llm"
+REPLICA_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+class AutoscalingArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas.")
+    max_replicas: int = Field(1, ge=1, description="Most engine replicas (one per host / accelerator).")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="Requests per replica to aim for.")
+
+    @model_validator(mode="after")
+    def _order(self) -> "AutoscalingArgs":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} must be <= max_replicas={self.max_replicas}")
+        return self
+
+
+class ReplicaArgs(BaseModel):
+    """Ray options of each engine replica. One replica per host / accelerator: give each a GPU (num_gpus)
+    or a custom per-host resource so two never share a device."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica (small: the engine thread "
+                                                   "does the work; Ray's default of 1 starves 2-core hosts).")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica (1 on an NVIDIA host with mlx[cuda]).")
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="Custom Ray resources per replica, e.g. {'mlx_host': 1}.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests in flight per replica before the "
+                                                            "router queues them.")
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests queued at the router per replica "
+                                                            "before 503 (-1: unbounded).")
+    health_check_period_s: float = Field(10.0, gt=0, description="Seconds between check_health calls.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="Seconds before a check counts as failed.")
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="Drain time on shutdown.")
+
+
+class IngressArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per ingress replica.")
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas (tokenization scales with these).")
+    max_ongoing_requests: int = Field(1024, ge=1, description="Requests in flight per ingress replica.")
+
+
+class AppArgs(BaseModel):
+    """Everything `build_app` takes; serve.yaml's `args:` is validated by this model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine of every replica.")
+    served_model_name: Optional[str] = Field(
+        None, min_length=1, description="Name clients put in `model`. None: 'SmolLM2-135M-Instruct' for "
+        "the default model, 'tiny' for the tiny one, the folder name for a path. engine.model is accepted "
+        "as an alias.")
+    num_replicas: Optional[int] = Field(1, ge=1, description="Fixed number of engine replicas (None with "
+                                                             "autoscaling).")
+    autoscaling: Optional[AutoscalingArgs] = Field(None, description="Autoscale engine replicas instead.")
+    replica: ReplicaArgs = Field(default_factory=ReplicaArgs, description="Engine replica Ray options.")
+    ingress: IngressArgs = Field(default_factory=IngressArgs, description="Ingress Ray options.")
+    max_tokens_cap: Optional[int] = Field(None, ge=1, description="Largest max_tokens a request may ask "
+                                                                  "(and the default). None: the context.")
+    max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request).")
+    max_request_body_bytes: int = Field(8 << 20, ge=1024, description="Larger bodies get 413.")
+    api_key: Optional[str] = Field(None, min_length=1, description="If set, /v1/* needs "
+                                                                   "`Authorization: Bearer <api_key>`.")
+    health_timeout_s: float = Field(5.0, gt=0, description="GET /health waits this long for a replica.")
+
+    @model_validator(mode="after")
+    def _scaling(self) -> "AppArgs":
+        if self.autoscaling is not None and self.num_replicas not in (None, 1):
+            raise ValueError(f"num_replicas={self.num_replicas} and autoscaling are exclusive: set one")
+        return self
+
+    def ingress_settings(self) -> IngressSettings:
+        return IngressSettings(
+            engine=self.engine, served_model_name=self.served_model_name, max_tokens_cap=self.max_tokens_cap,
+            max_n=self.max_n, max_request_body_bytes=self.max_request_body_bytes, api_key=self.api_key,
+            health_timeout_s=self.health_timeout_s, created=int(time.time()),
+        )
+
+    def replica_deployment_options(self) -> dict[str, Any]:
+        r = self.replica
+        actor: dict[str, Any] = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
+        if r.resources:
+            actor["resources"] = dict(r.resources)
+        options: dict[str, Any] = dict(
+            name=REPLICA_DEPLOYMENT, ray_actor_options=actor, max_ongoing_requests=r.max_ongoing_requests,
+            max_queued_requests=r.max_queued_requests, health_check_period_s=r.health_check_period_s,
+            health_check_timeout_s=r.health_check_timeout_s,
+            graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
+        )
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.model_dump()
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+    def ingress_deployment_options(self) -> dict[str, Any]:
+        i = self.ingress
+        return dict(name=INGRESS_DEPLOYMENT, num_replicas=i.num_replicas,
+                    ray_actor_options={"num_cpus": i.num_cpus}, max_ongoing_requests=i.max_ongoing_requests)
+
+
+def parse_args(args: Union[dict, AppArgs, None]) -> AppArgs:
+    """AppArgs from a dict (serve.yaml) or an AppArgs; raises ValueError naming the bad field."""
+    if isinstance(args, AppArgs):
+        return args
+    return AppArgs.model_validate(args or {})
+
+
+def build_app(args: Union[dict, AppArgs, None]) -> Any:
+    """The Serve application: OpenAIIngress (HTTP + handle API) -> EngineReplica x num_replicas."""
+    return build_app_with(args)
+
+
+def build_app_with(
+    args: Union[dict, AppArgs, None],
+    engine_factory: Optional[EngineFactory] = None,
+    tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
+) -> Any:
+    """build_app with injected factories (tests use a fake engine; None means the real one)."""
+    from ray import serve
+
+    app_args = parse_args(args)
+    replica = serve.deployment(EngineReplica, **app_args.replica_deployment_options())
+    ingress_cls = serve.ingress()(serve_ingress_class(OpenAIIngress))
+    ingress = serve.deployment(ingress_cls, **app_args.ingress_deployment_options())
+    return ingress.bind(
+        replica.bind(app_args.engine, engine_factory),
+        app_args.ingress_settings(),
+        tokenizer_factory,
+    )
+
+
+def serve_ingress_class(cls: type) -> type:
+    """A subclass whose `__serve_build_asgi_app__` (Serve's late-bound ASGI hook, called after the
+    constructor) is the plain class's `build_asgi_app`; the plain class is left untouched."""
+    sub = type(cls.__name__, (cls,), {"__serve_build_asgi_app__": cls.build_asgi_app})
+    return sub

@@ -1,0 +1,286 @@
+"""OpenAIIngress: the OpenAI-compatible front door, over HTTP (FastAPI) and over a Python handle.
+
+A plain class. Its FastAPI app is built per instance by `build_asgi_app()` (routes are closures over the
+instance, so there is no module-level app); `build_app` hands that method to Ray Serve as the late-bound
+ASGI builder (`serve.ingress()` + `__serve_build_asgi_app__`), and unit tests mount it in a TestClient.
+
+Python handle API (`serve.get_app_handle("mlx-llm")`):
+
+    resp = await handle.chat.remote(ChatCompletionRequest(...))            # ChatCompletionResponse
+    async for chunk in handle.options(stream=True).chat_stream.remote(req):  # ChatCompletionChunk
+    resp = await handle.completions.remote(CompletionRequest(...))         # CompletionResponse
+    async for chunk in handle.options(stream=True).completions_stream.remote(req):
+    await handle.models.remote()  /  handle.health.remote()  /  handle.stats.remote()
+
+Requests may also be plain dicts. Errors are the typed exceptions of `deployments.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.config import EngineConfig
+
+from deployments.errors import APIError, BadRequestError, EngineError, ModelNotFoundError, \
+    ServiceUnavailableError, unwrap
+from deployments.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
+    usage_chunk
+from deployments.replica import GenerateOutput, GenerateRequest, ReplicaInfo
+from deployments.schemas import ChatCompletionRequest, CompletionRequest, HealthStatus, ModelCard, ModelList
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAMES = {"default": "SmolLM2-135M-Instruct"}
+
+
+class IngressSettings(BaseModel):
+    """What the ingress needs from AppArgs (built by `AppArgs.ingress_settings()`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="For the tokenizer.")
+    served_model_name: Optional[str] = Field(None, description="None: derived from engine.model.")
+    max_tokens_cap: Optional[int] = Field(None, ge=1, description="None: the model's context.")
+    max_n: int = Field(8, ge=1)
+    max_request_body_bytes: int = Field(8 << 20, ge=1024)
+    api_key: Optional[str] = Field(None, description="Bearer token required on /v1/*; None: open.")
+    health_timeout_s: float = Field(5.0, gt=0)
+    created: int = Field(0, description="Unix time reported in the model card.")
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine.model
+        return DEFAULT_MODEL_NAMES.get(model, model.rstrip("/").rsplit("/", 1)[-1])
+
+
+def default_tokenizer_factory(config: EngineConfig) -> Any:
+    """Load only the tokenizer of the engine's model (the ingress never loads weights)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.models import resolve_model_path
+
+    dtype = "float32" if config.dtype == "auto" else config.dtype
+    return load_tokenizer(resolve_model_path(config.model, config.cache_dir, dtype))
+
+
+class HandleReplicaClient:
+    """Calls EngineReplica through a Ray Serve DeploymentHandle; maps Ray errors to API errors."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        gen = self._handle.options(stream=True).generate.remote(request)
+        done = False
+        try:
+            async for out in gen:
+                yield out
+            done = True
+        except Exception as e:
+            raise replica_error(e) from None
+        finally:
+            if not done:  # client went away or failed: cancel the replica call, which aborts the engine
+                gen.cancel()
+
+    async def call(self, method: str, timeout_s: float) -> Any:
+        response = getattr(self._handle, method).remote()
+
+        async def result() -> Any:
+            return await response
+
+        try:
+            return await asyncio.wait_for(result(), timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ServiceUnavailableError(f"no engine replica answered within {timeout_s:g} s",
+                                          retry_after_s=timeout_s) from None
+        except Exception as e:
+            raise replica_error(e) from None
+
+
+def replica_error(exc: BaseException) -> APIError:
+    """An API error for whatever a replica call raised."""
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    cause = unwrap(exc)
+    if isinstance(cause, APIError):
+        return cause
+    if isinstance(cause, serve_exceptions.BackPressureError):
+        return ServiceUnavailableError("engine replicas are at capacity", retry_after_s=1.0)
+    if isinstance(cause, serve_exceptions.DeploymentUnavailableError):
+        return ServiceUnavailableError("the engine deployment is unavailable", retry_after_s=5.0)
+    if isinstance(cause, (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)):
+        return EngineError(f"the engine replica failed: {type(cause).__name__}")
+    logger.error("replica call failed: %r", exc)
+    return EngineError(f"the engine replica failed: {type(cause).__name__}: {cause}")
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as (index, item); the first error ends the merge."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((index, item, None))
+        except Exception as e:
+            await queue.put((index, None, e))
+        finally:
+            queue.put_nowait((index, finished, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is finished:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIIngress:
+    """Validates and tokenizes requests, fans them out to the engine replicas, builds responses."""
+
+    def __init__(
+        self,
+        replica: Any,
+        settings: IngressSettings | dict,
+        tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
+        client_factory: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
+        self._settings = IngressSettings.model_validate(settings)
+        self._replicas = (client_factory or HandleReplicaClient)(replica)
+        self._tokenizer = (tokenizer_factory or default_tokenizer_factory)(self._settings.engine)
+        self._model_name = self._settings.model_name()
+        self._info: Optional[ReplicaInfo] = None
+
+    # ------------------------------------------------------------------ handle API
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[self._model_card()])
+
+    async def chat(self, request: ChatCompletionRequest | dict) -> Any:
+        """Non-streaming chat completion: a ChatCompletionResponse."""
+        return await self._complete(await self._prepare(request, ChatCompletionRequest))
+
+    async def chat_stream(self, request: ChatCompletionRequest | dict) -> AsyncIterator[Any]:
+        """Streaming chat completion: ChatCompletionChunk objects (call with stream=True)."""
+        async for chunk in self._stream(await self._prepare(request, ChatCompletionRequest)):
+            yield chunk
+
+    async def completions(self, request: CompletionRequest | dict) -> Any:
+        """Non-streaming completion: a CompletionResponse."""
+        return await self._complete(await self._prepare(request, CompletionRequest))
+
+    async def completions_stream(self, request: CompletionRequest | dict) -> AsyncIterator[Any]:
+        """Streaming completion: CompletionChunk objects (call with stream=True)."""
+        async for chunk in self._stream(await self._prepare(request, CompletionRequest)):
+            yield chunk
+
+    async def health(self) -> HealthStatus:
+        """Raises ServiceUnavailableError unless an engine replica answers healthy in time."""
+        await self._replicas.call("info", self._settings.health_timeout_s)
+        return HealthStatus()
+
+    async def stats(self) -> dict[str, Any]:
+        """Stats of one engine replica (the one the router picks)."""
+        return await self._replicas.call("stats", self._settings.health_timeout_s)
+
+    def build_asgi_app(self) -> Any:
+        """The FastAPI app serving this instance (see deployments.http_api)."""
+        from deployments.http_api import build_fastapi_app
+
+        return build_fastapi_app(self, self._settings)
+
+    # ------------------------------------------------------------------ internals
+
+    def _model_card(self) -> ModelCard:
+        max_len = self._info.max_model_len if self._info else None
+        return ModelCard(id=self._model_name, created=self._settings.created, max_model_len=max_len)
+
+    def check_model(self, name: str) -> None:
+        if name not in (self._model_name, self._settings.engine.model):
+            raise ModelNotFoundError(f"The model '{name}' does not exist; this server serves "
+                                     f"'{self._model_name}'")
+
+    async def _limits(self) -> Limits:
+        if self._info is None:  # engines decide max_model_len; ask one replica once
+            self._info = await self._replicas.call("info", max(30.0, self._settings.health_timeout_s))
+        return Limits(max_model_len=self._info.max_model_len, vocab_size=_vocab_size(self._tokenizer),
+                      max_tokens_cap=self._settings.max_tokens_cap, max_n=self._settings.max_n)
+
+    async def _prepare(self, request: Any, cls: type[BaseModel]) -> PreparedRequest:
+        req = parse_request(request, cls)
+        self.check_model(req.model)
+        return prepare(req, self._tokenizer, await self._limits(), self._model_name)
+
+    async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        streams = [
+            self._replicas.generate(GenerateRequest(f"{prepared.request_id}-{i}", prepared.prompt_token_ids, s))
+            for i, s in enumerate(prepared.samplings)
+        ]
+        if len(streams) == 1:
+            async with aclosing(streams[0]) as stream:
+                async for out in stream:
+                    yield 0, out
+            return
+        async with aclosing(merge_streams(streams)) as merged:
+            async for item in merged:
+                yield item
+
+    async def _complete(self, prepared: PreparedRequest) -> Any:
+        acc = Accumulator(len(prepared.samplings))
+        async with aclosing(self._outputs(prepared)) as outputs:
+            async for index, out in outputs:
+                acc.add(index, out)
+        return final_response(prepared, acc)
+
+    async def _stream(self, prepared: PreparedRequest) -> AsyncIterator[Any]:
+        acc = Accumulator(len(prepared.samplings))
+        started: set[int] = set()
+        async with aclosing(self._outputs(prepared)) as outputs:
+            async for index, out in outputs:
+                chunk = chunk_for(prepared, index, out, first=index not in started)
+                started.add(index)
+                acc.add(index, out)
+                yield chunk
+        if prepared.include_usage:
+            yield usage_chunk(prepared, acc)
+
+
+def parse_request(request: Any, cls: type[BaseModel]) -> Any:
+    """A request model from a model or a dict; pydantic errors become BadRequestError(param=field)."""
+    if isinstance(request, cls):
+        return request
+    try:
+        data = request.model_dump() if isinstance(request, BaseModel) else request
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise BadRequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return max(len(inner), int(getattr(inner, "vocab_size", 0) or 0))
+    except TypeError:
+        return int(getattr(inner, "vocab_size"))

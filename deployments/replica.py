@@ -1,0 +1,179 @@
+"""EngineReplica: one AsyncEngine per host / accelerator, streaming plain-data increments.
+
+A plain class: `build_app` applies `serve.deployment` to it, tests construct it directly with a fake
+engine factory. The ingress talks to it through a DeploymentHandle with `stream=True`:
+
+    gen = handle.options(stream=True).generate.remote(GenerateRequest(...))
+    async for out in gen: ...          # GenerateOutput increments
+
+When the caller goes away (client disconnect, `gen.cancel()`), Ray Serve cancels the user-code task or
+throws `CancelledError` into this generator; the `finally` of `generate` aborts the engine request so
+its KV is freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from engine.config import EngineConfig
+from engine.request import RequestOutput, SamplingParams
+
+from deployments.errors import BadRequestError, EngineError, ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EngineConfig], Any]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the ingress sends a replica: token ids and sampling, already validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One increment of a request, as the replica streams it back."""
+
+    request_id: str
+    replica_id: str
+    new_text: str
+    num_new_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    replica_id: str
+    model_name: str
+    max_model_len: int
+
+
+def default_engine_factory(config: EngineConfig) -> Any:
+    """Build the real engine; imported lazily so this module loads without a model."""
+    from engine.engine import AsyncEngine
+
+    return AsyncEngine.from_config(config)
+
+
+def default_replica_id() -> str:
+    """The Ray Serve replica id when running in Serve, else a random one."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica (unit tests)
+        return uuid.uuid4().hex[:8]
+
+
+class EngineReplica:
+    """Owns one AsyncEngine; streams increments, reports stats and health."""
+
+    def __init__(
+        self,
+        engine_config: Union[EngineConfig, dict],
+        engine_factory: Optional[EngineFactory] = None,
+        replica_id: Optional[str] = None,
+    ) -> None:
+        config = EngineConfig.model_validate(engine_config)
+        self._replica_id = replica_id or default_replica_id()
+        self._engine = (engine_factory or default_engine_factory)(config)
+        logger.info("replica %s serving %s", self._replica_id, self._engine.model_name)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream the increments of one request; abort it in the engine if the caller goes away."""
+        stream = self._engine.generate(request.request_id, list(request.prompt_token_ids), request.sampling)
+        finished = False
+        try:
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except ValueError as e:  # the engine refuses a request that can never fit
+                    finished = True
+                    raise BadRequestError(str(e), code="invalid_request") from None
+                finished = out.finished
+                yield self._to_output(out)
+                if finished:
+                    break
+        finally:
+            if not finished:
+                await self._abort(request.request_id)
+            await _close_quietly(stream)
+
+    async def _abort(self, request_id: str) -> None:
+        # Shielded: runs while this task is being cancelled; the abort must still reach the engine.
+        try:
+            await asyncio.shield(self._engine.abort(request_id))
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # the engine may already have dropped it
+            logger.exception("abort of %s failed", request_id)
+
+    def _to_output(self, out: RequestOutput) -> GenerateOutput:
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        return GenerateOutput(
+            request_id=out.request_id,
+            replica_id=self._replica_id,
+            new_text=out.new_text,
+            num_new_tokens=len(out.new_token_ids),
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            finished=out.finished,
+            finish_reason=reason,
+            error=out.error,
+        )
+
+    def info(self) -> ReplicaInfo:
+        if not self._engine.is_healthy():
+            raise ServiceUnavailableError(f"engine replica {self._replica_id} is not healthy")
+        return ReplicaInfo(self._replica_id, self._engine.model_name, int(self._engine.max_model_len))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as a plain dict, plus this replica's id."""
+        stats = self._engine.stats()
+        data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+        data["replica_id"] = self._replica_id
+        return data
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising makes it restart the replica."""
+        if not self._engine.is_healthy():
+            raise EngineError(f"engine of replica {self._replica_id} is not healthy")
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+
+
+async def _close_quietly(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await asyncio.shield(aclose())
+    except (asyncio.CancelledError, Exception):
+        pass
