@@ -1,0 +1,369 @@
+"""Engine (sync step loop) and AsyncEngine (a background thread driving it, asyncio streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from engine.config import EngineConfig
+from engine.memory import MemoryModel, ModelShape
+from engine.output import TextStream, process_token
+from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
+                            SamplingParams)
+from engine.runner import DecodeWork, ModelRunner, PrefillWork
+from engine.sampling import RequestSampler
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_reserved_bytes: int
+    kv_used_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_step: int
+    weights_bytes: int
+    memory_limit_bytes: int
+    transient_bound_bytes: int  # the configuration's bound over every step (memory model)
+    max_predicted_transient_bytes: int  # largest predicted step transient so far
+    max_measured_transient_bytes: int  # largest measured step transient so far (MLX peak)
+    max_model_len: int
+    num_steps: int
+    num_forward_calls: int
+
+
+def resolve_dtype(name: str) -> str:
+    if name != "auto":
+        return name
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def device_memory_bytes() -> int:
+    """What MLX reports for the device: recommended working set (Metal), else physical memory."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Engine:
+    """One model on one MLX device; `step()` runs one scheduler step and returns output increments."""
+
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = config.model
+        dtype_bytes = next(iter(p.dtype.size for _, p in tree_flatten(model.parameters())))
+        weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes))
+        model_max = model_config.get("max_position_embeddings") or 4096
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        self.memory_limit_bytes = (
+            int(config.memory_utilization * device_memory_bytes())
+            if config.memory_limit_bytes == "auto" else config.memory_limit_bytes
+        )
+        bound = self.memory.transient_bound_bytes(
+            config.max_num_seqs, config.prefill_chunk_size, self.max_model_len
+        )
+        kv_budget = self.memory_limit_bytes - weights_bytes - bound
+        if kv_budget < self.memory.kv_bytes(1):
+            raise ValueError(
+                f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
+                f"{weights_bytes} + transient bound {bound} bytes"
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.prefill_chunk_size, self.max_model_len, kv_budget),
+            self.memory,
+        )
+        self.runner = ModelRunner(model, seed=config.seed)
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self._streams: dict[str, TextStream] = {}
+        self.num_steps = 0
+        self._max_predicted = 0
+        self._max_measured = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        from engine.models import load_model, resolve_model_path
+
+        dtype = resolve_dtype(config.dtype)
+        path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))
+        model, tokenizer = load_model(path)
+        model.set_dtype(_DTYPES[dtype])
+        mx.eval(model.parameters())
+        model_config = json.loads((path / "config.json").read_text())
+        return cls(model, tokenizer, config, model_config)
+
+    # --- prompts --------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text, token ids, or chat messages (through the tokenizer's chat template) -> token ids."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            ids = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return [int(t) for t in items]
+
+    # --- requests -------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Raise ValueError if the request can never run (thread-safe: reads configuration only)."""
+        self.scheduler.check_fits(len(prompt_token_ids), sampling.max_tokens)
+        vocab = self.memory.shape.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        self.check_request(prompt_token_ids, sampling)
+        request = Request(request_id, list(prompt_token_ids), sampling)
+        self.scheduler.add(request)
+        self._streams[request_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        return self._finish(request_id, FinishReason.ABORT)
+
+    def _finish(self, request_id: str, reason: FinishReason, error: Optional[str] = None):
+        request = self.scheduler.finish(request_id, reason)
+        self._streams.pop(request_id, None)
+        self.runner.free_row(request_id)  # between forwards: the KV can go at once
+        if request is None:
+            return None
+        return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens,
+                             finished=True, finish_reason=reason, error=error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        for row in plan.new_rows:
+            request = self.scheduler.requests[row.request_id]
+            self.runner.add_row(row.request_id, row.kv_capacity_tokens,
+                                RequestSampler(request.sampling, self.config.seed))
+        if plan.is_empty:
+            return []
+        self.num_steps += 1
+        try:
+            sampled = self._execute(plan)
+        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            logger.exception("engine step failed")
+            ids = list(plan.decodes) + [c.request_id for c in plan.prefills]
+            return [o for o in (self._finish(i, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                                for i in dict.fromkeys(ids)) if o is not None]
+        outputs = []
+        for request in self.scheduler.update(plan, sampled):
+            out = process_token(request, self._streams[request.request_id], self.eos_token_ids)
+            if out.finished:
+                self.scheduler.finish(request.request_id, out.finish_reason)
+                self._streams.pop(request.request_id, None)
+                self.runner.free_row(request.request_id)
+            outputs.append(out)
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        requests = self.scheduler.requests
+        kv_before = self.runner.kv_used_bytes
+        active_before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
+        sampled = dict(zip(plan.decodes, self.runner.decode(decode)))
+        for chunk in plan.prefills:
+            ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            token = self.runner.prefill(PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt))
+            if token is not None:
+                sampled[chunk.request_id] = token
+        new_kv = self.runner.kv_used_bytes - kv_before
+        measured = mx.get_peak_memory() - active_before - new_kv
+        self._max_measured = max(self._max_measured, measured)
+        self._max_predicted = max(self._max_predicted, plan.predicted_transient_bytes)
+        return sampled
+
+    # --- sync API -------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Sequence[SamplingParams]]
+                 = SamplingParams()) -> list[CompletionOutput]:
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        token_ids = [self.encode(p) for p in prompts]
+        for request_id, tokens, p in zip(ids, token_ids, params):
+            self.add_request(request_id, tokens, p)
+        results = {i: ([], [], None) for i in ids}
+        while any(results[i][2] is None for i in ids):
+            for out in self.step():
+                toks, texts, _ = results[out.request_id]
+                toks.extend(out.new_token_ids)
+                texts.append(out.new_text)
+                if out.finished:
+                    results[out.request_id] = (toks, texts, out.finish_reason)
+        return [CompletionOutput(i, t, results[i][0], "".join(results[i][1]), results[i][2])
+                for i, t in zip(ids, token_ids)]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_waiting=s.num_waiting, num_running=s.num_running, kv_reserved_bytes=s.kv_reserved_bytes,
+            kv_used_bytes=self.runner.kv_used_bytes, kv_budget_bytes=s.config.kv_budget_bytes,
+            kv_bytes_per_token=self.memory.kv_bytes_per_token, kv_cache_step=self.memory.kv_step,
+            weights_bytes=self.memory.shape.weights_bytes, memory_limit_bytes=self.memory_limit_bytes,
+            transient_bound_bytes=s.transient_bound_bytes,
+            max_predicted_transient_bytes=self._max_predicted,
+            max_measured_transient_bytes=self._max_measured, max_model_len=self.max_model_len,
+            num_steps=self.num_steps, num_forward_calls=self.runner.num_forward_calls,
+        )
+
+
+class _Stream:
+    """Where the engine thread delivers one request's outputs: an asyncio queue on the caller's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    """Runs `Engine.step()` in a background thread; `generate` is an async iterator per request.
+
+    Cancelling the consumer (task cancel, `aclose`, a dropped client) aborts the request, and its
+    KV is freed at the engine's next step.
+    """
+
+    def __init__(self, engine: Engine, hang_timeout_s: float = 120.0):
+        self.engine = engine
+        self.hang_timeout_s = hang_timeout_s
+        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._busy_since: Optional[float] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(Engine.from_config(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def is_healthy(self) -> bool:
+        busy = self._busy_since
+        hung = busy is not None and time.monotonic() - busy > self.hang_timeout_s
+        return self._thread.is_alive() and self._error is None and not hung
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams):
+        self.engine.check_request(prompt_token_ids, sampling)  # bad input fails here, synchronously
+        stream = _Stream(asyncio.get_running_loop())
+        self._post(("add", request_id, list(prompt_token_ids), sampling, stream))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._post(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _post(self, message: tuple) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine is dead: {self._error!r}")
+        self._inbox.put(message)
+        self._wake.set()
+
+    # --- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                self._busy_since = time.monotonic()
+                outputs = self.engine.step()
+                self._busy_since = None
+                self._deliver(outputs)
+        except BaseException as exc:  # the loop itself broke: fail everyone, report unhealthy
+            logger.exception("engine loop died")
+            self._error = exc
+            for stream in self._streams.values():
+                stream.put(RuntimeError(f"engine loop died: {exc!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, request_id, token_ids, sampling, stream = message
+                try:
+                    self.engine.add_request(request_id, token_ids, sampling)
+                    self._streams[request_id] = stream
+                except ValueError as exc:
+                    stream.put(exc)
+            else:
+                self.engine.abort(message[1])
+                self._streams.pop(message[1], None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]

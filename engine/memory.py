@@ -1,0 +1,161 @@
+"""MemoryModel: KV bytes, the transient peak of one engine step, and the bound over all steps.
+
+Pure arithmetic on the model's shape and the engine's configuration (no mlx import), so the scheduler,
+the admission controller and the tests share one model. The derivation is in docs/memory.md.
+
+Terms, for a model with L layers, H query heads, H_kv KV heads of size d, hidden size D, MLP size I,
+vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
+- KV per token: 2 * L * H_kv * d * s, reserved per request in steps of `kv_step` tokens.
+- Prefill chunk of c tokens of one row whose context after the chunk is n:
+      a_s * 4*H*c*n + a_m * c*n + a_i * c*I*s + a_d * c*D*s + a_v * 4*V
+  (attention scores and their softmax, the causal mask, the MLP intermediates, the hidden-size
+  activations, the last position's logits). Rows prefill one after another, each evaluated before the
+  next, so a step's prefill transient is the largest chunk's, not the sum.
+- Decode of B rows, the longest with n keys: g * 2*B*H_kv*n*d*s (one layer's gathered right-padded
+  KV, none when B = 1) + b_s * 4*B*H*n + b_v * 4*B*V + b_i * B*I*s + b_d * B*D*s.
+The coefficients depend on how the backend runs attention; `CPU_COEFFICIENTS` were fitted on MLX's
+CPU backend (scripts/calibrate_memory.py) as an upper bound of the measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+    weights_bytes: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict, dtype_bytes: int, weights_bytes: int = 0) -> "ModelShape":
+        """From an mlx-lm / HF config.json dict (llama family field names)."""
+        heads = config["num_attention_heads"]
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            dtype_bytes=dtype_bytes,
+            weights_bytes=weights_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class TransientCoefficients:
+    """Multipliers of each term of the transient formulas (see the module docstring)."""
+
+    prefill_scores: float
+    prefill_mask: float
+    prefill_mlp: float
+    prefill_hidden: float
+    prefill_logits: float
+    decode_gather: float
+    decode_scores: float
+    decode_logits: float
+    decode_mlp: float
+    decode_hidden: float
+
+
+CPU_COEFFICIENTS = TransientCoefficients(
+    prefill_scores=1.18, prefill_mask=1.37, prefill_mlp=2.56, prefill_hidden=14.6, prefill_logits=2.3,
+    decode_gather=1.15, decode_scores=1.2, decode_logits=2.4, decode_mlp=6.0, decode_hidden=0.0,
+)
+
+
+@dataclass(frozen=True)
+class PrefillChunkPlan:
+    num_tokens: int  # c: tokens computed in this chunk
+    context_len: int  # n: tokens of KV the chunk attends to, itself included
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one engine step computes, as the memory model needs it (plain ints)."""
+
+    decode_context_lens: tuple[int, ...] = ()  # n per decoding row, this step's token included
+    prefill_chunks: tuple[PrefillChunkPlan, ...] = ()
+
+
+def round_up(n: int, step: int) -> int:
+    return ((n + step - 1) // step) * step
+
+
+class MemoryModel:
+    def __init__(self, shape: ModelShape, kv_step: int = 256,
+                 coefficients: TransientCoefficients = CPU_COEFFICIENTS):
+        if kv_step < 1:
+            raise ValueError(f"kv_step={kv_step} must be >= 1")
+        self.shape = shape
+        self.kv_step = kv_step
+        self.coefficients = coefficients
+
+    # --- KV ---------------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype_bytes
+
+    def kv_tokens(self, num_tokens: int) -> int:
+        """Tokens of KV actually allocated for `num_tokens`: rounded up to the cache step."""
+        return round_up(max(num_tokens, 1), self.kv_step)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        return self.kv_tokens(num_tokens) * self.kv_bytes_per_token
+
+    # --- transients -------------------------------------------------------------------------------
+    def prefill_chunk_bytes(self, num_tokens: int, context_len: int) -> int:
+        s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
+        scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
+        single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
+        total = (
+            k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
+            + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
+            + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
+            + k.prefill_logits * FLOAT32_BYTES * s.vocab_size
+        )
+        return int(total)
+
+    def decode_bytes(self, context_lens: Sequence[int]) -> int:
+        if not context_lens:
+            return 0
+        s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
+        gather = 2 * b * s.num_kv_heads * n * s.head_dim * s.dtype_bytes if b > 1 else 0
+        total = (
+            k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+            + k.decode_logits * FLOAT32_BYTES * b * s.vocab_size
+            + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
+            + k.decode_hidden * b * s.hidden_size * s.dtype_bytes
+        )
+        return int(total)
+
+    def step_transient_bytes(self, plan: StepPlan) -> int:
+        """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
+        parts = [self.decode_bytes(plan.decode_context_lens)]
+        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len) for p in plan.prefill_chunks]
+        return max(parts)
+
+    def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:
+        """Largest transient of any step the scheduler can produce under this configuration.
+
+        Both formulas grow with every argument; a chunk attends to at most max_model_len keys and a
+        decode step has at most max_num_seqs rows of at most max_model_len keys each.
+        """
+        chunk = min(prefill_chunk_size, max_model_len)
+        return max(
+            self.prefill_chunk_bytes(chunk, max_model_len),
+            self.decode_bytes([max_model_len] * max_num_seqs),
+        )

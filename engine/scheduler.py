@@ -1,0 +1,196 @@
+"""Scheduler: token-budgeted chunked prefill with continuous batching. No mlx import.
+
+Every step:
+1. every running request that has finished its prompt decodes one token (decode first);
+2. the rest of the `max_num_batched_tokens` budget goes to prompt chunks, first come first served,
+   each at most `prefill_chunk_size` tokens: partially prefilled requests first (in arrival order),
+   then waiting requests. The oldest prompt always gets its chunk first, so a long prompt at the head
+   always progresses; shorter prompts behind it share what is left of the budget.
+
+KV policy: refuse at add time, wait for room, never preempt. A request is admitted to the running
+set only when KV for its whole life (prompt + max_tokens - 1, rounded up to the cache step) fits in
+the KV budget beside the requests already running; the runner allocates exactly that, so KV can never
+fail to grow mid-request and nothing is ever recomputed. A request that could never fit (longer than
+max_model_len, or larger than the whole KV budget) is refused by `add` with a ValueError. Admission is
+strict FCFS: a head request that does not fit yet blocks the ones behind it (no starvation).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from engine.memory import MemoryModel, PrefillChunkPlan, StepPlan
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+    max_model_len: int
+    kv_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request_id` starting at position `start`."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    completes_prompt: bool  # the chunk ends the prompt: sample the first output token
+
+
+@dataclass(frozen=True)
+class NewRow:
+    request_id: str
+    kv_capacity_tokens: int  # what the runner allocates for this request's KV
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[str, ...]
+    prefills: tuple[ScheduledChunk, ...]
+    new_rows: tuple[NewRow, ...]
+    predicted_transient_bytes: int
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, memory: MemoryModel):
+        self.config = config
+        self.memory = memory
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # arrival order
+        self.requests: dict[str, Request] = {}
+        self.kv_reserved_bytes = 0
+        self.transient_bound_bytes = memory.transient_bound_bytes(
+            config.max_num_seqs, config.prefill_chunk_size, config.max_model_len
+        )
+
+    # --- requests in and out ----------------------------------------------------------------------
+    def reservation_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        return self.memory.kv_bytes(num_prompt_tokens + max_tokens - 1)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if such a request could never run here."""
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt must hold at least one token")
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        need = self.reservation_bytes(num_prompt_tokens, max_tokens)
+        if need > self.config.kv_budget_bytes:
+            raise ValueError(
+                f"request needs {need} bytes of KV, more than the engine's KV budget "
+                f"({self.config.kv_budget_bytes} bytes)"
+            )
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Optional[Request]:
+        """Remove a request (finished, aborted or failed) and give back its KV reservation."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv_reserved_bytes -= request.reserved_tokens * self.memory.kv_bytes_per_token
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decodes = tuple(r.request_id for r in self.running if not r.is_prefilling)
+        budget -= len(decodes)
+        prefills: list[ScheduledChunk] = []
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.is_prefilling:
+                budget -= self._add_chunk(request, budget, prefills)
+        new_rows: list[NewRow] = []
+        while budget > 0 and self.waiting and self._try_admit(self.waiting[0], new_rows):
+            budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
+        plan = StepPlan(
+            decode_context_lens=tuple(self.requests[i].num_tokens for i in decodes),
+            prefill_chunks=tuple(PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens) for c in prefills),
+        )
+        return SchedulerOutput(
+            decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
+            predicted_transient_bytes=self.memory.step_transient_bytes(plan),
+        )
+
+    def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk]) -> int:
+        remaining = request.num_prompt_tokens - request.num_computed_tokens
+        n = min(remaining, self.config.prefill_chunk_size, budget)
+        out.append(ScheduledChunk(request.request_id, request.num_computed_tokens, n, n == remaining))
+        return n
+
+    def _try_admit(self, request: Request, new_rows: list[NewRow]) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        tokens = self.memory.kv_tokens(request.max_total_tokens)
+        need = tokens * self.memory.kv_bytes_per_token
+        if self.kv_reserved_bytes + need > self.config.kv_budget_bytes:
+            return False
+        self.kv_reserved_bytes += need
+        request.reserved_tokens = tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        new_rows.append(NewRow(request.request_id, tokens))
+        return True
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Commit a step: advance progress, append sampled tokens. Returns requests with a new token."""
+        for chunk in output.prefills:
+            request = self.requests.get(chunk.request_id)
+            if request is not None:
+                request.num_computed_tokens += chunk.num_tokens
+        for request_id in output.decodes:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_computed_tokens += 1
+        updated = []
+        for request_id, token in sampled.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.output_token_ids.append(token)
+                updated.append(request)
+        return updated
+
+    def running_ids(self) -> Iterable[str]:
+        return (r.request_id for r in self.running)
