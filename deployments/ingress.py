@@ -36,7 +36,7 @@ from deployments.schemas import ChatCompletionRequest, CompletionRequest, Health
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAMES = {"default": "SmolLM2-135M-Instruct"}
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what engine.model "default" serves
 
 
 class IngressSettings(BaseModel):
@@ -57,17 +57,20 @@ class IngressSettings(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         model = self.engine.model
-        return DEFAULT_MODEL_NAMES.get(model, model.rstrip("/").rsplit("/", 1)[-1])
+        if model == "default":
+            return DEFAULT_MODEL_NAME
+        return model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def default_tokenizer_factory(config: EngineConfig) -> Any:
     """Load only the tokenizer of the engine's model (the ingress never loads weights)."""
     from mlx_lm.utils import load_tokenizer
 
+    from engine.engine import resolve_dtype
     from engine.models import resolve_model_path
 
-    dtype = "float32" if config.dtype == "auto" else config.dtype
-    return load_tokenizer(resolve_model_path(config.model, config.cache_dir, dtype))
+    # The replicas' dtype, so a shared cache holds one converted copy of an embedded model, not two.
+    return load_tokenizer(resolve_model_path(config.model, config.cache_dir, resolve_dtype(config.dtype)))
 
 
 class HandleReplicaClient:
@@ -196,7 +199,8 @@ class OpenAIIngress:
 
     async def health(self) -> HealthStatus:
         """Raises ServiceUnavailableError unless an engine replica answers healthy in time."""
-        await self._replicas.call("info", self._settings.health_timeout_s)
+        info = await self._replicas.call("info", self._settings.health_timeout_s)
+        self._info = self._info or info
         return HealthStatus()
 
     async def stats(self) -> dict[str, Any]:
