@@ -76,21 +76,29 @@ def default_tokenizer_factory(config: EngineConfig) -> Any:
 class HandleReplicaClient:
     """Calls EngineReplica through a Ray Serve DeploymentHandle; maps Ray errors to API errors."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, max_attempts: int = 3) -> None:
         self._handle = handle
+        self._max_attempts = max_attempts
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        gen = self._handle.options(stream=True).generate.remote(request)
-        done = False
-        try:
-            async for out in gen:
-                yield out
-            done = True
-        except Exception as e:
-            raise replica_error(e) from None
-        finally:
-            if not done:  # client went away or failed: cancel the replica call, which aborts the engine
-                gen.cancel()
+        """Stream from one replica. A replica that dies before its first output is retried on another
+        (nothing was produced yet); after that, its death is the request's error."""
+        for attempt in range(1, self._max_attempts + 1):
+            gen = self._handle.options(stream=True).generate.remote(request)
+            done = started = False
+            try:
+                async for out in gen:
+                    started = True
+                    yield out
+                done = True
+                return
+            except Exception as e:
+                if started or attempt == self._max_attempts or not _replica_died(e):
+                    raise replica_error(e) from None
+                logger.warning("replica died before output (attempt %d): %r; retrying", attempt, e)
+            finally:
+                if not done:  # client went away or failed: cancel the replica call, which aborts the engine
+                    gen.cancel()
 
     async def call(self, method: str, timeout_s: float) -> Any:
         response = getattr(self._handle, method).remote()
@@ -106,6 +114,12 @@ class HandleReplicaClient:
                                           retry_after_s=timeout_s) from None
         except Exception as e:
             raise replica_error(e) from None
+
+
+def _replica_died(exc: BaseException) -> bool:
+    from ray import exceptions as ray_exceptions
+
+    return isinstance(unwrap(exc), (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError))
 
 
 def replica_error(exc: BaseException) -> APIError:

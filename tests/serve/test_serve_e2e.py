@@ -195,3 +195,25 @@ def test_client_disconnect_frees_the_engine(base_url):
         raise AssertionError("the engine still runs the disconnected request after 5 s")
 
     assert asyncio.run(wait_idle()) < 1.0
+
+
+def test_replica_death_mid_stream_is_an_error_event(base_url):
+    """Last in the module: kills one engine replica (Serve restarts it) while it streams."""
+    import ray
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+        replica_id = r.headers["x-replica-id"]
+        [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].endswith(f"#{replica_id}")]
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 3:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+    assert "data: [DONE]" not in events
+    error = json.loads(events[-1][len("data: "):])["error"]
+    assert error["type"] == "internal_error" and "replica" in error["message"]
+    ok = httpx.post(f"{base_url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.headers["x-replica-id"] != replica_id  # the survivor serves

@@ -261,3 +261,54 @@ def test_builder_keeps_classes_plain():
     assert sub.__serve_build_asgi_app__ is OpenAIIngress.build_asgi_app
     app = build_app_with({"engine": {"model": "tiny"}})
     assert type(app).__name__ == "Application"
+
+
+class _FakeResponseGenerator:
+    """Stands for Ray's DeploymentResponseGenerator: yields items, or dies before / after some."""
+
+    def __init__(self, items, die_after=None):
+        self.items, self.die_after, self.cancelled = list(items), die_after, False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        from ray.exceptions import ActorDiedError
+
+        for i, item in enumerate(self.items):
+            if i == self.die_after:
+                raise ActorDiedError()
+            yield item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _FakeHandle:
+    def __init__(self, generators):
+        self.generators, self.calls = list(generators), 0
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        self.calls += 1
+        return self.generators.pop(0)
+
+
+async def test_handle_client_retries_a_replica_that_died_before_output():
+    from deployments.ingress import HandleReplicaClient
+
+    request = GenerateRequest("r", [1], SamplingParams())
+    handle = _FakeHandle([_FakeResponseGenerator([1, 2], die_after=0), _FakeResponseGenerator([1, 2])])
+    assert [x async for x in HandleReplicaClient(handle).generate(request)] == [1, 2] and handle.calls == 2
+    handle = _FakeHandle([_FakeResponseGenerator([1, 2, 3], die_after=1)])
+    seen = []
+    with pytest.raises(EngineError, match="ActorDiedError"):
+        async for x in HandleReplicaClient(handle).generate(request):
+            seen.append(x)
+    assert seen == [1] and handle.calls == 1  # output already went out: no silent retry
