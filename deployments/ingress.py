@@ -199,8 +199,9 @@ class OpenAIIngress:
 
     async def chat_stream(self, request: ChatCompletionRequest | dict) -> AsyncIterator[Any]:
         """Streaming chat completion: ChatCompletionChunk objects (call with stream=True)."""
-        async for chunk in self._stream(await self._prepare(request, ChatCompletionRequest)):
-            yield chunk
+        async with aclosing(self._stream(await self._prepare(request, ChatCompletionRequest))) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def completions(self, request: CompletionRequest | dict) -> Any:
         """Non-streaming completion: a CompletionResponse."""
@@ -208,8 +209,9 @@ class OpenAIIngress:
 
     async def completions_stream(self, request: CompletionRequest | dict) -> AsyncIterator[Any]:
         """Streaming completion: CompletionChunk objects (call with stream=True)."""
-        async for chunk in self._stream(await self._prepare(request, CompletionRequest)):
-            yield chunk
+        async with aclosing(self._stream(await self._prepare(request, CompletionRequest))) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def health(self) -> HealthStatus:
         """Raises ServiceUnavailableError unless an engine replica answers healthy in time."""
