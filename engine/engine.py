@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,12 +23,20 @@ from engine.request import (CompletionOutput, FinishReason, Request, RequestOutp
                             SamplingParams)
 from engine.runner import DecodeWork, ModelRunner, PrefillWork
 from engine.sampling import RequestSampler
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Predicted (memory model) and measured (MLX peak) transient bytes of one step."""
+
+    predicted_bytes: int
+    measured_bytes: int
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,8 @@ class Engine:
         self.num_steps = 0
         self._max_predicted = 0
         self._max_measured = 0
+        self.last_step_memory: Optional[StepMemory] = None
+        self.last_plan: Optional[SchedulerOutput] = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -161,6 +171,7 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_plan = plan  # plain data, read by AsyncEngine's step observer
         for row in plan.new_rows:
             request = self.scheduler.requests[row.request_id]
             self.runner.add_row(row.request_id, row.kv_capacity_tokens,
@@ -186,22 +197,31 @@ class Engine:
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        """Run the decode forward, then each prefill chunk; measure each one's transient peak."""
         requests = self.scheduler.requests
-        kv_before = self.runner.kv_used_bytes
-        active_before = mx.get_active_memory()
-        mx.reset_peak_memory()
         decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-        sampled = dict(zip(plan.decodes, self.runner.decode(decode)))
+        tokens, measured = self._measured(self.runner.decode, decode)
+        sampled = dict(zip(plan.decodes, tokens))
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            token = self.runner.prefill(PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt))
+            work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
+            token, chunk_bytes = self._measured(self.runner.prefill, work)
+            measured = max(measured, chunk_bytes)
             if token is not None:
                 sampled[chunk.request_id] = token
-        new_kv = self.runner.kv_used_bytes - kv_before
-        measured = mx.get_peak_memory() - active_before - new_kv
+        self.last_step_memory = StepMemory(plan.predicted_transient_bytes, measured)
         self._max_measured = max(self._max_measured, measured)
         self._max_predicted = max(self._max_predicted, plan.predicted_transient_bytes)
         return sampled
+
+    def _measured(self, fn, work):
+        """fn(work) and its transient: MLX peak over what was live before, less KV it allocated."""
+        kv_before = self.runner.kv_used_bytes
+        active_before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        result = fn(work)
+        new_kv = self.runner.kv_used_bytes - kv_before
+        return result, max(0, mx.get_peak_memory() - active_before - new_kv)
 
     # --- sync API -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Sequence[SamplingParams]]
@@ -236,6 +256,21 @@ class Engine:
         )
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step computed, as plain data for a step observer (telemetry)."""
+
+    start_time_ns: int  # wall clock (time.time_ns) when the step began
+    duration_s: float
+    prefill_chunks: tuple[ScheduledChunk, ...]
+    num_decode_tokens: int
+    memory: Optional[StepMemory] = None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill_chunks)
+
+
 class _Stream:
     """Where the engine thread delivers one request's outputs: an asyncio queue on the caller's loop."""
 
@@ -254,7 +289,7 @@ class AsyncEngine:
     """Runs `Engine.step()` in a background thread; `generate` is an async iterator per request.
 
     Cancelling the consumer (task cancel, `aclose`, a dropped client) aborts the request, and its
-    KV is freed at the engine's next step.
+    KV is freed at once (between two forwards of the engine thread).
     """
 
     def __init__(self, engine: Engine, hang_timeout_s: float = 120.0):
@@ -266,6 +301,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._busy_since: Optional[float] = None
         self._error: Optional[BaseException] = None
+        # Called on the engine thread after each step that ran a forward; must be cheap. Set it before
+        # requests arrive (the replica does, at construction). Its errors are logged, never raised.
+        self.on_step: Optional[Callable[[StepRecord], None]] = None
+        self._on_step_failed = False
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
 
@@ -333,14 +372,28 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._busy_since = time.monotonic()
+                start_ns, started = time.time_ns(), time.perf_counter()
                 outputs = self.engine.step()
                 self._busy_since = None
+                self._notify_step(start_ns, time.perf_counter() - started)  # before delivery: see on_step
                 self._deliver(outputs)
         except BaseException as exc:  # the loop itself broke: fail everyone, report unhealthy
             logger.exception("engine loop died")
             self._error = exc
             for stream in self._streams.values():
                 stream.put(RuntimeError(f"engine loop died: {exc!r}"))
+
+    def _notify_step(self, start_ns: int, duration_s: float) -> None:
+        plan, observer = self.engine.last_plan, self.on_step
+        if observer is None or plan is None or plan.is_empty:
+            return
+        try:
+            observer(StepRecord(start_ns, duration_s, plan.prefills, len(plan.decodes),
+                                self.engine.last_step_memory))
+        except Exception:  # an observer must not stop the engine
+            if not self._on_step_failed:
+                self._on_step_failed = True
+                logger.warning("step observer failed; later failures are not logged", exc_info=True)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """Per-request KV storage and the batched decode view, both speaking mlx-lm's cache protocol.
 
 Each running request owns one `RowKV`: per layer a `[1, H_kv, capacity, D]` key and value buffer,
-allocated once at the request's reserved size (prompt + max_tokens, rounded up to the cache step), so
+allocated once, on admission, at the request's reserved size (prompt + max_tokens, rounded up to the cache step), so
 the KV never grows, never copies, and the bytes in use are exactly what the scheduler reserved.
 
 Prefill runs one row at a time through `RowKV.layer(i)` (B = 1, causal mask by offset, no mask array).
@@ -43,13 +43,19 @@ class _RowLayer:
 
 
 class RowKV:
-    """KV cache of one request, allocated at its full reserved capacity on first write."""
+    """KV cache of one request, allocated at its full reserved capacity when the request is admitted.
 
-    def __init__(self, num_layers: int, capacity: int):
+    Allocating before the first forward (not inside it) keeps a step's measured peak a clean
+    transient: no KV appears halfway through a forward.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
         self.capacity = capacity
         self.offset = 0  # tokens whose KV is stored
-        self.keys: list[Optional[mx.array]] = [None] * num_layers  # [1, H_kv, capacity, D]
-        self.values: list[Optional[mx.array]] = [None] * num_layers
+        shape = (1, num_kv_heads, capacity, head_dim)
+        self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]  # [1, H_kv, capacity, D]
+        self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
         self._pending = 0  # tokens written in the current forward, committed by advance()
 
     def layers(self) -> list[_RowLayer]:
@@ -61,11 +67,6 @@ class RowKV:
         start, end = self.offset, self.offset + n
         if end > self.capacity:
             raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
-        if self.keys[layer] is None:
-            self.keys[layer] = mx.zeros((1, keys.shape[1], self.capacity, keys.shape[3]), keys.dtype)
-            self.values[layer] = mx.zeros(
-                (1, values.shape[1], self.capacity, values.shape[3]), values.dtype
-            )
         self.keys[layer][..., start:end, :] = keys  # in place: the old buffer is donated
         self.values[layer][..., start:end, :] = values
         self._pending = n
@@ -77,7 +78,7 @@ class RowKV:
         self._pending = 0
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in self.keys + self.values if a is not None]
+        return self.keys + self.values
 
     @property
     def nbytes(self) -> int:

@@ -11,8 +11,10 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   (attention scores and their softmax, the causal mask, the MLP intermediates, the hidden-size
   activations, the last position's logits). Rows prefill one after another, each evaluated before the
   next, so a step's prefill transient is the largest chunk's, not the sum.
-- Decode of B rows, the longest with n keys: g * 2*B*H_kv*n*d*s (one layer's gathered right-padded
-  KV, none when B = 1) + b_s * 4*B*H*n + b_v * 4*B*V + b_i * B*I*s + b_d * B*D*s.
+- Decode of B rows, the longest with n keys:
+      b_d * B*D*s + g * 2*B*H_kv*n*d*s + b_s * 4*B*H*n + max(b_i * B*I*s,  b_v * 4*B*V)
+  one layer's gathered right-padded KV (none when B = 1) and its scores, plus the larger of the MLP
+  intermediates and the logits (they are never alive together).
 The coefficients depend on how the backend runs attention; `CPU_COEFFICIENTS` were fitted on MLX's
 CPU backend (scripts/calibrate_memory.py) as an upper bound of the measured peak.
 """
@@ -71,8 +73,8 @@ class TransientCoefficients:
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=1.18, prefill_mask=1.37, prefill_mlp=2.56, prefill_hidden=14.6, prefill_logits=2.3,
-    decode_gather=1.15, decode_scores=1.2, decode_logits=2.4, decode_mlp=6.0, decode_hidden=0.0,
+    prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
+    decode_gather=1.0, decode_scores=1.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=4.0,
 )
 
 
@@ -80,6 +82,7 @@ CPU_COEFFICIENTS = TransientCoefficients(
 class PrefillChunkPlan:
     num_tokens: int  # c: tokens computed in this chunk
     context_len: int  # n: tokens of KV the chunk attends to, itself included
+    computes_logits: bool = True  # only the chunk that ends a prompt reaches the LM head
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ class MemoryModel:
         return self.kv_tokens(num_tokens) * self.kv_bytes_per_token
 
     # --- transients -------------------------------------------------------------------------------
-    def prefill_chunk_bytes(self, num_tokens: int, context_len: int) -> int:
+    def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True) -> int:
         s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
@@ -125,27 +128,26 @@ class MemoryModel:
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
-            + k.prefill_logits * FLOAT32_BYTES * s.vocab_size
+            + k.prefill_logits * FLOAT32_BYTES * s.vocab_size * computes_logits
         )
         return int(total)
 
     def decode_bytes(self, context_lens: Sequence[int]) -> int:
+        """Gathered KV + scores, plus the larger of the MLP intermediates and the logits."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
         gather = 2 * b * s.num_kv_heads * n * s.head_dim * s.dtype_bytes if b > 1 else 0
-        total = (
-            k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
-            + k.decode_logits * FLOAT32_BYTES * b * s.vocab_size
-            + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
-            + k.decode_hidden * b * s.hidden_size * s.dtype_bytes
-        )
-        return int(total)
+        attention = k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+        mlp = k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
+        logits = k.decode_logits * FLOAT32_BYTES * b * s.vocab_size
+        return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + attention + max(mlp, logits))
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
         parts = [self.decode_bytes(plan.decode_context_lens)]
-        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len) for p in plan.prefill_chunks]
+        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits)
+                  for p in plan.prefill_chunks]
         return max(parts)
 
     def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:

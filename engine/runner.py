@@ -61,6 +61,11 @@ class ModelRunner:
         self.model = model
         self._backbone, self._head = _split_model(model)
         self.num_layers = len(self._backbone.layers)
+        attention = self._backbone.layers[0].self_attn
+        self._kv_heads = attention.n_kv_heads
+        self._head_dim = getattr(attention, "head_dim", None) or model.args.hidden_size // attention.n_heads
+        proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
+        self._kv_dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
         self.seed = seed
         self.rows: dict[str, RowKV] = {}
         self.samplers: dict[str, RequestSampler] = {}
@@ -69,7 +74,8 @@ class ModelRunner:
 
     # --- rows -----------------------------------------------------------------------------------
     def add_row(self, request_id: str, capacity: int, sampler: RequestSampler) -> None:
-        self.rows[request_id] = RowKV(self.num_layers, capacity)
+        self.rows[request_id] = RowKV(self.num_layers, capacity, self._kv_heads, self._head_dim,
+                                      self._kv_dtype)
         self.samplers[request_id] = sampler
 
     def free_row(self, request_id: str) -> None:

@@ -147,7 +147,8 @@ class Scheduler:
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
         plan = StepPlan(
             decode_context_lens=tuple(self.requests[i].num_tokens for i in decodes),
-            prefill_chunks=tuple(PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens) for c in prefills),
+            prefill_chunks=tuple(PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt)
+                                 for c in prefills),
         )
         return SchedulerOutput(
             decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),

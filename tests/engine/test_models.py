@@ -33,7 +33,7 @@ ROUND_TRIP_TEXTS = (
 def test_tiny_folder_loads_and_generates(tmp_path):
     path = resolve_model_path("tiny", cache_dir=tmp_path)
 
-    assert path == tmp_path / "tiny-llama-float32"
+    assert path == tmp_path / "tiny-llama-v2-float32"
     config = json.loads((path / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (2, 64, 49152)
     model, tokenizer = load_model(path)
@@ -58,7 +58,7 @@ def test_tiny_is_idempotent_and_deterministic(tmp_path):
 def test_tiny_dtype_is_stored(tmp_path):
     path = resolve_model_path("tiny", cache_dir=tmp_path, dtype="bfloat16")
 
-    assert path.name == "tiny-llama-bfloat16"
+    assert path.name == "tiny-llama-v2-bfloat16"
     assert {w.dtype for w in mx.load(str(path / "model.safetensors")).values()} == {mx.bfloat16}
 
 
@@ -69,13 +69,13 @@ def test_concurrent_processes_share_one_folder(tmp_path):
     outputs = [p.communicate(timeout=120)[0].strip() for p in processes]
 
     assert [p.returncode for p in processes] == [0, 0]
-    assert set(outputs) == {str(tmp_path / "tiny-llama-float32")}
-    assert sorted(os.listdir(tmp_path)) == ["tiny-llama-float32"]  # losers removed their temp dirs
+    assert set(outputs) == {str(tmp_path / "tiny-llama-v2-float32")}
+    assert sorted(os.listdir(tmp_path)) == ["tiny-llama-v2-float32"]  # losers removed their temp dirs
     load_model(outputs[0])
 
 
 def test_losing_the_rename_race_returns_the_winner(tmp_path):
-    target = tmp_path / "tiny-llama-float32"
+    target = tmp_path / "tiny-llama-v2-float32"
 
     def build_while_another_process_wins(out):
         resolve_model_path("tiny", cache_dir=tmp_path)  # the "other process" renames first
@@ -83,11 +83,11 @@ def test_losing_the_rename_race_returns_the_winner(tmp_path):
 
     assert models._provision(target, build_while_another_process_wins) == target
     assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
-    assert sorted(os.listdir(tmp_path)) == ["tiny-llama-float32"]
+    assert sorted(os.listdir(tmp_path)) == ["tiny-llama-v2-float32"]
 
 
 def test_incomplete_folder_is_reported(tmp_path):
-    (tmp_path / "tiny-llama-float32").mkdir()
+    (tmp_path / "tiny-llama-v2-float32").mkdir()
 
     with pytest.raises(RuntimeError, match="delete it to rebuild"):
         resolve_model_path("tiny", cache_dir=tmp_path)

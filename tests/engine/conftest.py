@@ -1,0 +1,39 @@
+"""Engine fixtures: the tiny random llama (real MLX) with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from engine.config import EngineConfig
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir(tmp_path_factory):
+    """Reuse $MLX_SERVE_CACHE (scripts/test sets it) so conversions happen once per machine."""
+    return os.environ.get("MLX_SERVE_CACHE") or str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_parts(model_cache_dir):
+    from engine.models import load_model, resolve_model_path
+
+    path = resolve_model_path("tiny", cache_dir=model_cache_dir, progress=False)
+    model, tokenizer = load_model(path)
+    return model, tokenizer, json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture
+def make_engine(tiny_parts, model_cache_dir):
+    """Build an Engine on the shared tiny model with any config overrides."""
+    from engine.engine import Engine
+
+    def build(**overrides):
+        model, tokenizer, model_config = tiny_parts
+        cfg = EngineConfig(model="tiny", cache_dir=model_cache_dir,
+                           memory_limit_bytes=overrides.pop("memory_limit_bytes", 4 << 30), **overrides)
+        return Engine(model, tokenizer, cfg, model_config)
+
+    return build

@@ -1,0 +1,63 @@
+"""AsyncEngine: streaming increments from the engine thread, cancellation aborts and frees KV."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.engine import AsyncEngine
+from engine.request import SamplingParams
+
+
+@pytest.fixture
+def async_engine(make_engine):
+    eng = AsyncEngine(make_engine())
+    yield eng
+    eng.shutdown()
+
+
+async def test_stream_matches_sync_generate(async_engine, make_engine):
+    prompt = list(range(5, 40))
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = [o async for o in async_engine.generate("a", prompt, sampling)]
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 10
+    expected = make_engine().generate([prompt], sampling)[0]
+    assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
+    assert "".join(o.new_text for o in outs) == expected.text
+
+
+async def test_concurrent_streams(async_engine):
+    async def one(i):
+        return [o async for o in async_engine.generate(str(i), [7 + i] * (3 + i), SamplingParams(max_tokens=6))]
+
+    results = await asyncio.gather(*(one(i) for i in range(6)))
+    assert all(r[-1].finished for r in results)
+
+
+async def test_cancel_aborts_and_frees_kv(async_engine):
+    async def consume():
+        async for _ in async_engine.generate("long", [9] * 20, SamplingParams(max_tokens=1500, ignore_eos=True)):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if async_engine.stats().num_running == 1:
+            break
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 1.0
+    while async_engine.stats().num_running and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    stats = async_engine.stats()
+    assert stats.num_running == 0 and stats.kv_used_bytes == 0 and stats.kv_reserved_bytes == 0
+    assert async_engine.is_healthy()
+
+
+async def test_bad_request_raises_value_error(async_engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        async for _ in async_engine.generate("x", [1] * 10, SamplingParams(max_tokens=10**6)):
+            pass

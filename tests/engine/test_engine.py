@@ -1,0 +1,125 @@
+"""Engine on the tiny random llama: greedy equality with mlx-lm, batching, sampling, stops, abort."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine.request import FinishReason, SamplingParams
+
+
+def reference_greedy(model, prompt_ids, max_tokens, eos_ids=()):
+    out = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if out[-1] in eos_ids:
+            break
+    return out
+
+
+def random_prompts(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def test_batched_chunked_greedy_equals_mlx_lm_generate(make_engine, tiny_parts):
+    engine = make_engine(prefill_chunk_size=8, max_num_batched_tokens=20, max_num_seqs=8)
+    prompts = random_prompts([1, 5, 13, 29, 40, 64, 97], vocab=engine.memory.shape.vocab_size)
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    outs = engine.generate(prompts, sampling)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(tiny_parts[0], prompt, 16)
+        assert out.finish_reason == FinishReason.LENGTH
+    assert len({tuple(o.token_ids) for o in outs}) == len(prompts)  # the outputs really differ
+
+
+def test_decode_of_all_running_rows_is_one_forward(make_engine):
+    engine = make_engine(max_num_seqs=6)
+    for i, p in enumerate(random_prompts([3, 9, 17, 4, 30, 12], 49152, seed=1)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # all six prompts prefill (one forward each)
+    assert engine.scheduler.num_running == 6
+    for _ in range(3):
+        before = engine.runner.num_forward_calls
+        outputs = engine.step()
+        assert len(outputs) == 6
+        assert engine.runner.num_forward_calls - before == 1
+
+
+def test_several_prompts_prefill_in_one_step_within_budget(make_engine):
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=40)
+    for i, p in enumerate(random_prompts([50, 10, 10, 10], 49152, seed=2)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=2))
+    plan = engine.scheduler.schedule()
+    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("0", 16), ("1", 10), ("2", 10), ("3", 4)]
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(make_engine):
+    engine = make_engine()
+    prompt = random_prompts([12], 49152, seed=3)
+    hot = SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
+    a, b = engine.generate(prompt, hot), engine.generate(prompt, hot)
+    assert a[0].token_ids == b[0].token_ids
+    other = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=1.5, seed=8, ignore_eos=True))
+    assert other[0].token_ids != a[0].token_ids
+    greedy = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    top1 = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=2.0, top_k=1, seed=1,
+                                                  ignore_eos=True))
+    assert top1[0].token_ids == greedy[0].token_ids
+    nucleus = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=2.0, top_p=1e-6, seed=1,
+                                                     ignore_eos=True))
+    assert nucleus[0].token_ids == greedy[0].token_ids
+
+
+def test_stop_token_ids_and_stop_strings(make_engine):
+    engine = make_engine()
+    prompt = random_prompts([10], 49152, seed=4)
+    free = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    out = engine.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop_id,), ignore_eos=True))[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == FinishReason.STOP
+    word = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    out = engine.generate(prompt, SamplingParams(max_tokens=12, stop=(word,), ignore_eos=True))[0]
+    assert out.finish_reason == FinishReason.STOP
+    assert out.text == free.text[: free.text.index(word)]
+
+
+def test_max_model_len_and_bad_input_are_refused(make_engine):
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        engine.add_request("a", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("b", [5, 10**9], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_the_request_kv(make_engine):
+    engine = make_engine()
+    engine.add_request("a", random_prompts([30], 49152)[0], SamplingParams(max_tokens=50))
+    engine.add_request("b", random_prompts([8], 49152, seed=9)[0], SamplingParams(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    stats = engine.stats()
+    assert stats.num_running == 2 and stats.kv_used_bytes > 0
+    out = engine.abort("a")
+    assert out.finish_reason == FinishReason.ABORT
+    stats = engine.stats()
+    assert stats.num_running == 1
+    assert stats.kv_reserved_bytes == stats.kv_used_bytes == engine.memory.kv_bytes(8 + 50 - 1)
+    engine.abort("b")
+    assert engine.stats().kv_used_bytes == 0 and engine.stats().kv_reserved_bytes == 0
+
+
+def test_chat_messages_use_the_chat_template(make_engine):
+    engine = make_engine()
+    ids = engine.encode([{"role": "user", "content": "hi"}])
+    text = engine.tokenizer.decode(ids)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("assistant")
+    assert engine.encode("hi") == list(engine.tokenizer.encode("hi"))
+    assert engine.encode([1, 2, 3]) == [1, 2, 3]

@@ -1,0 +1,165 @@
+"""Scheduler unit tests: pure Python, no mlx, fake model shape."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine.memory import MemoryModel, ModelShape
+from engine.request import FinishReason, Request, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=1000, dtype_bytes=4)
+STEP = 16
+
+
+def make(max_num_seqs=8, budget=32, chunk=8, max_model_len=512, kv_tokens=4096) -> Scheduler:
+    memory = MemoryModel(SHAPE, kv_step=STEP)
+    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, kv_tokens * memory.kv_bytes_per_token)
+    return Scheduler(cfg, memory)
+
+
+def req(rid, n_prompt, max_tokens=4):
+    return Request(str(rid), list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(s: Scheduler, token=7):
+    """One step with a fake model: every completed prompt / decode samples `token`."""
+    out = s.schedule()
+    sampled = {c.request_id: token for c in out.prefills if c.completes_prompt}
+    sampled.update({rid: token for rid in out.decodes})
+    for r in s.update(out, sampled):
+        if r.num_output_tokens >= r.sampling.max_tokens:
+            s.finish(r.request_id, FinishReason.LENGTH)
+    return out
+
+
+def test_budget_and_chunk_respected():
+    s = make(budget=20, chunk=8)
+    for i in range(4):
+        s.add(req(i, 30))
+    out = s.schedule()
+    assert out.num_batched_tokens <= 20
+    assert all(c.num_tokens <= 8 for c in out.prefills)
+    assert [c.request_id for c in out.prefills] == ["0", "1", "2"]  # FCFS: 8 + 8 + 4
+    assert [c.num_tokens for c in out.prefills] == [8, 8, 4]
+
+
+def test_decode_first_then_prefill():
+    s = make(budget=10, chunk=8)
+    s.add(req("a", 4, max_tokens=10))
+    run_step(s)  # a prefilled in one chunk, sampled its first token
+    s.add(req("b", 30))
+    out = s.schedule()
+    assert out.decodes == ("a",)
+    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("b", 8)]
+    assert out.num_batched_tokens == 9
+
+
+def test_long_head_prompt_always_progresses_and_short_ones_share_budget():
+    s = make(budget=12, chunk=8)
+    s.add(req("long", 100))
+    s.add(req("short", 3))
+    out = s.schedule()
+    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("long", 8), ("short", 3)]
+    progress = []
+    for _ in range(5):
+        run_step(s)
+        progress.append(s.requests["long"].num_computed_tokens)
+    assert progress == sorted(progress) and len(set(progress)) == len(progress)
+
+
+def test_chunks_cover_prompt_exactly():
+    s = make(budget=16, chunk=5)
+    s.add(req("a", 23, max_tokens=1))
+    starts = []
+    while s.has_unfinished():
+        out = run_step(s)
+        starts += [(c.start, c.num_tokens, c.completes_prompt) for c in out.prefills]
+    assert starts == [(0, 5, False), (5, 5, False), (10, 5, False), (15, 5, False), (20, 3, True)]
+
+
+def test_abort_releases_reservation():
+    s = make()
+    s.add(req("a", 10, max_tokens=5))
+    run_step(s)
+    assert s.kv_reserved_bytes > 0 and s.num_running == 1
+    s.finish("a", FinishReason.ABORT)
+    assert s.kv_reserved_bytes == 0 and s.num_running == 0 and not s.has_unfinished()
+    assert s.schedule().is_empty
+
+
+def test_abort_waiting_request():
+    s = make(max_num_seqs=1)
+    s.add(req("a", 10))
+    s.add(req("b", 10))
+    s.schedule()
+    s.finish("b", FinishReason.ABORT)
+    assert s.num_waiting == 0 and "b" not in s.requests
+
+
+def test_refused_at_add_when_it_can_never_fit():
+    s = make(max_model_len=64, kv_tokens=48)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        s.add(req("a", 60, max_tokens=10))
+    with pytest.raises(ValueError, match="KV budget"):
+        s.add(req("b", 40, max_tokens=20))  # 59 tokens -> 64 with the cache step > 48
+    with pytest.raises(ValueError, match="already in use"):
+        s.add(req("c", 4))
+        s.add(req("c", 4))
+
+
+def test_waits_for_kv_then_runs_fcfs():
+    s = make(kv_tokens=64, budget=64, chunk=64)
+    s.add(req("a", 40, max_tokens=9))  # reserves 48 tokens
+    s.add(req("b", 20, max_tokens=9))  # needs 32: does not fit beside a
+    s.add(req("c", 2, max_tokens=2))  # would fit, but FCFS keeps it behind b
+    out = s.schedule()
+    assert [c.request_id for c in out.prefills] == ["a"]
+    assert s.num_waiting == 2
+    s.update(out, {"a": 1})
+    s.finish("a", FinishReason.STOP)
+    out = s.schedule()
+    assert [c.request_id for c in out.prefills] == ["b", "c"]
+
+
+def test_max_num_seqs_limits_running():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(req(i, 3))
+    s.schedule()
+    assert s.num_running == 2 and s.num_waiting == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 120), st.integers(1, 12)),
+                      min_size=1, max_size=25),
+    aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 24)), max_size=5),
+    budget=st.integers(8, 64), chunk=st.integers(1, 32), max_num_seqs=st.integers(1, 8),
+)
+def test_property_every_request_finishes_and_budget_holds(arrivals, aborts, budget, chunk, max_num_seqs):
+    chunk = min(chunk, budget)
+    max_num_seqs = min(max_num_seqs, budget)
+    s = make(max_num_seqs=max_num_seqs, budget=budget, chunk=chunk, max_model_len=256, kv_tokens=512)
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    done, aborted = set(), set()
+    for step in range(2000):
+        for i, (t, n, m) in [p for p in pending if p[1][0] <= step]:
+            s.add(req(i, n, m))
+        pending = [p for p in pending if p[1][0] > step]
+        for t, idx in aborts:
+            if t == step and str(idx) in s.requests:
+                s.finish(str(idx), FinishReason.ABORT)
+                aborted.add(str(idx))
+        before = set(s.requests)
+        out = run_step(s)
+        assert out.num_batched_tokens <= budget
+        assert out.predicted_transient_bytes <= s.transient_bound_bytes
+        assert len(s.running) <= max_num_seqs
+        assert 0 <= s.kv_reserved_bytes <= s.config.kv_budget_bytes
+        done |= before - set(s.requests)
+        if not pending and not s.has_unfinished():
+            break
+    assert not s.has_unfinished() and not pending
+    assert done | aborted == {str(i) for i in range(len(arrivals))}
+    assert s.kv_reserved_bytes == 0
