@@ -15,8 +15,9 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
       b_d * B*D*s + g * 2*B*H_kv*n*d*s + b_s * 4*B*H*n + max(b_i * B*I*s,  b_v * 4*B*V)
   one layer's gathered right-padded KV (none when B = 1) and its scores, plus the larger of the MLP
   intermediates and the logits (they are never alive together).
-The coefficients depend on how the backend runs attention; `CPU_COEFFICIENTS` were fitted on MLX's
-CPU backend (scripts/calibrate_memory.py) as an upper bound of the measured peak.
+The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen on MLX's
+CPU backend from measured forwards of small random llamas (scripts/calibrate_memory.py reports how
+they do and searches others) and are checked step by step by tests/engine/test_memory_measured.py.
 """
 
 from __future__ import annotations

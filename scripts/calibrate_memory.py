@@ -3,8 +3,9 @@
 
 Runs random workloads of several small random llamas through the real Engine, records every phase
 (the batched decode forward, each prefill chunk) with the engine's own measurement (MLX peak over the
-memory live before, less the KV it allocated), fits each formula's coefficients by relative least squares, and scales them so
-every sample is bounded from above. Usage:
+memory live before, less the KV it allocated), reports how the current coefficients (engine/memory.py CPU_COEFFICIENTS) do
+(predicted / measured, min and max), and random-searches coefficients that bound every sample from
+above with the smallest worst overestimate. The current ones were chosen from its runs. Usage:
     python scripts/calibrate_memory.py [--quick] > coefficients.json
 """
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import asdict, fields, replace
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +23,7 @@ from mlx_lm.models import llama
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.memory import FLOAT32_BYTES, ModelShape
+from engine.memory import CPU_COEFFICIENTS, MemoryModel, ModelShape, TransientCoefficients
 from engine.models import load_model, resolve_model_path
 from engine.request import SamplingParams
 from engine.runner import PrefillWork
@@ -41,23 +43,13 @@ def build(h, kv, d, i, v, dtype):
     return model, shape
 
 
-def prefill_features(s: ModelShape, c, n, logits):
-    """(hidden, [attention parts], mlp, logits) terms of MemoryModel.prefill_chunk_bytes, unscaled."""
-    heads = s.num_heads * (c if c > 1 else 1)
-    return [c * s.hidden_size * s.dtype_bytes, FLOAT32_BYTES * heads * n, c * n,
-            c * s.intermediate_size * s.dtype_bytes, FLOAT32_BYTES * s.vocab_size * logits]
-
-
-def decode_features(s: ModelShape, b, n):
-    gather = 2 * b * s.num_kv_heads * n * s.head_dim * s.dtype_bytes if b > 1 else 0
-    return [b * s.hidden_size * s.dtype_bytes, gather, FLOAT32_BYTES * b * s.num_heads * n,
-            b * s.intermediate_size * s.dtype_bytes, FLOAT32_BYTES * b * s.vocab_size]
-
-
-def predict(x, coef):
-    """The max-form of engine/memory.py: hidden + max(attention, mlp, logits). x, coef: [5]."""
-    return coef[0] * x[:, 0] + np.maximum.reduce([coef[1] * x[:, 1] + coef[2] * x[:, 2],
-                                                  coef[3] * x[:, 3], coef[4] * x[:, 4]])
+def predict(samples, coefficients: TransientCoefficients) -> np.ndarray:
+    """The engine's own formulas (engine/memory.py) with candidate coefficients."""
+    out = []
+    for kind, shape, args in samples:
+        model = MemoryModel(shape, coefficients=coefficients)
+        out.append(model.prefill_chunk_bytes(*args) if kind == "prefill" else model.decode_bytes(args))
+    return np.array(out, float)
 
 
 def sample_shape(model, shape, tokenizer, rng, num_workloads):
@@ -78,10 +70,10 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
             result, peak = measured(fn, work)
             if isinstance(work, PrefillWork):
                 c = len(work.token_ids)
-                prefill.append((prefill_features(shape, c, work.start + c, work.sample), peak))
+                prefill.append((("prefill", shape, (c, work.start + c, work.sample)), peak))
             elif work:
-                n = max(engine.runner.rows[w.request_id].offset for w in work)
-                decode.append((decode_features(shape, len(work), n), peak))
+                lens = [engine.runner.rows[w.request_id].offset for w in work]  # after the step
+                decode.append((("decode", shape, lens), peak))
             return result, peak
 
         engine._measured = record
@@ -93,28 +85,27 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
     return prefill, decode
 
 
-def fit(samples, rng, iterations=4000):
-    """Random search for the coefficients with the smallest worst overestimate, as an upper bound."""
-    x = np.array([f for f, _ in samples], float)
-    y = np.array([max(p, 1) for _, p in samples], float)
-    best, best_max = None, np.inf
-    coef = np.ones(5)
-    for i in range(iterations):
-        trial = coef * np.exp(np.array([rng.gauss(0, 0.3) for _ in range(5)])) if best is not None else coef
-        ratio = predict(x, trial) / y
-        trial = trial / ratio.min()  # scale so that no sample is underestimated
-        worst = float((predict(x, trial) / y).max())
-        if worst < best_max:
-            best, best_max = trial, worst
-        coef = best
-    return [round(float(v) * 1.02, 3) for v in best], round(best_max * 1.02, 3)
+def fit(samples, measured, start: TransientCoefficients, names, rng, iterations):
+    """Random search over the named coefficients: every sample bounded, smallest worst overestimate."""
+    y = np.maximum(np.array(measured, float), 1.0)
+    best = start
+    best_ratio = predict(samples, best) / y
+    for _ in range(iterations):
+        trial = replace(best, **{n: getattr(best, n) * float(np.exp(rng.gauss(0, 0.1))) for n in names})
+        ratio = predict(samples, trial) / y
+        scale = 1.0 / ratio.min()
+        trial = replace(trial, **{n: getattr(trial, n) * scale for n in names})
+        ratio = ratio * scale
+        if ratio.max() < best_ratio.max() or best_ratio.min() < 1.0:
+            best, best_ratio = trial, ratio
+    return best, best_ratio
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="fewer workloads")
-    ap.add_argument("--dump", help="write the raw samples (features, measured bytes) to this JSON file")
+    ap.add_argument("--iterations", type=int, default=150, help="random-search steps per formula")
     ap.add_argument("--no-cache", action="store_true", help="mx.set_cache_limit(0) while measuring")
     args = ap.parse_args(argv)
     dtype = getattr(mx, args.dtype)
@@ -129,17 +120,19 @@ def main(argv=None) -> int:
         prefill += p
         decode += d
         print(f"measured shape {spec}", file=sys.stderr)
-    if args.dump:
-        with open(args.dump, "w") as f:
-            json.dump({"prefill": prefill, "decode": decode}, f)
-    pc, pmax = fit(prefill, rng)
-    dc, dmax = fit(decode, rng)
-    coefficients = dict(
-        prefill_hidden=pc[0], prefill_scores=pc[1], prefill_mask=pc[2], prefill_mlp=pc[3], prefill_logits=pc[4],
-        decode_hidden=dc[0], decode_gather=dc[1], decode_scores=dc[2], decode_mlp=dc[3], decode_logits=dc[4],
-    )
+    current = CPU_COEFFICIENTS
+    report = {"current": {}, "fitted": {}}
+    fitted = current
+    for kind, rows in (("prefill", prefill), ("decode", decode)):
+        samples, measured = [r for r, _ in rows], [p for _, p in rows]
+        ratio = predict(samples, current) / np.maximum(np.array(measured, float), 1.0)
+        report["current"][kind] = {"min_ratio": round(float(ratio.min()), 3), "max_ratio": round(float(ratio.max()), 3)}
+        names = [f.name for f in fields(TransientCoefficients) if f.name.startswith(kind)]
+        fitted, ratio = fit(samples, measured, fitted, names, rng, args.iterations)
+        report["fitted"][kind] = {"min_ratio": round(float(ratio.min()), 3), "max_ratio": round(float(ratio.max()), 3)}
+    coefficients = {k: round(v, 3) for k, v in asdict(fitted).items()}
     print(json.dumps({"backend": str(mx.default_device()), "dtype": args.dtype, "coefficients": coefficients,
-                      "max_overestimate": {"prefill": round(pmax, 3), "decode": round(dmax, 3)},
+                      "predicted_over_measured": report,
                       "num_samples": {"prefill": len(prefill), "decode": len(decode)}}))
     return 0
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""The seed case of docs/memory.md, computed by the memory model: 4 concurrent 8192-token prompts on a
+Llama-3-8B shape (bf16) at the engine's default configuration. Prints JSON.
+
+    python scripts/memory_seed_case.py [--lengths 8192,8192,8192,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from engine.config import EngineConfig
+from engine.memory import MemoryModel, ModelShape, PrefillChunkPlan
+
+LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                       intermediate_size=14336, vocab_size=128256, dtype_bytes=2,
+                       weights_bytes=8_030_261_248 * 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="8192,8192,8192,8192")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    cfg = EngineConfig()
+    m = MemoryModel(LLAMA3_8B)
+    chunk, budget = cfg.prefill_chunk_size, cfg.max_num_batched_tokens
+    last = PrefillChunkPlan(chunk, args.max_model_len, True)
+    worst_chunk = m.prefill_chunk_bytes(last.num_tokens, last.context_len, True)
+    naive_scores = 4 * LLAMA3_8B.num_heads * max(lengths) ** 2 * len(lengths)  # one [B,H,L,L] fp32 tensor
+    kv = sum(m.kv_bytes(n) for n in lengths)
+    print(json.dumps({
+        "config": {"prefill_chunk_size": chunk, "max_num_batched_tokens": budget,
+                   "max_num_seqs": cfg.max_num_seqs, "max_model_len": args.max_model_len},
+        "kv_bytes_per_token": m.kv_bytes_per_token,
+        "kv_bytes_all_prompts": kv,
+        "chunks_per_step": budget // chunk,
+        "steps_to_prefill_all": -(-sum(lengths) // budget),
+        "worst_chunk_transient_bytes": worst_chunk,
+        "transient_bound_bytes": m.transient_bound_bytes(cfg.max_num_seqs, chunk, args.max_model_len),
+        "decode_transient_at_bound_bytes": m.decode_bytes([args.max_model_len] * cfg.max_num_seqs),
+        "naive_unchunked_scores_bytes": naive_scores,
+        "weights_bytes": LLAMA3_8B.weights_bytes,
+        "peak_bytes_predicted": LLAMA3_8B.weights_bytes + kv + m.transient_bound_bytes(
+            cfg.max_num_seqs, chunk, args.max_model_len),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
