@@ -48,6 +48,11 @@ class EngineConfig(BaseModel):
         0.9, gt=0.0, le=1.0, description="Fraction of device memory used when memory_limit_bytes is auto."
     )
     seed: int = Field(0, ge=0, description="Seed of the engine's sampler (requests may override).")
+    prefix_cache_fraction: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="Share of the KV budget that finished requests' KV may keep for prefix reuse "
+        "(evicted LRU, and before any request has to wait for KV). 0 disables the prefix cache.",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

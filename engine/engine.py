@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from engine.config import EngineConfig
 from engine.memory import MemoryModel, ModelShape
 from engine.output import TextStream, process_token
+from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
 from engine.runner import DecodeWork, ModelRunner, PrefillWork
@@ -56,6 +57,11 @@ class EngineStats:
     max_model_len: int
     num_steps: int
     num_forward_calls: int
+    num_tokens_computed: int = 0  # tokens that went through the model (prefix-cache hits skip theirs)
+    prefix_cache_bytes: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
 
 
 def resolve_dtype(name: str) -> str:
@@ -101,11 +107,15 @@ class Engine:
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
                 f"{weights_bytes} + transient bound {bound} bytes"
             )
+        self.prefix_cache = PrefixCache(int(config.prefix_cache_fraction * kv_budget))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len, kv_budget),
             self.memory,
+            cached_bytes=lambda: self.prefix_cache.nbytes,
+            reclaim=self.prefix_cache.evict,
         )
+        self._prefix_hits: dict[str, PrefixHit] = {}  # waiting requests' pinned cache hits
         self.runner = ModelRunner(model, seed=config.seed)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
@@ -152,14 +162,17 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), sampling)
         self.scheduler.add(request)
         self._streams[request_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
+        hit = self.prefix_cache.lookup(request.prompt_token_ids) if self.prefix_cache.max_bytes else None
+        if hit is not None:  # the prompt's first tokens are already computed: start after them
+            self._prefix_hits[request_id] = hit
+            request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         return self._finish(request_id, FinishReason.ABORT)
 
     def _finish(self, request_id: str, reason: FinishReason, error: Optional[str] = None):
         request = self.scheduler.finish(request_id, reason)
-        self._streams.pop(request_id, None)
-        self.runner.free_row(request_id)  # between forwards: the KV can go at once
+        self._release(request, reason)
         if request is None:
             return None
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens,
@@ -176,6 +189,9 @@ class Engine:
             request = self.scheduler.requests[row.request_id]
             self.runner.add_row(row.request_id, row.kv_capacity_tokens,
                                 RequestSampler(request.sampling, self.config.seed))
+            hit = self._prefix_hits.pop(row.request_id, None)
+            if hit is not None:
+                self.runner.copy_prefix(row.request_id, self.prefix_cache.take(hit), hit.num_tokens)
         if plan.is_empty:
             return []
         self.num_steps += 1
@@ -190,11 +206,21 @@ class Engine:
         for request in self.scheduler.update(plan, sampled):
             out = process_token(request, self._streams[request.request_id], self.eos_token_ids)
             if out.finished:
-                self.scheduler.finish(request.request_id, out.finish_reason)
-                self._streams.pop(request.request_id, None)
-                self.runner.free_row(request.request_id)
+                self._release(self.scheduler.finish(request.request_id, out.finish_reason), out.finish_reason)
             outputs.append(out)
         return outputs
+
+    def _release(self, request: Optional[Request], reason: FinishReason) -> None:
+        """Between forwards: the KV goes at once, into the prefix cache when it is worth keeping."""
+        if request is None:
+            return
+        self._streams.pop(request.request_id, None)
+        hit = self._prefix_hits.pop(request.request_id, None)
+        if hit is not None:  # never admitted: let the entry go
+            self.prefix_cache.unpin(hit)
+        row = self.runner.free_row(request.request_id)
+        if row is not None and row.offset > 0 and reason != FinishReason.ERROR and self.prefix_cache.max_bytes:
+            self.prefix_cache.insert(request.all_token_ids[: row.offset], row)
 
     def _execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Run the decode forward, then each prefill chunk; measure each one's transient peak."""
@@ -231,16 +257,17 @@ class Engine:
         token_ids = [self.encode(p) for p in prompts]
         for request_id, tokens, p in zip(ids, token_ids, params):
             self.add_request(request_id, tokens, p)
-        results = {i: ([], [], None) for i in ids}
-        while any(results[i][2] is None for i in ids):
+        tokens = {i: [] for i in ids}
+        texts = {i: [] for i in ids}
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
             for out in self.step():
-                toks, texts, _ = results[out.request_id]
-                toks.extend(out.new_token_ids)
-                texts.append(out.new_text)
+                tokens[out.request_id].extend(out.new_token_ids)
+                texts[out.request_id].append(out.new_text)
                 if out.finished:
-                    results[out.request_id] = (toks, texts, out.finish_reason)
-        return [CompletionOutput(i, t, results[i][0], "".join(results[i][1]), results[i][2])
-                for i, t in zip(ids, token_ids)]
+                    finals[out.request_id] = out
+        return [CompletionOutput(i, t, tokens[i], "".join(texts[i]), finals[i].finish_reason,
+                                 finals[i].num_cached_tokens) for i, t in zip(ids, token_ids)]
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -253,6 +280,10 @@ class Engine:
             max_predicted_transient_bytes=self._max_predicted,
             max_measured_transient_bytes=self._max_measured, max_model_len=self.max_model_len,
             num_steps=self.num_steps, num_forward_calls=self.runner.num_forward_calls,
+            num_tokens_computed=self.runner.num_tokens_computed, prefix_cache_bytes=self.prefix_cache.nbytes,
+            prefix_cache_hits=self.prefix_cache.stats.num_hits,
+            prefix_cache_hit_tokens=self.prefix_cache.stats.num_hit_tokens,
+            prefix_cache_evictions=self.prefix_cache.stats.num_evictions,
         )
 
 

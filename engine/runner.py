@@ -78,9 +78,19 @@ class ModelRunner:
                                       self._kv_dtype)
         self.samplers[request_id] = sampler
 
-    def free_row(self, request_id: str) -> None:
-        self.rows.pop(request_id, None)
+    def free_row(self, request_id: str) -> Optional[RowKV]:
+        """Forget the row; returns its KV (the prefix cache may keep it)."""
         self.samplers.pop(request_id, None)
+        return self.rows.pop(request_id, None)
+
+    def copy_prefix(self, request_id: str, source: RowKV, num_tokens: int) -> None:
+        """Start the row with the first `num_tokens` positions of `source`'s KV (a prefix-cache hit)."""
+        row = self.rows[request_id]
+        for dst, src in ((row.keys, source.keys), (row.values, source.values)):
+            for layer in range(self.num_layers):
+                dst[layer][..., :num_tokens, :] = src[layer][..., :num_tokens, :]  # [1, H_kv, n, D]
+        mx.eval(row.arrays())
+        row.offset = num_tokens
 
     @property
     def kv_used_bytes(self) -> int:

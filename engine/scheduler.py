@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from engine.memory import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.request import FinishReason, Request, RequestStatus
@@ -67,9 +67,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, memory: MemoryModel):
+    def __init__(self, config: SchedulerConfig, memory: MemoryModel,
+                 cached_bytes: Callable[[], int] = lambda: 0,
+                 reclaim: Callable[[int], int] = lambda num_bytes: 0):
         self.config = config
         self.memory = memory
+        # The prefix cache lives inside the KV budget; its bytes are reclaimed before anyone waits.
+        self._cached_bytes = cached_bytes
+        self._reclaim = reclaim
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
@@ -166,7 +171,11 @@ class Scheduler:
             return False
         tokens = self.memory.kv_tokens(request.max_total_tokens)
         need = tokens * self.memory.kv_bytes_per_token
-        if self.kv_reserved_bytes + need > self.config.kv_budget_bytes:
+        free = self.config.kv_budget_bytes - self.kv_reserved_bytes - self._cached_bytes()
+        if need > free:
+            self._reclaim(need - free)
+            free = self.config.kv_budget_bytes - self.kv_reserved_bytes - self._cached_bytes()
+        if need > free:
             return False
         self.kv_reserved_bytes += need
         request.reserved_tokens = tokens

@@ -1,0 +1,42 @@
+"""Prefix cache index and budget (pure Python: rows are stand-ins with an nbytes)."""
+
+from dataclasses import dataclass
+
+from engine.prefix_cache import PrefixCache
+
+
+@dataclass
+class Row:
+    nbytes: int
+
+
+def test_longest_common_prefix_wins_and_last_token_is_recomputed():
+    cache = PrefixCache(max_bytes=1000)
+    cache.insert([1, 2, 3, 4], Row(100))
+    cache.insert([1, 2, 9, 9, 9], Row(100))
+    hit = cache.lookup([1, 2, 3, 4, 5, 6])
+    assert hit.num_tokens == 4
+    cache.unpin(hit)
+    hit = cache.lookup([1, 2, 3, 4])  # the whole prompt is cached: still compute its last token
+    assert hit.num_tokens == 3
+    cache.unpin(hit)
+    assert cache.lookup([7, 8]) is None
+
+
+def test_lru_eviction_under_budget_and_pins():
+    cache = PrefixCache(max_bytes=250)
+    cache.insert([1], Row(100))
+    cache.insert([2], Row(100))
+    pinned = cache.lookup([1, 5])  # touches and pins [1]
+    cache.insert([3], Row(100))  # over budget: evicts the least recently used unpinned entry, [2]
+    assert cache.lookup([2, 5]) is None
+    assert cache.nbytes == 200 and cache.stats.num_evictions == 1
+    assert cache.evict(1000) == 100  # [1] is pinned and stays
+    cache.take(pinned)
+    assert cache.evict(1000) == 100 and cache.nbytes == 0
+
+
+def test_entry_larger_than_budget_is_not_kept():
+    cache = PrefixCache(max_bytes=50)
+    assert not cache.insert([1, 2], Row(100))
+    assert len(cache) == 0
