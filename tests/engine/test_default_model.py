@@ -42,3 +42,22 @@ def test_concurrent_chunked_greedy_equals_mlx_lm(engine):
                 break
         assert out.token_ids == ref
     assert engine.stats().kv_used_bytes == 0 and engine.stats().num_running == 0
+
+
+def test_prefix_cache_hit_equals_miss_on_the_default_model(engine):
+    system = {"role": "system", "content": "You are a terse assistant. Answer every question in at most "
+                                           "one short sentence, with no preamble and no follow-up."}
+    first = [system, {"role": "user", "content": "What is the capital of Italy?"}]
+    second = [system, {"role": "user", "content": "What is the capital of Spain?"}]
+    greedy = SamplingParams(max_tokens=12)
+    engine.generate([first], greedy)
+    hits = engine.stats().prefix_cache_hits
+    warm = engine.generate([second], greedy)[0]
+    assert engine.stats().prefix_cache_hits == hits + 1 and warm.num_cached_tokens > 20
+    ids = engine.encode(second)
+    ref = []
+    for token, _ in generate_step(mx.array(ids), engine.model, max_tokens=12):
+        ref.append(int(token))
+        if ref[-1] in engine.eos_token_ids:
+            break
+    assert warm.token_ids == ref
