@@ -15,8 +15,10 @@ from typing import Any, Callable, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
+from engine.telemetry import TelemetryConfig
 
 from deployments.ingress import IngressSettings, OpenAIIngress
+from deployments.observability import TelemetryFactory
 from deployments.replica import EngineFactory, EngineReplica
 
 APP_NAME = "mlx-llm"
@@ -88,6 +90,10 @@ class AppArgs(BaseModel):
     api_key: Optional[str] = Field(None, min_length=1, description="If set, /v1/* needs "
                                                                    "`Authorization: Bearer <api_key>`.")
     health_timeout_s: float = Field(5.0, gt=0, description="GET /health waits this long for a replica.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metrics and traces of every process. Prometheus: the "
+        "ingress serves /metrics on prometheus_port, the replica of rank k on prometheus_port + 2 + k (a "
+        "taken port falls back to a free one; scripts/serve prints the URLs).")
 
     @model_validator(mode="after")
     def _scaling(self) -> "AppArgs":
@@ -99,7 +105,7 @@ class AppArgs(BaseModel):
         return IngressSettings(
             engine=self.engine, served_model_name=self.served_model_name, max_tokens_cap=self.max_tokens_cap,
             max_n=self.max_n, max_request_body_bytes=self.max_request_body_bytes, api_key=self.api_key,
-            health_timeout_s=self.health_timeout_s, created=int(time.time()),
+            health_timeout_s=self.health_timeout_s, created=int(time.time()), telemetry=self.telemetry,
         )
 
     def replica_deployment_options(self) -> dict[str, Any]:
@@ -141,6 +147,7 @@ def build_app_with(
     args: Union[dict, AppArgs, None],
     engine_factory: Optional[EngineFactory] = None,
     tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
+    telemetry_factory: Optional[TelemetryFactory] = None,
 ) -> Any:
     """build_app with injected factories (tests use a fake engine; None means the real one)."""
     from ray import serve
@@ -150,9 +157,11 @@ def build_app_with(
     ingress_cls = serve.ingress()(serve_ingress_class(OpenAIIngress))
     ingress = serve.deployment(ingress_cls, **app_args.ingress_deployment_options())
     return ingress.bind(
-        replica.bind(app_args.engine, engine_factory),
+        replica.bind(app_args.engine, engine_factory, telemetry=app_args.telemetry,
+                     telemetry_factory=telemetry_factory),
         app_args.ingress_settings(),
         tokenizer_factory,
+        telemetry_factory=telemetry_factory,
     )
 
 

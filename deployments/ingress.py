@@ -18,7 +18,9 @@ Requests may also be plain dicts. Errors are the typed exceptions of `deployment
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any, Optional
@@ -26,9 +28,11 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.config import EngineConfig
+from engine.telemetry import TelemetryConfig
 
 from deployments.errors import APIError, BadRequestError, EngineError, ModelNotFoundError, \
     ServiceUnavailableError, unwrap
+from deployments.observability import RequestObservation, TelemetryFactory, process_telemetry
 from deployments.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
     usage_chunk
 from deployments.replica import GenerateOutput, GenerateRequest, ReplicaInfo
@@ -52,6 +56,8 @@ class IngressSettings(BaseModel):
     api_key: Optional[str] = Field(None, description="Bearer token required on /v1/*; None: open.")
     health_timeout_s: float = Field(5.0, gt=0)
     created: int = Field(0, description="Unix time reported in the model card.")
+    telemetry: TelemetryConfig = Field(default_factory=lambda: TelemetryConfig(exporter="none"),
+                                       description="This process's metrics and traces (AppArgs.telemetry).")
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -181,8 +187,10 @@ class OpenAIIngress:
         settings: IngressSettings | dict,
         tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
         client_factory: Optional[Callable[[Any], Any]] = None,
+        telemetry_factory: Optional[TelemetryFactory] = None,
     ) -> None:
         self._settings = IngressSettings.model_validate(settings)
+        self._telemetry = (telemetry_factory or process_telemetry)(self._settings.telemetry, "ingress")
         self._replicas = (client_factory or HandleReplicaClient)(replica)
         self._tokenizer = (tokenizer_factory or default_tokenizer_factory)(self._settings.engine)
         self._model_name = self._settings.model_name()
@@ -223,6 +231,15 @@ class OpenAIIngress:
         """Stats of one engine replica (the one the router picks)."""
         return await self._replicas.call("stats", self._settings.health_timeout_s)
 
+    async def metrics_url(self) -> Optional[str]:
+        """This ingress process's Prometheus /metrics URL (None: not served)."""
+        return self._telemetry.prometheus_url
+
+    def __del__(self) -> None:
+        telemetry = getattr(self, "_telemetry", None)
+        if telemetry is not None:
+            telemetry.shutdown()
+
     def build_asgi_app(self) -> Any:
         """The FastAPI app serving this instance (see deployments.http_api)."""
         from deployments.http_api import build_fastapi_app
@@ -247,13 +264,32 @@ class OpenAIIngress:
                       max_tokens_cap=self._settings.max_tokens_cap, max_n=self._settings.max_n)
 
     async def _prepare(self, request: Any, cls: type[BaseModel]) -> PreparedRequest:
+        received_ns = time.monotonic_ns()
         req = parse_request(request, cls)
         self.check_model(req.model)
-        return prepare(req, self._tokenizer, await self._limits(), self._model_name)
+        prepared = prepare(req, self._tokenizer, await self._limits(), self._model_name)
+        return dataclasses.replace(prepared, received_ns=received_ns)
 
     async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Every increment of every choice; the request's telemetry is recorded when this ends."""
+        observation = RequestObservation(self._telemetry, prepared)
+        error: Optional[BaseException] = None
+        try:
+            async with aclosing(self._replica_outputs(prepared, observation.carrier())) as outputs:
+                async for index, out in outputs:
+                    observation.on_output(index, out)
+                    yield index, out
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            observation.finish(error)
+
+    async def _replica_outputs(self, prepared: PreparedRequest,
+                               trace_context: dict[str, str]) -> AsyncIterator[tuple[int, GenerateOutput]]:
         streams = [
-            self._replicas.generate(GenerateRequest(f"{prepared.request_id}-{i}", prepared.prompt_token_ids, s))
+            self._replicas.generate(GenerateRequest(f"{prepared.request_id}-{i}", prepared.prompt_token_ids, s,
+                                                    trace_context))
             for i, s in enumerate(prepared.samplings)
         ]
         if len(streams) == 1:

@@ -44,6 +44,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     samplings: tuple[SamplingParams, ...]
     include_usage: bool = False
+    received_ns: int = 0  # time.monotonic_ns() when the ingress got it (telemetry; 0: unknown)
 
 
 def new_request_id(kind: str) -> str:

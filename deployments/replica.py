@@ -23,8 +23,11 @@ from typing import Any, Optional, Union
 
 from engine.config import EngineConfig
 from engine.request import RequestOutput, SamplingParams
+from engine.telemetry import TelemetryConfig
 
 from deployments.errors import BadRequestError, EngineError, ServiceUnavailableError
+from deployments.observability import TelemetryFactory, process_telemetry
+from deployments.replica_telemetry import ReplicaObserver
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    trace_context: Optional[dict[str, str]] = None  # W3C carrier of the ingress's span (telemetry)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class GenerateOutput:
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
+    queue_s: Optional[float] = None  # on the first output: replica arrival -> first engine step
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class ReplicaInfo:
     replica_id: str
     model_name: str
     max_model_len: int
+    prometheus_url: Optional[str] = None
 
 
 def default_engine_factory(config: EngineConfig) -> Any:
@@ -88,14 +94,21 @@ class EngineReplica:
         engine_config: Union[EngineConfig, dict],
         engine_factory: Optional[EngineFactory] = None,
         replica_id: Optional[str] = None,
+        telemetry: Union[TelemetryConfig, dict, None] = None,
+        telemetry_factory: Optional[TelemetryFactory] = None,
     ) -> None:
         config = EngineConfig.model_validate(engine_config)
         self._replica_id = replica_id or default_replica_id()
         self._engine = (engine_factory or default_engine_factory)(config)
+        telemetry_config = TelemetryConfig.model_validate(telemetry or {"exporter": "none"})
+        self._telemetry = (telemetry_factory or process_telemetry)(telemetry_config, "replica")
+        self._observer = ReplicaObserver(self._telemetry, self._replica_id, self._engine,
+                                         prefix_cache=config.prefix_cache_fraction > 0)
         logger.info("replica %s serving %s", self._replica_id, self._engine.model_name)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Stream the increments of one request; abort it in the engine if the caller goes away."""
+        trace = self._observer.start(request)
         stream = self._engine.generate(request.request_id, list(request.prompt_token_ids), request.sampling)
         finished = False
         try:
@@ -106,12 +119,14 @@ class EngineReplica:
                     break
                 except ValueError as e:  # the engine refuses a request that can never fit
                     finished = True
+                    trace.fail(e)
                     raise BadRequestError(str(e), code="invalid_request") from None
                 finished = out.finished
-                yield self._to_output(out)
+                yield trace.on_output(self._to_output(out))
                 if finished:
                     break
         finally:
+            trace.finish(finished)
             if not finished:
                 await self._abort(request.request_id)
             await _close_quietly(stream)
@@ -143,13 +158,15 @@ class EngineReplica:
     def info(self) -> ReplicaInfo:
         if not self._engine.is_healthy():
             raise ServiceUnavailableError(f"engine replica {self._replica_id} is not healthy")
-        return ReplicaInfo(self._replica_id, self._engine.model_name, int(self._engine.max_model_len))
+        return ReplicaInfo(self._replica_id, self._engine.model_name, int(self._engine.max_model_len),
+                           self._telemetry.prometheus_url)
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats as a plain dict, plus this replica's id."""
         stats = self._engine.stats()
         data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
         data["replica_id"] = self._replica_id
+        data["prometheus_url"] = self._telemetry.prometheus_url
         return data
 
     def check_health(self) -> None:
@@ -159,8 +176,12 @@ class EngineReplica:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+        self._observer.close()
 
     def __del__(self) -> None:
+        observer = getattr(self, "_observer", None)
+        if observer is not None:
+            observer.close()
         engine = getattr(self, "_engine", None)
         if engine is not None:
             try:

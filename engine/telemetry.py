@@ -247,6 +247,36 @@ def _otlp_exporters(config: TelemetryConfig) -> tuple[Any, Optional[SpanExporter
             OTLPSpanExporter(endpoint=base, timeout=timeout_s) if traces else None)
 
 
+# Loggers of the OTLP exporters and of the SDK's export loops: they log an ERROR per failed export.
+_EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.common.http",
+                   "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+                   "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                   "opentelemetry.exporter.otlp.proto.grpc.exporter",
+                   "opentelemetry.sdk.metrics._internal.export", "opentelemetry.sdk._shared_internal")
+
+
+class _ExportFailureLog(logging.Filter):
+    """An unreachable collector costs one warning per process, not an ERROR every export interval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warned = False
+        self.num_dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or getattr(record, "mlx_serve_export_warning", False):
+            return True  # debug noise, or the one warning another Telemetry of this process let through
+        if self.warned:
+            self.num_dropped += 1
+            return False
+        self.warned = record.mlx_serve_export_warning = True
+        message = record.getMessage()
+        record.levelno, record.levelname, record.args = logging.WARNING, "WARNING", None
+        record.msg = f"OTLP export failed ({message}); serving goes on, later failures are not logged"
+        record.exc_info = record.exc_text = None
+        return True
+
+
 class _PrometheusEndpoint:
     """A /metrics HTTP server over this instance's own registry (never prometheus_client's global one)."""
 
@@ -292,6 +322,11 @@ class Telemetry:
         self._instruments = _create_instruments(self._meter_provider.get_meter("mlx_serve", "0.1.0"))
         self._tracer = self._tracer_provider.get_tracer("mlx_serve", "0.1.0")
         self._is_shut_down = False
+        self._export_log: Optional[_ExportFailureLog] = None
+        if any(isinstance(r, PeriodicExportingMetricReader) for r in self.metric_readers) or self.span_exporters:
+            self._export_log = _ExportFailureLog()
+            for name in _EXPORT_LOGGERS:
+                logging.getLogger(name).addFilter(self._export_log)
         if set_global:
             metrics.set_meter_provider(self._meter_provider)
             trace.set_tracer_provider(self._tracer_provider)
@@ -347,11 +382,15 @@ class Telemetry:
         timeout_ms = self.config.export_timeout_s * 1000
         for close in (lambda: self._meter_provider.shutdown(timeout_millis=timeout_ms),
                       getattr(self._tracer_provider, "shutdown", lambda: None),
-                      self._prometheus.close if self._prometheus else (lambda: None)):
+                      self._prometheus.close if self._prometheus else (lambda: None), self._remove_export_log):
             try:
                 close()
             except Exception:  # noqa: BLE001 - shutting down must not fail the caller
                 _logger.warning("telemetry shutdown step failed", exc_info=True)
+
+    def _remove_export_log(self) -> None:
+        for name in _EXPORT_LOGGERS if self._export_log else ():
+            logging.getLogger(name).removeFilter(self._export_log)
 
     # ---- metrics ----
 
@@ -421,8 +460,9 @@ class Telemetry:
         self._instruments[PREFIX_CACHE_BYTES].set(num_bytes, {REPLICA: replica})
 
     @_never_raises
-    def record_peak_exceeded(self, replica: str) -> None:
-        self._instruments[PEAK_EXCEEDED].add(1, {REPLICA: replica})
+    def record_peak_exceeded(self, replica: str, count: int = 1) -> None:
+        """count=0 at start exposes the series at 0, so increase() works before the first event."""
+        self._instruments[PEAK_EXCEEDED].add(count, {REPLICA: replica})
 
     # ---- traces ----
 
