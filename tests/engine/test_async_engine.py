@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.engine import AsyncEngine
+from engine.async_engine import AsyncEngine
 from engine.request import SamplingParams
 
 

@@ -1,0 +1,184 @@
+"""AsyncEngine: a background thread drives `Engine.step()`; asyncio streams per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from engine.config import EngineConfig
+from engine.engine import Engine, EngineStats, StepMemory
+from engine.request import RequestOutput, SamplingParams
+from engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step computed, as plain data for a step observer (telemetry)."""
+
+    start_time_ns: int  # wall clock (time.time_ns) when the step began
+    duration_s: float
+    prefill_chunks: tuple[ScheduledChunk, ...]
+    num_decode_tokens: int
+    memory: Optional[StepMemory] = None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill_chunks)
+
+
+class _Stream:
+    """Where the engine thread delivers one request's outputs: an asyncio queue on the caller's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    """Runs `Engine.step()` in a background thread; `generate` is an async iterator per request.
+
+    Cancelling the consumer (task cancel, `aclose`, a dropped client) aborts the request, and its
+    KV is freed at once (between two forwards of the engine thread).
+    """
+
+    def __init__(self, engine: Engine, hang_timeout_s: float = 120.0):
+        self.engine = engine
+        self.hang_timeout_s = hang_timeout_s
+        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._busy_since: Optional[float] = None
+        self._error: Optional[BaseException] = None
+        # Called on the engine thread after each step that ran a forward; must be cheap. Set it before
+        # requests arrive (the replica does, at construction). Its errors are logged, never raised.
+        self.on_step: Optional[Callable[[StepRecord], None]] = None
+        self._on_step_failed = False
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(Engine.from_config(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def is_healthy(self) -> bool:
+        busy = self._busy_since
+        hung = busy is not None and time.monotonic() - busy > self.hang_timeout_s
+        return self._thread.is_alive() and self._error is None and not hung
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams):
+        self.engine.check_request(prompt_token_ids, sampling)  # bad input fails here, synchronously
+        stream = _Stream(asyncio.get_running_loop())
+        self._post(("add", request_id, list(prompt_token_ids), sampling, stream))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._post(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _post(self, message: tuple) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine is dead: {self._error!r}")
+        self._inbox.put(message)
+        self._wake.set()
+
+    # --- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                self._busy_since = time.monotonic()
+                start_ns, started = time.time_ns(), time.perf_counter()
+                outputs = self.engine.step()
+                self._busy_since = None
+                self._notify_step(start_ns, time.perf_counter() - started)  # before delivery: see on_step
+                self._deliver(outputs)
+        except BaseException as exc:  # the loop itself broke: fail everyone, report unhealthy
+            logger.exception("engine loop died")
+            self._error = exc
+            for stream in self._streams.values():
+                stream.put(RuntimeError(f"engine loop died: {exc!r}"))
+
+    def _notify_step(self, start_ns: int, duration_s: float) -> None:
+        plan, observer = self.engine.last_plan, self.on_step
+        if observer is None or plan is None or plan.is_empty:
+            return
+        try:
+            observer(StepRecord(start_ns, duration_s, plan.prefills, len(plan.decodes),
+                                self.engine.last_step_memory))
+        except Exception:  # an observer must not stop the engine
+            if not self._on_step_failed:
+                self._on_step_failed = True
+                logger.warning("step observer failed; later failures are not logged", exc_info=True)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, request_id, token_ids, sampling, stream = message
+                try:
+                    self.engine.add_request(request_id, token_ids, sampling)
+                    self._streams[request_id] = stream
+                except ValueError as exc:
+                    stream.put(exc)
+            else:
+                self.engine.abort(message[1])
+                self._streams.pop(message[1], None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
