@@ -71,7 +71,7 @@ class ReplicaInfo:
 
 def default_engine_factory(config: EngineConfig) -> Any:
     """Build the real engine; imported lazily so this module loads without a model."""
-    from engine.engine import AsyncEngine
+    from engine.async_engine import AsyncEngine
 
     return AsyncEngine.from_config(config)
 
