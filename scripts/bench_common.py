@@ -1,0 +1,242 @@
+"""Shared pieces of the benchmark scripts: models (embedded, local, random llama shapes), memory
+readings, prompt generation, the memory-model helpers and the JSON output convention.
+
+Not part of the engine: the benchmarks import the engine like any user would.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/x.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# Llama-3.1-8B's shape (Llama-3-8B with a 128K position range, so 8K prompts plus output fit).
+LLAMA_8B = dict(
+    model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, vocab_size=128256,
+    rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+)
+# The same code path at a size a 2-core CPU runs in seconds (the 8B vocabulary is kept).
+LLAMA_TEST = dict(LLAMA_8B, hidden_size=256, num_hidden_layers=4, intermediate_size=768,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+RANDOM_SHAPES = {"llama-8b": LLAMA_8B, "llama-test": LLAMA_TEST}
+
+
+# --------------------------------------------------------------------------- tokenizer stand-in
+class _NullDetokenizer:
+    """Detokenizer protocol of mlx-lm (add_token / finalize / last_segment) producing no text."""
+
+    last_segment = ""
+
+    def add_token(self, token_id: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+class RandomModelTokenizer:
+    """What the engine needs of a tokenizer, for random-weight models that have none: no EOS (so a
+    request runs to max_tokens) and no text."""
+
+    eos_token_ids: list[int] = []
+
+    @property
+    def detokenizer(self) -> _NullDetokenizer:
+        return _NullDetokenizer()
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 1000 for c in text] or [0]
+
+
+# --------------------------------------------------------------------------- models
+@dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    tokenizer: Any
+    config: dict  # config.json-style dict (llama field names)
+    dtype: str
+    path: Optional[str]  # mlx-lm folder, None for random shapes
+    weights_bytes: int
+    num_params: int
+    build_s: float
+
+
+def resolve_dtype(dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def _random_weights(model: nn.Module, dtype: mx.Dtype, init: str, seed: int) -> None:
+    """Replace the (still lazy, never evaluated) float32 init with small normals or zeros in `dtype`,
+    evaluated a few tensors at a time so no float32 copy of the model ever exists."""
+    mx.random.seed(seed)
+    flat = tree_flatten(model.parameters())
+    new = []
+    for name, p in flat:
+        if p.ndim == 1:  # norm weights
+            arr = mx.ones(p.shape, dtype=dtype)
+        elif init == "zeros":
+            arr = mx.zeros(p.shape, dtype=dtype)
+        else:
+            arr = (mx.random.normal(p.shape, dtype=dtype) * 0.02).astype(dtype)
+        mx.eval(arr)
+        new.append((name, arr))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+
+
+def build_random_llama(config: dict, dtype: str, init: str = "normal", seed: int = 0) -> nn.Module:
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(config))
+    _random_weights(model, DTYPES[dtype], init, seed)
+    return model
+
+
+def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = None, init: str = "normal",
+                     seed: int = 0) -> LoadedModel:
+    """`name`: default | tiny | llama-8b | llama-test | an mlx-lm folder. `layers` truncates a random
+    shape (the per-layer transient does not depend on the number of layers)."""
+    dtype = resolve_dtype(dtype)
+    t0 = time.perf_counter()
+    if name in RANDOM_SHAPES:
+        config = dict(RANDOM_SHAPES[name])
+        if layers:
+            config["num_hidden_layers"] = layers
+        model = build_random_llama(config, dtype, init, seed)
+        tokenizer, path = RandomModelTokenizer(), None
+    else:
+        from engine.models import load_model, resolve_model_path
+
+        path = Path(resolve_model_path(name, dtype=dtype))
+        model, tokenizer = load_model(path)
+        model.set_dtype(DTYPES[dtype])
+        mx.eval(model.parameters())
+        config = json.loads((path / "config.json").read_text())
+        path = str(path)
+    params = tree_flatten(model.parameters())
+    return LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, config=config, dtype=dtype, path=path,
+        weights_bytes=sum(p.nbytes for _, p in params), num_params=sum(p.size for _, p in params),
+        build_s=time.perf_counter() - t0,
+    )
+
+
+def matmul_params(config: dict) -> int:
+    """Parameters a prompt token multiplies by (every layer's projections, no embedding, no LM head)."""
+    d, i = config["hidden_size"], config["intermediate_size"]
+    h = config["num_attention_heads"]
+    kvh = config.get("num_key_value_heads") or h
+    hd = config.get("head_dim") or d // h
+    per_layer = d * h * hd * 2 + d * kvh * hd * 2 + 3 * d * i
+    return per_layer * config["num_hidden_layers"]
+
+
+def prefill_flops(config: dict, lengths: list[int]) -> float:
+    """Model FLOPs of prefilling `lengths` (each prompt causal from 0): 2 * params * tokens, the
+    attention's QK^T and PV (2 * 2 * layers * heads * head_dim per query-key pair, causal half), and
+    the LM head for each prompt's last position."""
+    d, h = config["hidden_size"], config["num_attention_heads"]
+    hd = config.get("head_dim") or d // h
+    layers = config["num_hidden_layers"]
+    dense = 2.0 * matmul_params(config) * sum(lengths)
+    attention = sum(4.0 * layers * h * hd * n * (n + 1) / 2 for n in lengths)
+    head = 2.0 * d * config["vocab_size"] * len(lengths)
+    return dense + attention + head
+
+
+# --------------------------------------------------------------------------- memory
+def free_memory() -> None:
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the lowest ids (special tokens of real tokenizers); never an id outside the vocabulary.
+    lo = min(16, vocab_size - 1)
+    return [[rng.randrange(lo, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def chunk_bytes(memory, num_tokens: int, context_len: int, computes_logits: bool) -> int:
+    """MemoryModel.prefill_chunk_bytes, with or without the `computes_logits` argument (older engine)."""
+    try:
+        return memory.prefill_chunk_bytes(num_tokens, context_len, computes_logits)
+    except TypeError:
+        return memory.prefill_chunk_bytes(num_tokens, context_len)
+
+
+def memory_model_for(loaded: LoadedModel):
+    from engine.memory import MemoryModel, ModelShape
+
+    dtype_bytes = DTYPES[loaded.dtype].size
+    return MemoryModel(ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes))
+
+
+# --------------------------------------------------------------------------- output
+def environment() -> dict:
+    import importlib.metadata as md
+
+    def version(pkg: str) -> Optional[str]:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    info = {}
+    try:
+        info = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
+    except Exception:  # older mlx
+        pass
+    return {
+        "device": str(mx.default_device()), "device_info": info, "python": platform.python_version(),
+        "mlx": version("mlx"), "mlx_cuda_13": version("mlx-cuda-13"), "mlx_lm": version("mlx-lm"),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+        "load_average_at_start": list(os.getloadavg()),  # a shared 2-core box: other work skews times
+        "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
+    }
+
+
+def emit(result: dict, as_json: bool, out_path: Optional[str] = None) -> None:
+    """Write the result file (if asked) and print; with --json the last stdout line is the object."""
+    text = json.dumps(result, default=_json_default)
+    if out_path:
+        Path(out_path).write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    if as_json:
+        print(text, flush=True)
+    else:
+        print(json.dumps(result, indent=1, default=_json_default), flush=True)
+
+
+def _json_default(o):
+    if hasattr(o, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(o)
+    return str(o)
+
+
+def gb(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 1e9:.3f} GB"

@@ -1,0 +1,663 @@
+"""Serving load: N concurrent streams, TTFT / TPOT / aggregate output tok/s, over HTTP or in-process.
+
+HTTP (any OpenAI-compatible /v1/completions endpoint, streaming):
+    python scripts/bench_serving.py --url http://127.0.0.1:8000 --concurrency 8 --prompt-tokens 256 \
+        --output-tokens 64 --num-requests 16 [--rate 2.0] [--compare-mlx-lm] --json
+    python scripts/bench_serving.py --start-app --compare-mlx-lm ...   # starts `serve run config/serve.yaml`
+
+In-process (no HTTP): this engine (AsyncEngine, and the bare Engine.step loop with a per-step time
+breakdown) against mlx-lm's BatchGenerator with mlx_lm.server's defaults, same prompts, same load:
+    python scripts/bench_serving.py --engine-only --model default --concurrency 1,8 \
+        --prompt-tokens 256 --output-tokens 32 --json
+
+Every request gets exactly --output-tokens tokens (EOS ignored: `ignore_eos` for this server,
+`logit_bias` against the EOS ids for mlx_lm.server; in-process, neither side stops at EOS). Prompts are
+random tokens (in-process) or random words counted with the model's tokenizer (HTTP), unique per
+request so no prefix cache helps either side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import ROOT, emit, environment, free_memory, load_bench_model, random_prompts  # noqa: E402
+
+MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
+
+
+# --------------------------------------------------------------------------- records and summary
+@dataclasses.dataclass
+class RequestRecord:
+    index: int
+    sent_s: float  # from the start of the run
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    num_output_tokens: int = 0
+    error: Optional[str] = None
+    status: Optional[int] = None
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        return self.token_times_s[0] - self.sent_s if self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        t = self.token_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    out_tokens = sum(r.num_output_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            key = str(r.status) if r.status is not None else r.error.split(":")[0]
+            errors[key] = errors.get(key, 0) + 1
+    return dict(
+        num_requests=len(records), num_ok=len(ok), errors=errors, wall_s=wall_s,
+        ttft_mean_s=statistics.fmean(ttft) if ttft else None, ttft_p50_s=percentile(ttft, 0.5),
+        ttft_p95_s=percentile(ttft, 0.95), tpot_mean_s=statistics.fmean(tpot) if tpot else None,
+        output_tokens=out_tokens, output_tok_per_s=out_tokens / wall_s if wall_s > 0 else None,
+        first_error=next((r.error for r in records if r.error), None),
+    )
+
+
+def arrival_times(n: int, rate: Optional[float], seed: int) -> list[float]:
+    """All at 0 (closed loop), or a Poisson process of `rate` requests/s."""
+    if not rate:
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# --------------------------------------------------------------------------- in-process drivers
+class LoopDriver:
+    """A synchronous serving loop (as a server's engine thread runs): admit arrived requests while fewer
+    than `concurrency` are in flight, run one step, time-stamp every token."""
+
+    def __init__(self, prompts: list[list[int]], arrivals: list[float], concurrency: int):
+        self.prompts, self.arrivals, self.concurrency = prompts, arrivals, concurrency
+
+    def run(self, add: Callable[[int, list[int]], None], step: Callable[[], list[tuple[int, bool]]]) -> tuple:
+        n = len(self.prompts)
+        records = [RequestRecord(i, 0.0) for i in range(n)]
+        pending, in_flight, done = 0, 0, 0
+        t0 = time.perf_counter()
+        while done < n:
+            now = time.perf_counter() - t0
+            while pending < n and in_flight < self.concurrency and self.arrivals[pending] <= now:
+                records[pending].sent_s = now
+                add(pending, self.prompts[pending])
+                pending += 1
+                in_flight += 1
+            if in_flight == 0:
+                time.sleep(max(0.0, self.arrivals[pending] - now))
+                continue
+            events = step()
+            now = time.perf_counter() - t0
+            for index, finished in events:
+                rec = records[index]
+                rec.token_times_s.append(now)
+                rec.num_output_tokens += 1
+                if finished:
+                    in_flight -= 1
+                    done += 1
+        return records, time.perf_counter() - t0
+
+
+def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True) -> dict:
+    """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest)."""
+    from engine.request import SamplingParams
+
+    engine = make_engine(lm, prompts, args)
+    timers = {"schedule": 0.0, "decode": 0.0, "prefill": 0.0, "forward_build": 0.0}
+    decode_steps: list[tuple] = []  # (rows, step_s, runner.decode_s, graph build_s, schedule_s)
+    if breakdown:
+        _wrap(engine.scheduler, "schedule", timers, "schedule")
+        _wrap(engine.runner, "decode", timers, "decode")
+        _wrap(engine.runner, "prefill", timers, "prefill")
+        if hasattr(engine.runner, "_forward"):  # builds the lazy graph: Python time, no compute
+            _wrap(engine.runner, "_forward", timers, "forward_build")
+    sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+
+    def add(i, prompt):
+        engine.add_request(str(i), prompt, sampling)
+
+    def step():
+        before = dict(timers)
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        if timers["prefill"] == before["prefill"] and outs:
+            decode_steps.append((len(outs), dt, timers["decode"] - before["decode"],
+                                 timers["forward_build"] - before["forward_build"],
+                                 timers["schedule"] - before["schedule"]))
+        return [(int(o.request_id), o.finished) for o in outs if o.new_token_ids]
+
+    with MemoryWindow() as mem:
+        records, wall = LoopDriver(prompts, arrivals, args.concurrency_now).run(add, step)
+    result = summarize(records, wall)
+    result.update(mem.result())
+    result["num_steps"] = engine.num_steps
+    if breakdown and decode_steps:
+        n = len(decode_steps)
+
+        def mean(i):
+            return sum(s[i] for s in decode_steps) / n
+
+        # A decode-only step = schedule + runner.decode (graph build + evaluation + sampling) + the rest
+        # (scheduler update, output processing). Graph build and the rest are Python on the host.
+        result["breakdown"] = dict(
+            timers_s=timers, num_decode_only_steps=n, decode_rows_mean=mean(0),
+            decode_step_mean_s=mean(1), runner_decode_mean_s=mean(2), graph_build_mean_s=mean(3),
+            schedule_mean_s=mean(4), eval_and_sample_mean_s=mean(2) - mean(3),
+            outside_runner_mean_s=mean(1) - mean(2),
+        )
+    del engine
+    return result
+
+
+def _wrap(obj, name: str, timers: dict, key: str) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            timers[key] += time.perf_counter() - t
+
+    setattr(obj, name, timed)
+
+
+def run_engine_async(lm, prompts, arrivals, args) -> dict:
+    """AsyncEngine (what the replica runs): one asyncio task per request, tokens time-stamped as
+    the consumer receives them."""
+    from engine.async_engine import AsyncEngine
+    from engine.request import SamplingParams
+
+    engine = make_engine(lm, prompts, args)
+    aengine = AsyncEngine(engine)
+    sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+
+    async def main():
+        sem = asyncio.Semaphore(args.concurrency_now)
+        t0 = time.perf_counter()
+        records = [RequestRecord(i, 0.0) for i in range(len(prompts))]
+
+        async def one(i):
+            await asyncio.sleep(arrivals[i])
+            async with sem:
+                rec = records[i]
+                rec.sent_s = time.perf_counter() - t0
+                try:
+                    async for out in aengine.generate(str(i), prompts[i], sampling):
+                        if out.error:
+                            rec.error = out.error
+                        if out.new_token_ids:
+                            now = time.perf_counter() - t0
+                            rec.token_times_s.extend([now] * len(out.new_token_ids))
+                            rec.num_output_tokens += len(out.new_token_ids)
+                except Exception as exc:  # noqa: BLE001 - reported per request
+                    rec.error = f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        return records, time.perf_counter() - t0
+
+    try:
+        with MemoryWindow() as mem:
+            records, wall = asyncio.run(main())
+        result = summarize(records, wall)
+        result.update(mem.result())
+    finally:
+        aengine.shutdown()
+    del aengine, engine
+    return result
+
+
+def run_mlx_lm(lm, prompts, arrivals, args, settings: dict = MLX_LM_SERVER_DEFAULTS) -> dict:
+    """mlx-lm's BatchGenerator with mlx_lm.server's defaults, driven as the server's loop drives it."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(lm.model, max_tokens=args.output_tokens,
+                         stream=mx.default_stream(mx.default_device()), **settings)
+    uid_to_index: dict[int, int] = {}
+
+    def add(i, prompt):
+        (uid,) = gen.insert([prompt], max_tokens=[args.output_tokens])
+        uid_to_index[uid] = i
+
+    def step():
+        _, generated = gen.next()
+        return [(uid_to_index[r.uid], r.finish_reason is not None) for r in generated]
+
+    with MemoryWindow() as mem:
+        records, wall = LoopDriver(prompts, arrivals, args.concurrency_now).run(add, step)
+    result = summarize(records, wall)
+    result.update(mem.result())
+    result["settings"] = settings
+    c = gen._counters if hasattr(gen, "_counters") else None
+    if c is not None and getattr(c, "generation_steps", 0):
+        result["decode_step_mean_s"] = c.decode_time / c.generation_steps
+        result["prompt_time_s"] = c.prompt_time
+    gen.close()
+    del gen
+    return result
+
+
+class MemoryWindow:
+    """Peak over what was alive on entry (the weights), across resets by the engine."""
+
+    def __enter__(self):
+        import mlx.core as mx
+
+        self.mx = mx
+        free_memory()
+        self.baseline = mx.get_active_memory()
+        self._orig_reset = mx.reset_peak_memory
+        self._folded = 0
+
+        def reset():
+            self._folded = max(self._folded, mx.get_peak_memory())
+            self._orig_reset()
+
+        mx.reset_peak_memory = reset
+        self._orig_reset()
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = max(self._folded, self.mx.get_peak_memory())
+        self.mx.reset_peak_memory = self._orig_reset
+
+    def result(self) -> dict:
+        return {"peak_over_weights_bytes": self.peak - self.baseline}
+
+
+def make_engine(lm, prompts, args):
+    """This engine at its default config (max_num_seqs raised to the concurrency if that is larger),
+    with a memory limit that admits every request."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.memory import MemoryModel, ModelShape
+
+    from bench_common import DTYPES
+
+    memory = MemoryModel(ModelShape.from_config(lm.config, DTYPES[lm.dtype].size, lm.weights_bytes))
+    need = max(len(p) for p in prompts) + args.output_tokens
+    model_max = lm.config.get("max_position_embeddings") or 4096
+    kv = sum(memory.kv_bytes(len(p) + args.output_tokens) for p in prompts)
+    seqs = max(16, args.concurrency_now)
+    bound = memory.transient_bound_bytes(seqs, 512, min(model_max, max(need, model_max)))
+    limit = int((lm.weights_bytes + bound + kv) * 1.25) + (1 << 30)
+    fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit,
+                  max_model_len=None if need <= model_max else need)
+    if seqs > 16:
+        fields.update(max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs))
+    if args.engine_config:
+        fields.update(json.loads(args.engine_config))
+    return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
+
+
+def engine_only(args) -> dict:
+    lm = load_bench_model(args.model, args.dtype, args.layers, args.init, args.seed)
+    result = dict(bench="serving_engine_only", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
+                  prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
+                  weights_bytes=lm.weights_bytes, environment=environment(), runs={})
+    backends = [b for b in args.backends.split(",") if b]
+    runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm}
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
+    # and on CUDA the attention graphs of every shape the timed run meets, are built here).
+    for conc in (args.concurrency if args.warmup == "full" else [max(args.concurrency)]):
+        for backend in backends:
+            args.concurrency_now = conc
+            wp = random_prompts([args.prompt_tokens] * conc, lm.config["vocab_size"], args.seed + 99)
+            saved = args.output_tokens
+            if args.warmup != "full":
+                args.output_tokens = min(8, saved)
+            t = time.perf_counter()
+            fn = runners[backend]
+            w = fn(lm, wp, [0.0] * conc, args) if backend != "engine_sync" else fn(lm, wp, [0.0] * conc, args, False)
+            args.output_tokens = saved
+            free_memory()
+            result.setdefault("warmup_runs", {})[f"{backend}@{conc}"] = {
+                k: w.get(k) for k in ("ttft_mean_s", "tpot_mean_s", "output_tok_per_s")}
+            log(f"warm-up {backend} x{conc}: {time.perf_counter() - t:.1f} s")
+    for rep, conc in [(r, c) for r in range(args.repeat) for c in args.concurrency]:
+        args.concurrency_now = conc
+        n = args.num_requests or conc
+        prompts = random_prompts([args.prompt_tokens] * n, lm.config["vocab_size"], args.seed + conc)
+        arrivals = arrival_times(n, args.rate, args.seed)
+        for backend in backends:
+            r = runners[backend](lm, prompts, arrivals, args)
+            free_memory()
+            r["concurrency"], r["backend"], r["repeat"] = conc, backend, rep
+            result["runs"][f"{backend}@{conc}" + (f"#{rep}" if rep else "")] = r
+            log(f"{backend} x{conc}: TTFT mean {fmt(r['ttft_mean_s'])} s, TPOT {fmt(r['tpot_mean_s'])} s, "
+                f"{fmt(r['output_tok_per_s'], 1)} tok/s, peak over weights "
+                f"{r['peak_over_weights_bytes'] / 1e9:.3f} GB, errors {r['errors']}")
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    result["comparison"] = compare(result["runs"], args.concurrency, "engine", "mlx_lm")
+    return result
+
+
+def compare(runs: dict, concurrencies, ours: str, theirs: str) -> dict:
+    out = {}
+    for c in concurrencies:
+        a, b = runs.get(f"{ours}@{c}"), runs.get(f"{theirs}@{c}")
+        if a and b and a.get("ttft_mean_s") and b.get("ttft_mean_s"):
+            out[str(c)] = dict(
+                ttft_ratio=a["ttft_mean_s"] / b["ttft_mean_s"],
+                tok_per_s_ratio=(a["output_tok_per_s"] or 0) / (b["output_tok_per_s"] or 1),
+                engine_ttft_le_mlx_lm=a["ttft_mean_s"] <= b["ttft_mean_s"],
+                engine_tok_per_s_ge_mlx_lm=(a["output_tok_per_s"] or 0) >= (b["output_tok_per_s"] or 0),
+            )
+    return out
+
+
+def fmt(x, nd=3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# --------------------------------------------------------------------------- HTTP
+class PromptMaker:
+    """Text prompts of about N tokens (counted with the model's tokenizer when it is at hand)."""
+
+    WORDS = ("river stone cloud market lantern orbit violet copper garden signal harbor thunder "
+             "meadow pixel canyon glacier falcon ember quartz willow").split()
+
+    def __init__(self, tokenizer_file: Optional[str]):
+        self.tok = None
+        if tokenizer_file and Path(tokenizer_file).is_file():
+            from tokenizers import Tokenizer
+
+            self.tok = Tokenizer.from_file(tokenizer_file)
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text).ids) if self.tok else len(text.split())
+
+    def make(self, index: int, num_tokens: int, seed: int) -> str:
+        rng = random.Random(seed * 100003 + index)
+        head = f"Request {index}:"
+        words = [rng.choice(self.WORDS) for _ in range(num_tokens)]
+        lo, hi = 0, len(words)  # the longest prefix that stays within num_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.count(" ".join([head] + words[:mid])) <= num_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return " ".join([head] + words[:lo])
+
+
+async def http_load(url: str, model: str, prompts: list[str], arrivals: list[float], concurrency: int,
+                    output_tokens: int, eos_ids: list[int], timeout_s: float, api_key: Optional[str]) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body_extra = dict(ignore_eos=True, temperature=0.0, stream=True, stream_options={"include_usage": True},
+                      max_tokens=output_tokens)
+    if eos_ids:  # mlx_lm.server ignores ignore_eos; a strong negative bias keeps EOS out the same way
+        body_extra["logit_bias"] = {str(t): -100.0 for t in eos_ids}
+    records = [RequestRecord(i, 0.0) for i in range(len(prompts))]
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s, limits=limits,
+                                 headers=headers) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int):
+            await asyncio.sleep(arrivals[i])
+            async with sem:
+                rec = records[i]
+                rec.sent_s = time.perf_counter() - t0
+                body = dict(model=model, prompt=prompts[i], **body_extra)
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as resp:
+                        rec.status = resp.status_code
+                        if resp.status_code != 200:
+                            text = (await resp.aread()).decode(errors="replace")[:200]
+                            rec.error = f"HTTP {resp.status_code}: {text}"
+                            return
+                        usage_tokens = None
+                        async for line in resp.aiter_lines():
+                            if not line.startswith("data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == "[DONE]":
+                                break
+                            chunk = json.loads(data)
+                            if chunk.get("error"):
+                                rec.error = f"stream error: {chunk['error']}"
+                                return
+                            if chunk.get("usage"):
+                                usage_tokens = chunk["usage"].get("completion_tokens")
+                            if any(c.get("text") for c in chunk.get("choices") or []):
+                                rec.token_times_s.append(time.perf_counter() - t0)
+                        chunks = len(rec.token_times_s)
+                        rec.num_output_tokens = usage_tokens if usage_tokens is not None else chunks
+                        rec.status = None
+                except Exception as exc:  # noqa: BLE001 - counted per request
+                    rec.error = f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
+    result = summarize(records, wall)
+    # A streamed chunk may carry more than one token (detokenizer hold-back): TPOT per token.
+    per_token = [(r.token_times_s[-1] - r.token_times_s[0]) / (r.num_output_tokens - 1)
+                 for r in records if r.error is None and r.num_output_tokens > 1 and r.token_times_s]
+    result["tpot_mean_s"] = statistics.fmean(per_token) if per_token else result["tpot_mean_s"]
+    return result
+
+
+def wait_http(url: str, path: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {path}")
+        try:
+            r = httpx.get(url.rstrip("/") + path, timeout=5)
+            if r.status_code == 200:
+                return
+            last = r.status_code
+        except Exception as exc:  # noqa: BLE001 - not up yet
+            last = exc
+        time.sleep(1.0)
+    raise TimeoutError(f"{url}{path} not ready after {timeout_s} s (last: {last!r})")
+
+
+def served_model(url: str, fallback: str = "default_model") -> str:
+    """The first model the server lists; mlx_lm.server lists only its hub cache (maybe nothing) and
+    answers 'default_model' with the --model it was started with."""
+    import httpx
+
+    data = httpx.get(url.rstrip("/") + "/v1/models", timeout=10).json().get("data") or []
+    return data[0]["id"] if data else fallback
+
+
+class Server:
+    """A server process this script started (its own process group, stopped by its pid only)."""
+
+    def __init__(self, cmd: list[str], log_path: str, env: Optional[dict] = None, cwd: Optional[str] = None):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
+                                     env=env, start_new_session=True)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def start_app(args) -> Server:
+    """Our app through `serve run config/serve.yaml` (its model, port 8000 as in the file)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    serve = str(Path(sys.executable).with_name("serve"))
+    server = Server([serve, "run", args.app_config], args.log_dir + "/app.log", env=env, cwd=str(ROOT))
+    wait_http(args.url, "/v1/models", args.start_timeout_s, server.proc)
+    return server
+
+
+def start_mlx_lm(args, folder: str) -> Server:
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", folder, "--port", str(args.mlx_lm_port),
+           "--host", "127.0.0.1"]
+    server = Server(cmd, args.log_dir + "/mlx_lm_server.log")
+    wait_http(f"http://127.0.0.1:{args.mlx_lm_port}", "/v1/models", args.start_timeout_s, server.proc)
+    return server
+
+
+def http_mode(args) -> dict:
+    from engine.models import resolve_model_path
+
+    folder = str(resolve_model_path(args.model)) if args.model else None
+    tok_file = str(Path(folder) / "tokenizer.json") if folder else None
+    eos_ids = eos_token_ids(folder)
+    maker = PromptMaker(tok_file)
+    result = dict(bench="serving_http", argv=sys.argv[1:], model_folder=folder, targets={},
+                  prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
+                  environment=environment())
+    os.makedirs(args.log_dir, exist_ok=True)
+    targets = []
+    app = None
+    if args.start_app:
+        targets.append(("mlx_serve", lambda: start_app(args), args.url))
+    elif args.url:
+        targets.append(("mlx_serve", None, args.url))
+    if args.compare_mlx_lm:
+        if not folder:
+            raise SystemExit("--compare-mlx-lm needs --model (the folder mlx_lm.server loads)")
+        targets.append(("mlx_lm_server", lambda: start_mlx_lm(args, folder),
+                        f"http://127.0.0.1:{args.mlx_lm_port}"))
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    for name, start, url in targets:
+        server = start() if start else None
+        try:
+            model = served_model(url) if name == "mlx_serve" else "default_model"
+            result["targets"][name] = {"url": url, "served_model": model, "runs": {}}
+            # warm-up: one short request per stream slot
+            warm = [maker.make(10_000 + i, min(32, args.prompt_tokens), args.seed) for i in range(2)]
+            asyncio.run(http_load(url, model, warm, [0.0] * 2, 2, 4, eos_ids, args.request_timeout_s,
+                                  args.api_key))
+            for conc in args.concurrency:
+                n = args.num_requests or conc
+                prompts = [maker.make(i + 1000 * conc, args.prompt_tokens, args.seed) for i in range(n)]
+                r = asyncio.run(http_load(url, model, prompts, arrival_times(n, args.rate, args.seed), conc,
+                                          args.output_tokens, eos_ids, args.request_timeout_s, args.api_key))
+                r["concurrency"] = conc
+                result["targets"][name]["runs"][str(conc)] = r
+                log(f"{name} x{conc}: TTFT mean {fmt(r['ttft_mean_s'])} s p95 {fmt(r['ttft_p95_s'])} s, "
+                    f"TPOT {fmt(r['tpot_mean_s'])} s, {fmt(r['output_tok_per_s'], 1)} tok/s, "
+                    f"errors {r['errors']}")
+        finally:
+            if server is not None:
+                server.stop()
+    if "mlx_serve" in result["targets"] and "mlx_lm_server" in result["targets"]:
+        ours = {f"o@{c}": v for c, v in result["targets"]["mlx_serve"]["runs"].items()}
+        theirs = {f"t@{c}": v for c, v in result["targets"]["mlx_lm_server"]["runs"].items()}
+        result["comparison"] = compare({**ours, **theirs}, [str(c) for c in args.concurrency], "o", "t")
+    return result
+
+
+def eos_token_ids(folder: Optional[str]) -> list[int]:
+    if not folder:
+        return []
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        p = Path(folder) / name
+        if p.is_file():
+            v = json.loads(p.read_text()).get("eos_token_id")
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    return sorted(ids)
+
+
+# --------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--start-app", action="store_true", help="start our app (serve run --app-config)")
+    p.add_argument("--app-config", default="config/serve.yaml")
+    p.add_argument("--compare-mlx-lm", action="store_true",
+                   help="also start mlx_lm.server on --model's folder and run the same load")
+    p.add_argument("--mlx-lm-port", type=int, default=8089)
+    p.add_argument("--engine-only", action="store_true", help="in-process, no HTTP")
+    p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
+                   help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), mlx_lm")
+    p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--init", choices=["normal", "zeros"], default="normal")
+    p.add_argument("--engine-config", default=None, help="JSON of EngineConfig fields to override")
+    p.add_argument("--concurrency", default="8", help="streams in flight, one run per value: 1,8")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=None, help="per run (default: the concurrency)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--log-dir", default="/tmp/bench_serving_logs")
+    p.add_argument("--warmup", choices=["full", "small"], default="full",
+                   help="--engine-only warm-up: the same lengths at every concurrency (full) or short "
+                        "requests at the largest one (small)")
+    p.add_argument("--repeat", type=int, default=1, help="--engine-only: timed passes over the concurrencies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.add_argument("--out", default=None, help="also write the result to this file")
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
+    if args.start_app and not args.url:
+        args.url = "http://127.0.0.1:8000"
+    if not (args.engine_only or args.url or args.compare_mlx_lm):
+        p.error("give --url, --start-app, --compare-mlx-lm or --engine-only")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = engine_only(args) if args.engine_only else http_mode(args)
+    emit(result, args.json, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark in one command (docs/benchmarks.md, "H200"): installs MLX CUDA from carried
+# wheels, then runs, each in its own process under a deadline, writing JSON under $OUT:
+#   prefill.json   scripts/bench_prefill_memory.py  8B, 8192/6144/4096/2048 (sequential, engine, mlx_lm)
+#   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
+#   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
+#   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
+#   log.txt, env.txt
+# SKIP_PREFILL / SKIP_SERVING / SKIP_NAIVE=1 leave a step out; MLX_* variables pass through (the grid
+# under MLX_MAX_OPS_PER_BUFFER=8: docs/benchmarks.md).
+#
+# Wheels: /root/stash/part_aa (carried by an earlier call) + wheels_b/ (part_ab and the small wheels):
+#   call 1: carry wheels_a: mkdir -p /root/stash && cp wheels_a/part_aa /root/stash/
+#   call 2: carry wheels_b: bash scripts/gpu_bench.sh
+# On a CPU (to test this script): SKIP_INSTALL=1 BENCH_MODEL=llama-test BENCH_DTYPE=float32 \
+#   BENCH_SMALL=1 OUT=/tmp/gpu_out bash scripts/gpu_bench.sh
+set -u
+OUT=${OUT:-/tmp/gpu_bench_out}
+mkdir -p "$OUT"
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-560}        # the device's per-command limit is 600 s
+MODEL=${BENCH_MODEL:-llama-8b}
+DTYPE=${BENCH_DTYPE:-bfloat16}
+LOG="$OUT/log.txt"
+log() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+
+# Run one step with a timeout of min(cap, time left - reserve); its output goes to the log.
+step() {
+  local name=$1 cap=$2 reserve=$3; shift 3
+  local t=$(( $(left) - reserve )); (( t > cap )) && t=$cap
+  if (( t < 20 )); then log "SKIP $name: ${t}s left"; return 0; fi
+  log "START $name (timeout ${t}s): $*"
+  timeout --signal=TERM --kill-after=5 "$t" "$@" >>"$LOG" 2>&1
+  log "END $name rc=$?"
+}
+
+{
+  echo "date: $(date -u)"; uname -a; nproc; free -g 2>/dev/null | head -2
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  which python3; python3 -V
+} >"$OUT/env.txt" 2>&1
+
+if [[ -z "${SKIP_INSTALL:-}" ]]; then
+  WHL=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  cat /root/stash/part_aa wheels_b/part_ab >"$WHL"
+  sed "s#  mlx_cuda#  /tmp/mlx_cuda#" wheels_b/mlx_cuda_13.sha256 | sha256sum -c - >>"$LOG" 2>&1 \
+    || log "WARNING: joined wheel checksum mismatch"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site "$WHL" wheels_b/*.whl >>"$LOG" 2>&1
+  log "pip install rc=$?"
+  # libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: point that at the
+  # image's own nvidia-* packages (cublas, cudnn, nccl, nvrtc, cufft, cusolver).
+  NV=$(python3 -c "import nvidia, os; print([p for p in nvidia.__path__ if not p.startswith('/root/site')][0])" 2>>"$LOG")
+  [[ -n "$NV" && ! -e /root/site/nvidia ]] && ln -s "$NV" /root/site/nvidia
+  export PYTHONPATH=/root/site:$PWD
+  export LD_LIBRARY_PATH="$(ls -d "$NV"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
+else
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+fi
+# A snapshot of engine/ taken when this script was rehearsed (carried, git-ignored) wins over the
+# working tree, which other people may be editing while the call is sent.
+if [[ -d .bench_snapshot/engine ]]; then
+  export PYTHONPATH=$PWD/.bench_snapshot:$PYTHONPATH
+  echo "engine snapshot of $(cat .bench_snapshot/ENGINE_COMMIT 2>/dev/null)" >>"$OUT/env.txt"
+fi
+export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=/root/mlx_ptx_cache TOKENIZERS_PARALLELISM=false
+mkdir -p "$MLX_PTX_CACHE_DIR" 2>/dev/null || export MLX_PTX_CACHE_DIR=/tmp/mlx_ptx_cache
+python3 - >>"$OUT/env.txt" 2>&1 <<'EOF'
+import mlx.core as mx, mlx_lm, importlib.metadata as md
+print("mlx", mx.__version__, "mlx_lm", md.version("mlx-lm"), "device", mx.default_device())
+print("device_info", mx.device_info() if hasattr(mx, "device_info") else None)
+a = mx.random.normal((1024, 1024), dtype=mx.bfloat16); mx.eval(a @ a)
+import engine.engine, engine.memory
+print("engine from", engine.engine.__file__)
+print("engine imports ok")
+EOF
+log "import check rc=$? ($(tail -1 "$OUT/env.txt"))"
+
+if [[ -n "${BENCH_SMALL:-}" ]]; then  # CPU rehearsal sizes
+  LENGTHS=1024,768,512,256; CONC=2,4; PT=64; NT=8
+  GRID=(--chunks 128,256 --prefill-length 1024 --decode-rows 4,1 --decode-contexts 256,1024)
+else
+  LENGTHS=8192,6144,4096,2048; CONC=4,8; PT=512; NT=128
+  GRID=(--chunks 128,256,512,1024,2048 --prefill-length 8192 --decode-rows 16,8,4,2,1 --decode-contexts 1024,4096,8192)
+fi
+COMMON=(--model "$MODEL" --dtype "$DTYPE")
+
+[[ -n "${SKIP_PREFILL:-}" ]] || step prefill 240 220 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --skip-naive \
+  --warmup full --peak-tflops 790 --json --out "$OUT/prefill.json"
+[[ -n "${SKIP_SERVING:-}" ]] || step serving 180 160 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
+  --backends engine_sync,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
+  --out "$OUT/serving.json"
+step grid 200 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
+  --json --out "$OUT/grid.json"
+[[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
+  --peak-tflops 790 --json --out "$OUT/naive.json"
+env | grep '^MLX_' >>"$OUT/env.txt"
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/env.txt" 2>&1
+log "done; files: $(ls "$OUT" | tr '\n' ' ')"
