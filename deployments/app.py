@@ -9,6 +9,7 @@ OpenAIIngress stay plain classes (Ray Serve LLM's `build_llm_deployment` does th
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -24,6 +25,7 @@ from deployments.replica import EngineFactory, EngineReplica
 APP_NAME = "mlx-llm"
 REPLICA_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+API_KEY_ENV = "MLX_SERVE_API_KEY"  # the API key when serve.yaml's api_key is null
 
 
 class AutoscalingArgs(BaseModel):
@@ -87,8 +89,8 @@ class AppArgs(BaseModel):
                                                                   "(and the default). None: the context.")
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request).")
     max_request_body_bytes: int = Field(8 << 20, ge=1024, description="Larger bodies get 413.")
-    api_key: Optional[str] = Field(None, min_length=1, description="If set, /v1/* needs "
-                                                                   "`Authorization: Bearer <api_key>`.")
+    api_key: Optional[str] = Field(None, min_length=1, description="If set, /v1/* needs `Authorization: "
+                                   f"Bearer <api_key>`. None: ${API_KEY_ENV} of the building process, if set.")
     health_timeout_s: float = Field(5.0, gt=0, description="GET /health waits this long for a replica.")
     telemetry: TelemetryConfig = Field(
         default_factory=TelemetryConfig, description="Metrics and traces of every process. Prometheus: the "
@@ -101,10 +103,14 @@ class AppArgs(BaseModel):
             raise ValueError(f"num_replicas={self.num_replicas} and autoscaling are exclusive: set one")
         return self
 
+    def resolved_api_key(self) -> Optional[str]:
+        """api_key, else the environment's (so a secret need not sit in serve.yaml); None: no auth."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
     def ingress_settings(self) -> IngressSettings:
         return IngressSettings(
             engine=self.engine, served_model_name=self.served_model_name, max_tokens_cap=self.max_tokens_cap,
-            max_n=self.max_n, max_request_body_bytes=self.max_request_body_bytes, api_key=self.api_key,
+            max_n=self.max_n, max_request_body_bytes=self.max_request_body_bytes, api_key=self.resolved_api_key(),
             health_timeout_s=self.health_timeout_s, created=int(time.time()), telemetry=self.telemetry,
         )
 

@@ -128,6 +128,9 @@ def validation_body(errors: Any) -> dict[str, Any]:
                           "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):  # [..], "..", 3
+        return error_body("the request body must be a JSON object", "invalid_request_error", None,
+                          "invalid_body")
     messages = "; ".join(_describe(e) for e in errors[:5])
     return error_body(messages, "invalid_request_error", param, first.get("type"))
 

@@ -23,6 +23,9 @@ from deployments.schemas import (
 )
 
 
+SEED_MODULUS = 1 << 64
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a request may ask for; max_model_len comes from the engine, the caps from AppArgs."""
@@ -52,9 +55,21 @@ def new_request_id(kind: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def check_text(text: str, param: str) -> str:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800" from a JSON escape):
+    tokenizers raise TypeError on it, deep in the stack."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequestError(f"{param}: invalid Unicode at character {e.start} (a lone surrogate)",
+                              param=param) from None
+    return text
+
+
 def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     """Token ids of the conversation through the model's chat template."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.role, "content": check_text(m.text(), f"messages.{i}.content")}
+                for i, m in enumerate(req.messages)]
     if not getattr(tokenizer, "has_chat_template", True):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(tokenizer.encode(text))
@@ -67,7 +82,7 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
 
 def completion_prompt_ids(tokenizer: Any, req: CompletionRequest, limits: Limits) -> list[int]:
     if isinstance(req.prompt, str):
-        return list(tokenizer.encode(req.prompt))
+        return list(tokenizer.encode(check_text(req.prompt, "prompt")))
     bad = [t for t in req.prompt if not 0 <= t < limits.vocab_size]
     if bad:
         raise BadRequestError(
@@ -106,9 +121,11 @@ def make_samplings(req: Any, max_tokens: int, limits: Limits) -> tuple[SamplingP
     """One SamplingParams per choice; choice i of a seeded request uses seed + i."""
     if req.n > limits.max_n:
         raise BadRequestError(f"n={req.n} is over this server's cap of {limits.max_n}", param="n")
+    for s in req.stop_strings():
+        check_text(s, "stop")
     samplings = []
     for i in range(req.n):
-        seed = None if req.seed is None else req.seed + i
+        seed = None if req.seed is None else (req.seed + i) % SEED_MODULUS  # MLX keys take uint64
         try:
             samplings.append(SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

@@ -35,7 +35,8 @@ class _SamplingFields(_Request):
     stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings.")
     stop_token_ids: Optional[list[int]] = Field(None, description="Token ids that end the output.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    seed: Optional[int] = Field(None, description="Sampling seed; choice i of n uses seed + i.")
+    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64,
+                                description="Sampling seed (int64 or uint64); choice i of n uses seed + i.")
     presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
     frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
     user: Optional[str] = Field(None, description="Accepted and ignored.")

@@ -192,14 +192,17 @@ class Engine:
         if plan.is_empty:
             return []
         self.num_steps += 1
+        failed: dict[str, str] = {}  # request_id -> error of its own prefill chunk
         try:
-            sampled = self._execute(plan)
-        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            sampled = self._execute(plan, failed)
+        except Exception as exc:  # a failed decode forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             ids = list(plan.decodes) + [c.request_id for c in plan.prefills]
             return [o for o in (self._finish(i, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
                                 for i in dict.fromkeys(ids)) if o is not None]
-        outputs = []
+        # Finished before update(), which then skips them; the other rows of the step go on.
+        outputs = [o for o in (self._finish(i, FinishReason.ERROR, e) for i, e in failed.items())
+                   if o is not None]
         for request in self.scheduler.update(plan, sampled):
             out = process_token(request, self._streams[request.request_id], self.eos_token_ids)
             if out.finished:
@@ -219,8 +222,9 @@ class Engine:
         if row is not None and row.offset > 0 and reason != FinishReason.ERROR and self.prefix_cache.max_bytes:
             self.prefix_cache.insert(request.all_token_ids[: row.offset], row)
 
-    def _execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        """Run the decode forward, then each prefill chunk; measure each one's transient peak."""
+    def _execute(self, plan: SchedulerOutput, failed: dict[str, str]) -> dict[str, int]:
+        """Run the decode forward, then each prefill chunk; measure each one's transient peak. A prefill
+        chunk that raises touches its own row only: its request goes into `failed`, the others go on."""
         requests = self.scheduler.requests
         decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
         tokens, measured = self._measured(self.runner.decode, decode)
@@ -228,7 +232,12 @@ class Engine:
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
-            token, chunk_bytes = self._measured(self.runner.prefill, work)
+            try:
+                token, chunk_bytes = self._measured(self.runner.prefill, work)
+            except Exception as exc:
+                logger.exception("prefill of %s failed", chunk.request_id)
+                failed[chunk.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
             measured = max(measured, chunk_bytes)
             if token is not None:
                 sampled[chunk.request_id] = token

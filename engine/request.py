@@ -48,7 +48,8 @@ class SamplingParams:
                "top_p", self.top_p, "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
                "top_k", self.top_k, "must be an integer >= 0")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 1 << 64), "seed", self.seed,
+               "must be an integer in [0, 2**64)")  # mx.random.key refuses others, on the engine thread
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
