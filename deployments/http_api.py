@@ -167,17 +167,26 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await JSONResponse(self._error().to_dict(), status_code=413)(scope, receive, send)
             return
+        # Read the body here, up to the limit: an error raised from inside the app's receive would reach
+        # FastAPI's body parser and come out as a 400, not the 413 it is.
+        buffered: list[dict] = []
         received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
+        while True:
             message = await receive()
-            received += len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            received += len(message.get("body", b""))
             if received > self.max_bytes:
-                raise self._error()
-            return message
+                await JSONResponse(self._error().to_dict(), status_code=413)(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
 
-        await self.app(scope, limited_receive, send)
+        async def replay_receive() -> dict:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay_receive, send)
 
     def _error(self) -> RequestTooLargeError:
         return RequestTooLargeError(f"request body is over {self.max_bytes} bytes", code="request_too_large")
