@@ -8,6 +8,11 @@
     replica.py    EngineReplica: owns one AsyncEngine, streams plain-data increments, health, stats
     schemas.py    pydantic request / response models of the API
     errors.py     typed API errors (HTTP status + OpenAI error object), raised through handles too
+    admission.py  AdmissionController (one detached Ray actor per app), the ingress's AdmittedReplicaClient,
+                  the replicas' heartbeat (ReplicaReporter)
+    admission_state.py / admission_queue.py   its pure accounting and bounded wait queue (no ray)
+    routing.py    AdmissionRequestRouter: Serve's request router, sends a request to the replica
+                  admission chose (GenerateRequest.target_replica_id)
 
 This package is the only one that imports ray (engine/ never does). `config/serve.yaml` runs it:
 `serve run config/serve.yaml`.

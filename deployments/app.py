@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.config import EngineConfig
 from engine.telemetry import TelemetryConfig
 
+from deployments.admission_state import AdmissionConfig
 from deployments.ingress import IngressSettings, OpenAIIngress
 from deployments.observability import TelemetryFactory
 from deployments.replica import EngineFactory, EngineReplica
@@ -26,6 +27,7 @@ APP_NAME = "mlx-llm"
 REPLICA_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 API_KEY_ENV = "MLX_SERVE_API_KEY"  # the API key when serve.yaml's api_key is null
+ADMISSION_ROUTER = "deployments.routing:AdmissionRequestRouter"  # honours the admission controller's choice
 
 
 class AutoscalingArgs(BaseModel):
@@ -96,6 +98,10 @@ class AppArgs(BaseModel):
         default_factory=TelemetryConfig, description="Metrics and traces of every process. Prometheus: the "
         "ingress serves /metrics on prometheus_port, the replica of rank k on prometheus_port + 2 + k (a "
         "taken port falls back to a free one; scripts/serve prints the URLs).")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="Cluster-wide admission: one controller actor models "
+        "every replica as weights + reserved KV + transient prefill bound <= memory limit x headroom, "
+        "picks the replica with room and queues or rejects (503/429 + Retry-After) the rest.")
 
     @model_validator(mode="after")
     def _scaling(self) -> "AppArgs":
@@ -125,6 +131,11 @@ class AppArgs(BaseModel):
             health_check_timeout_s=r.health_check_timeout_s,
             graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         )
+        if self.admission.enabled:
+            options["request_router_config"] = {
+                "request_router_class": ADMISSION_ROUTER,
+                "request_router_kwargs": {"route_timeout_s": self.admission.replica_timeout_s},
+            }
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump()
         else:
@@ -158,15 +169,20 @@ def build_app_with(
     """build_app with injected factories (tests use a fake engine; None means the real one)."""
     from ray import serve
 
+    from deployments.admission import ReporterFactory, admitted_client_factory
+
     app_args = parse_args(args)
+    admission = app_args.admission if app_args.admission.enabled else None
     replica = serve.deployment(EngineReplica, **app_args.replica_deployment_options())
     ingress_cls = serve.ingress()(serve_ingress_class(OpenAIIngress))
     ingress = serve.deployment(ingress_cls, **app_args.ingress_deployment_options())
     return ingress.bind(
         replica.bind(app_args.engine, engine_factory, telemetry=app_args.telemetry,
-                     telemetry_factory=telemetry_factory),
+                     telemetry_factory=telemetry_factory,
+                     reporter_factory=ReporterFactory(admission) if admission else None),
         app_args.ingress_settings(),
         tokenizer_factory,
+        client_factory=admitted_client_factory(admission) if admission else None,
         telemetry_factory=telemetry_factory,
     )
 

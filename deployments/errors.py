@@ -78,6 +78,11 @@ class EngineError(APIError):
     error_type = "internal_error"
 
 
+class ReplicaUnavailableError(EngineError):
+    """The engine replica died, or the one admission chose is gone; before any output the request is
+    admitted again and sent elsewhere, after it this is the request's error."""
+
+
 class ServiceUnavailableError(APIError):
     """No engine replica can take the request now; retry after `retry_after_s` seconds."""
 
@@ -99,6 +104,18 @@ class ServiceUnavailableError(APIError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+class TooManyRequestsError(ServiceUnavailableError):
+    """Admission rejected the request (queue full or timed out) with `reject_status: 429`; a
+    ServiceUnavailableError too, so a handle caller catches both kinds of "retry later" at once."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = "rate_limit_exceeded",
+                 retry_after_s: float = 1.0) -> None:
+        super().__init__(message, param, code, retry_after_s)
 
 
 def error_body(message: str, error_type: str, param: Optional[str] = None,

@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.telemetry import TelemetryConfig
 
 from deployments.errors import APIError, BadRequestError, EngineError, ModelNotFoundError, \
-    ServiceUnavailableError, unwrap
+    ReplicaUnavailableError, ServiceUnavailableError, unwrap
 from deployments.observability import RequestObservation, TelemetryFactory, process_telemetry
 from deployments.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
     usage_chunk
@@ -141,7 +141,7 @@ def replica_error(exc: BaseException) -> APIError:
     if isinstance(cause, serve_exceptions.DeploymentUnavailableError):
         return ServiceUnavailableError("the engine deployment is unavailable", retry_after_s=5.0)
     if isinstance(cause, (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)):
-        return EngineError(f"the engine replica failed: {type(cause).__name__}")
+        return ReplicaUnavailableError(f"the engine replica failed: {type(cause).__name__}")
     logger.error("replica call failed: %r", exc)
     return EngineError(f"the engine replica failed: {type(cause).__name__}: {cause}")
 

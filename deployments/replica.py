@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.request import RequestOutput, SamplingParams
 from engine.telemetry import TelemetryConfig
 
+from deployments.admission_state import ReplicaReport, build_report
 from deployments.errors import BadRequestError, EngineError, ServiceUnavailableError
 from deployments.observability import TelemetryFactory, process_telemetry
 from deployments.replica_telemetry import ReplicaObserver
@@ -32,6 +33,7 @@ from deployments.replica_telemetry import ReplicaObserver
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], Any]
+ReporterFactory = Callable[[Callable[[], Optional["ReplicaReport"]]], Any]  # report_fn -> started reporter
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     trace_context: Optional[dict[str, str]] = None  # W3C carrier of the ingress's span (telemetry)
+    target_replica_id: Optional[str] = None  # the admission controller's choice (deployments/routing.py)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class EngineReplica:
         replica_id: Optional[str] = None,
         telemetry: Union[TelemetryConfig, dict, None] = None,
         telemetry_factory: Optional[TelemetryFactory] = None,
+        reporter_factory: Optional[ReporterFactory] = None,
     ) -> None:
         config = EngineConfig.model_validate(engine_config)
         self._replica_id = replica_id or default_replica_id()
@@ -104,11 +108,17 @@ class EngineReplica:
         self._telemetry = (telemetry_factory or process_telemetry)(telemetry_config, "replica")
         self._observer = ReplicaObserver(self._telemetry, self._replica_id, self._engine,
                                          prefix_cache=config.prefix_cache_fraction > 0)
+        self._live: dict[str, tuple[int, int]] = {}  # request_id -> (prompt tokens, max_tokens)
+        # Admission heartbeat (deployments/admission.py): a started reporter calling admission_report().
+        self._reporter = reporter_factory(self.admission_report) if reporter_factory else None
         logger.info("replica %s serving %s", self._replica_id, self._engine.model_name)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Stream the increments of one request; abort it in the engine if the caller goes away."""
         trace = self._observer.start(request)
+        self._live[request.request_id] = (len(request.prompt_token_ids), request.sampling.max_tokens)
+        if self._reporter is not None:
+            self._reporter.ensure_started()
         stream = self._engine.generate(request.request_id, list(request.prompt_token_ids), request.sampling)
         finished = False
         try:
@@ -129,6 +139,7 @@ class EngineReplica:
             trace.finish(finished)
             if not finished:
                 await self._abort(request.request_id)
+            self._live.pop(request.request_id, None)
             await _close_quietly(stream)
 
     async def _abort(self, request_id: str) -> None:
@@ -169,16 +180,27 @@ class EngineReplica:
         data["prometheus_url"] = self._telemetry.prometheus_url
         return data
 
+    def admission_report(self) -> Optional[ReplicaReport]:
+        """Capacity and live requests for the admission controller (None: the engine reports no capacity)."""
+        stats = self._engine.stats()
+        data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+        return build_report(self._replica_id, data, dict(self._live))
+
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""
         if not self._engine.is_healthy():
             raise EngineError(f"engine of replica {self._replica_id} is not healthy")
 
     def shutdown(self) -> None:
+        if self._reporter is not None:
+            self._reporter.stop(self._replica_id)
         self._engine.shutdown()
         self._observer.close()
 
     def __del__(self) -> None:
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:  # Serve's graceful shutdown: leave the admission controller at once
+            reporter.stop(getattr(self, "_replica_id", None))
         observer = getattr(self, "_observer", None)
         if observer is not None:
             observer.close()

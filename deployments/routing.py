@@ -1,0 +1,66 @@
+"""AdmissionRequestRouter: Ray Serve's request router for EngineReplica, honouring the admission choice.
+
+The admission controller picks the replica that has room for a request; the ingress puts that replica's
+id in `GenerateRequest.target_replica_id` and calls the deployment handle as usual. Serve's router (this
+class, set through `request_router_config` in deployments/app.py) runs in the ingress process with the
+request's resolved arguments and offers only that replica; Serve then sends it there with its own
+machinery (queue-length probing, `max_ongoing_requests` back-pressure, retries on a dead actor).
+
+Calls without a target (stats, info, admission off) get Serve's default: the less loaded of two random
+replicas. A target the router does not know yet (a replica that registered with the controller before
+Serve's replica list reached this router) is waited for; one still missing after `route_timeout_s` (it
+died) fails the call with ReplicaUnavailableError, which the ingress answers by admitting the request
+again, elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, List, Optional
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from deployments.errors import ReplicaUnavailableError
+
+logger = logging.getLogger(__name__)
+
+ROUTER_CLASS_PATH = "deployments.routing:AdmissionRequestRouter"
+
+
+def target_replica_id(pending_request: Optional[PendingRequest]) -> Optional[str]:
+    """The replica admission chose for this call: a `target_replica_id` on its first argument."""
+    if pending_request is None:
+        return None
+    for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
+        target = getattr(arg, "target_replica_id", None)
+        if target:
+            return str(target)
+    return None
+
+
+class AdmissionRequestRouter(RequestRouter):
+    def initialize_state(self, route_timeout_s: float = 10.0, **kwargs: Any) -> None:
+        self._route_timeout_s = route_timeout_s
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Back off between rounds (the target may be busy or not known yet) instead of spinning.
+            pending_request.routing_context.should_backoff = True
+        target = target_replica_id(pending_request)
+        if target is None:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        for replica in candidate_replicas:
+            if replica.replica_id.unique_id == target:
+                return [[replica]]
+        waited_s = time.time() - pending_request.created_at
+        if waited_s < getattr(self, "_route_timeout_s", 10.0):
+            return []
+        if not pending_request.future.done():
+            logger.warning("replica %s chosen by admission is not routable after %.1f s", target, waited_s)
+            pending_request.future.set_exception(ReplicaUnavailableError(
+                f"engine replica {target} chosen by admission is gone", code="replica_unavailable"))
+        # The routing loop sees the request's future done and stops; this rank is never used.
+        return [candidate_replicas]

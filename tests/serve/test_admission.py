@@ -1,0 +1,284 @@
+"""Cluster-level admission on a real two-node Ray cluster (ray.cluster_utils.Cluster), tiny model.
+
+Each node has one `engine_slot`, so one engine replica lands per node. The replicas' memory limit is set
+so that each holds KV for ROOM_STEPS cache steps beside its weights and transient bound: a handful of
+requests. The session's plain `ray.init` cluster (conftest) is stopped first and restarted by the next
+module that needs it. The module takes about a minute on 2 cores; the tests run in order and share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deployments.admission import NAMESPACE, decision_to_reservation
+from deployments.admission_state import AdmissionDecision
+from deployments.errors import BadRequestError, ServiceUnavailableError, TooManyRequestsError
+
+APP = "adm"
+MODEL = "tiny"
+HEADROOM = 0.95
+ROOM_STEPS = 6.5  # KV room per replica, in cache steps (256 tokens)
+ENGINE = {"model": MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 256, "prefill_chunk_size": 128,
+          "max_model_len": 2048}
+ADMISSION = {"headroom": HEADROOM, "heartbeat_interval_s": 0.25, "replica_timeout_s": 3.0, "max_queue_len": 2,
+             "queue_timeout_s": 15.0, "retry_after_s": 2.0}
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memory_limit_bytes() -> tuple[int, int]:
+    """A limit giving ROOM_STEPS steps of KV room after weights and the transient bound; and a step's bytes."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    stats = Engine.from_config(EngineConfig(**ENGINE, memory_limit_bytes=1 << 30)).stats()
+    step_bytes = stats.kv_cache_step * stats.kv_bytes_per_token
+    need = stats.weights_bytes + stats.transient_bound_bytes + ROOM_STEPS * step_bytes
+    return math.ceil(need / HEADROOM), step_bytes
+
+
+@pytest.fixture(scope="module")
+def cluster(local_ray):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.app import build_app
+
+    local_ray.stop()  # one Ray per process: the shared cluster goes, the next module restarts it
+    limit, step_bytes = memory_limit_bytes()
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    node = {"num_cpus": 1, "resources": {"engine_slot": 1}, "object_store_memory": 100 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    cluster.add_node(**node)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+             configure_logging=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+    args = {"engine": {**ENGINE, "memory_limit_bytes": limit}, "num_replicas": 2, "admission": ADMISSION,
+            "replica": {"num_cpus": 0.25, "resources": {"engine_slot": 1}, "health_check_period_s": 2.0},
+            "ingress": {"num_cpus": 0.1}, "max_tokens_cap": 2000}
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "step_bytes": step_bytes}
+        serve.delete(APP)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def controller():
+    import ray
+
+    [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]
+    return ray.get_actor(actor["name"], namespace=NAMESPACE)
+
+
+def stats() -> dict:
+    import ray
+
+    return ray.get(controller().stats.remote(), timeout=30)
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; last stats: {stats()}")
+
+
+def body(prompt_tokens: int, max_tokens: int, stream: bool = False, offset: int = 100) -> dict:
+    return {"model": MODEL, "prompt": list(range(offset, offset + prompt_tokens)), "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": stream}
+
+
+def post(url: str, prompt_tokens: int, max_tokens: int) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body(prompt_tokens, max_tokens), timeout=60)
+
+
+def test_decisions_map_to_typed_errors():
+    rejected = AdmissionDecision("rejected", "queue_full", "full", status_code=429, retry_after_s=3.0)
+    with pytest.raises(TooManyRequestsError) as err:
+        decision_to_reservation(rejected)
+    assert err.value.status_code == 429 and err.value.headers() == {"Retry-After": "3"}
+    with pytest.raises(ServiceUnavailableError) as err:
+        decision_to_reservation(AdmissionDecision("rejected", "queue_timeout", "late", status_code=503))
+    assert err.value.status_code == 503 and err.value.code == "queue_timeout"
+    with pytest.raises(BadRequestError):
+        decision_to_reservation(AdmissionDecision("invalid", "never_fits", "too big", status_code=400))
+
+
+def test_registered_replicas_and_never_fits(cluster):
+    s = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 else None)(stats()), what="2 replicas")
+    for replica in s["replicas"]:
+        assert replica["kv_limit_bytes"] // cluster["step_bytes"] == int(ROOM_STEPS)
+    r = post(cluster["url"], 10, 1900)  # 1909 tokens: 8 steps, more than any replica's 6.5
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "never_fits"
+
+
+def test_burst_beyond_capacity(cluster):
+    """Long prompts, 2 steps each: 3 fit per replica, 6 in the cluster, 2 more may queue, the rest 503."""
+    url = cluster["url"]
+    before = {r["replica_id"] for r in stats()["replicas"]}
+    samples: list[dict] = []
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def one(i: int) -> httpx.Response:
+                return await http.post(f"{url}/v1/completions", json=body(400, 100, offset=100 + i))
+
+            async def sample() -> None:
+                while True:
+                    samples.append(await asyncio.to_thread(stats))
+                    await asyncio.sleep(0.1)
+
+            sampler = asyncio.create_task(sample())
+            try:
+                return await asyncio.gather(*(one(i) for i in range(14)))
+            finally:
+                sampler.cancel()
+
+    responses = asyncio.run(burst())
+    ok = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code != 200]
+    assert len(ok) >= 6 and len(rejected) >= 1, [r.status_code for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == 100 for r in ok)
+    for r in rejected:
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["code"] == "queue_full"
+    for s in samples:  # the model never admits past a replica's room, nor past the engine's own budget
+        for replica in s["replicas"]:
+            assert replica["reserved_kv_bytes"] <= replica["kv_limit_bytes"]
+            assert replica["num_reservations"] <= 3
+            assert replica["engine_kv_reserved_bytes"] <= replica["kv_limit_bytes"]
+    after = wait_for(lambda: (lambda s: s if s["num_reservations"] == 0 else None)(stats()), what="all released")
+    assert {r["replica_id"] for r in after["replicas"]} == before  # no replica died
+    counters = after["counters"]
+    assert counters["num_rejected"].get("queue_full", 0) == len(rejected) and counters["num_queued"] >= 2
+    print(f"burst of {len(responses)}: {len(ok)} completed ({counters['num_admitted_after_wait']} after waiting "
+          f"in the queue), {len(rejected)} rejected with 503")
+    for replica in after["replicas"]:
+        assert 0 < replica["max_measured_transient_bytes"] <= replica["transient_bound_bytes"]
+        assert not replica["peak_exceeded"]
+
+
+def test_placement_by_room_not_round_robin(cluster):
+    url = cluster["url"]
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions",
+                                                        json=body(10, 1000, stream=True)) as held:
+        assert held.status_code == 200
+        busy = held.headers["x-replica-id"]  # 1010 tokens: 4 of its 6.5 steps; 2.5 left, room for more
+        lines = held.iter_lines()
+        next(lines)
+        [hold] = [r for r in stats()["replicas"] if r["num_reservations"]]
+        assert hold["replica_id"] == busy and hold["reserved_kv_bytes"] == 4 * cluster["step_bytes"]
+        placed = [post(url, 10, 8) for _ in range(4)]  # 1 step each: both replicas could take them
+        assert all(r.status_code == 200 for r in placed)
+        assert {r.headers["x-replica-id"] for r in placed} == {r["replica_id"] for r in stats()["replicas"]} - {busy}
+    # The client went away: the ingress releases, the replica aborts.
+    wait_for(lambda: stats()["num_reservations"] == 0, what="release on disconnect")
+
+
+def test_controller_killed_under_load(cluster):
+    import ray
+
+    url = cluster["url"]
+    step = cluster["step_bytes"]
+    with httpx.Client(timeout=60) as http:
+        streams = [http.stream("POST", f"{url}/v1/completions", json=body(10, 1500, stream=True, offset=200 + i))
+                   for i in range(2)]
+        responses = [s.__enter__() for s in streams]
+        lines = [r.iter_lines() for r in responses]  # kept: a dropped iterator closes the connection
+        ids = []
+        try:
+            for r, it in zip(responses, lines):
+                assert r.status_code == 200
+                ids.append(json.loads(next(it)[len("data: "):])["id"] + "-0")
+            killed = time.monotonic()
+            ray.kill(controller(), no_restart=False)
+            rebuilt = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 and s["num_reservations"] == 2
+                                        else None)(stats()), what="rebuild from heartbeats")
+            rebuild_s = time.monotonic() - killed
+            assert rebuilt["counters"]["num_adopted"] == 2 and rebuilt["counters"]["num_admitted"] == 0
+            assert sorted(i for r in rebuilt["replicas"] for i in r["request_ids"]) == sorted(ids)
+            assert rebuilt["reserved_kv_bytes"] == 2 * 6 * step  # 1510 tokens each: 6 steps
+            fresh = post(url, 10, 8)  # admitted by the new controller beside the adopted two
+            assert fresh.status_code == 200, fresh.text
+            for it in lines:  # the in-flight requests complete
+                events = [line for line in it if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]", events[-2:]
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    print(f"controller rebuilt {rebuild_s:.1f} s after the kill")
+    wait_for(lambda: stats()["num_reservations"] == 0, what="releases after the restart")
+
+
+def test_router_sends_to_the_target_and_fails_a_gone_one(cluster):
+    """The custom RequestRouter alone (no controller): a target is honoured; a gone one fails in time."""
+    from ray import serve
+
+    from deployments.errors import ReplicaUnavailableError, unwrap
+    from deployments.replica import GenerateRequest
+    from engine.request import SamplingParams
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name=APP).options(stream=True)
+
+    async def generate(request_id: str, target: str) -> list:
+        request = GenerateRequest(request_id, [5, 6, 7], SamplingParams(max_tokens=2), target_replica_id=target)
+        return [out async for out in handle.generate.remote(request)]
+
+    for i, replica in enumerate(sorted(r["replica_id"] for r in stats()["replicas"]) * 3):
+        assert {out.replica_id for out in asyncio.run(generate(f"direct-{i}", replica))} == {replica}
+    started = time.monotonic()
+    with pytest.raises(Exception) as err:
+        asyncio.run(generate("nowhere", "no-such-replica"))
+    assert isinstance(unwrap(err.value), ReplicaUnavailableError), repr(err.value)
+    assert ADMISSION["replica_timeout_s"] <= time.monotonic() - started < ADMISSION["replica_timeout_s"] + 5
+
+
+def test_replica_killed_frees_its_reservations(cluster):
+    """Last: kills one engine replica (Serve replaces it)."""
+    import ray
+
+    url = cluster["url"]
+    events = []
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions",
+                                                        json=body(10, 1500, stream=True)) as r:
+        victim = r.headers["x-replica-id"]
+        assert stats()["num_reservations"] == 1
+        [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}")]
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 3:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+    assert "data: [DONE]" not in events and "error" in events[-1]
+    after = wait_for(lambda: (lambda s: s if victim not in {x["replica_id"] for x in s["replicas"]}
+                              and s["num_reservations"] == 0 else None)(stats()), what="reclaim")
+    assert after["counters"]["num_reclaimed"] + after["counters"]["num_released"] >= 1
+    moved = [post(url, 10, 8) for _ in range(3)]
+    assert all(m.status_code == 200 for m in moved), [m.text for m in moved]
+    assert victim not in {m.headers["x-replica-id"] for m in moved}
