@@ -22,6 +22,8 @@ from deployments.admission_state import (AdmissionConfig, AdmissionDecision, Adm
 
 logger = logging.getLogger(__name__)
 
+GONE_TTL_FACTOR = 6  # a replica reported gone is ignored for this many replica_timeout_s
+
 
 @dataclass
 class _Waiter:
@@ -109,6 +111,8 @@ class Admitter:
     # --- replicas ---------------------------------------------------------------------------------
     def report(self, report: ReplicaReport) -> ReportResult:
         result = self.ledger.report(report, self._clock())
+        if result.ignored:
+            logger.debug("report of replica %s ignored (unhealthy or reported gone)", result.replica_id)
         self.counters.num_adopted += result.num_adopted
         if result.registered:
             logger.info("replica %s registered (%d requests adopted)", result.replica_id, result.num_adopted)
@@ -122,8 +126,10 @@ class Admitter:
         return result
 
     def replica_failed(self, replica_id: str) -> int:
-        """A caller saw the replica die: reclaim now instead of waiting for its heartbeat to time out."""
-        return self._reclaim({replica_id: self.ledger.remove_replica(replica_id)})
+        """A caller saw the replica die, or Serve's router dropped it: reclaim now instead of waiting for
+        its heartbeat to time out, and ignore its reports for a while (a draining replica still reports)."""
+        until = self._clock() + GONE_TTL_FACTOR * self.config.replica_timeout_s
+        return self._reclaim({replica_id: self.ledger.remove_replica(replica_id, ignore_until=until)})
 
     def reap(self) -> int:
         """Reclaim silent replicas; call every heartbeat interval. Returns reservations reclaimed."""

@@ -101,6 +101,7 @@ class ReplicaReport:
     engine_kv_reserved_bytes: int = 0
     engine_kv_used_bytes: int = 0
     max_measured_transient_bytes: int = 0
+    healthy: bool = True  # False: the engine is dead or hung; the replica is dropped, nothing goes there
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class ReportResult:
     num_dropped: int
     peak_exceeded: bool  # the measured transient went over the modelled bound further than before
     excess_bytes: int
+    ignored: bool = False  # an unhealthy replica, or one reported gone (dropped, not registered)
 
 
 @dataclass
@@ -197,6 +199,7 @@ class AdmissionLedger:
         self._replicas: dict[str, _Replica] = {}
         self._owner: dict[str, str] = {}  # request_id -> replica_id
         self._released: dict[str, float] = {}  # request_id -> when; not re-adopted from late reports
+        self._gone: dict[str, float] = {}  # replica_id -> until when its reports are ignored
 
     # --- requests ---------------------------------------------------------------------------------
     def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> Optional[str]:
@@ -264,8 +267,12 @@ class AdmissionLedger:
 
     # --- replicas ---------------------------------------------------------------------------------
     def report(self, report: ReplicaReport, now: float) -> ReportResult:
-        """Register or refresh a replica; reconcile its reservations with what it holds."""
+        """Register or refresh a replica; reconcile its reservations with what it holds. An unhealthy
+        replica is dropped; one reported gone stays out until its tombstone expires."""
         capacity = report.capacity
+        if not report.healthy or now < self._gone.get(capacity.replica_id, now):
+            self.remove_replica(capacity.replica_id)
+            return ReportResult(capacity.replica_id, False, 0, 0, False, 0, ignored=True)
         replica = self._replicas.get(capacity.replica_id)
         registered = replica is None
         if replica is None:
@@ -309,8 +316,12 @@ class AdmissionLedger:
         replica.num_peak_exceeded += 1
         return True
 
-    def remove_replica(self, replica_id: str) -> int:
-        """Drop a replica (dead or silent) and reclaim its reservations; returns how many."""
+    def remove_replica(self, replica_id: str, ignore_until: Optional[float] = None) -> int:
+        """Drop a replica (dead or silent) and reclaim its reservations; returns how many. With
+        `ignore_until`, its reports are ignored until then (Serve said it is gone: a draining replica
+        still reports, and Serve never reuses a replica id)."""
+        if ignore_until is not None:
+            self._gone[replica_id] = ignore_until
         replica = self._replicas.pop(replica_id, None)
         if replica is None:
             return 0
@@ -325,6 +336,7 @@ class AdmissionLedger:
         silent = [i for i, r in self._replicas.items() if now - r.last_seen > timeout]
         reclaimed = {replica_id: self.remove_replica(replica_id) for replica_id in silent}
         self._released = {i: t for i, t in self._released.items() if now - t <= timeout}
+        self._gone = {i: until for i, until in self._gone.items() if now < until}
         return reclaimed
 
     def _add(self, replica: _Replica, reservation: Reservation, now: float, seen_live: bool) -> None:
@@ -358,7 +370,8 @@ CAPACITY_FIELDS = ("memory_limit_bytes", "weights_bytes", "kv_bytes_per_token", 
                    "transient_bound_bytes", "kv_budget_bytes", "max_model_len")
 
 
-def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]]) -> Optional[ReplicaReport]:
+def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]],
+                 healthy: bool = True) -> Optional[ReplicaReport]:
     """A replica's report from its engine's stats (EngineStats as a dict) and the requests it holds
     ({request_id: (num_prompt_tokens, max_tokens)}); None if the engine does not report capacity."""
     if any(name not in stats for name in CAPACITY_FIELDS):
@@ -368,4 +381,5 @@ def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]])
                      for request_id, (prompt, max_tokens) in live.items())
     return ReplicaReport(capacity, requests, engine_kv_reserved_bytes=int(stats.get("kv_reserved_bytes", 0)),
                          engine_kv_used_bytes=int(stats.get("kv_used_bytes", 0)),
-                         max_measured_transient_bytes=int(stats.get("max_measured_transient_bytes", 0)))
+                         max_measured_transient_bytes=int(stats.get("max_measured_transient_bytes", 0)),
+                         healthy=healthy)

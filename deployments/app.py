@@ -134,7 +134,8 @@ class AppArgs(BaseModel):
         if self.admission.enabled:
             options["request_router_config"] = {
                 "request_router_class": ADMISSION_ROUTER,
-                "request_router_kwargs": {"route_timeout_s": self.admission.replica_timeout_s},
+                "request_router_kwargs": {"route_timeout_s": self.admission.replica_timeout_s,
+                                          "admission": self.admission.model_dump()},
             }
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump()

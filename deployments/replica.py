@@ -184,7 +184,7 @@ class EngineReplica:
         """Capacity and live requests for the admission controller (None: the engine reports no capacity)."""
         stats = self._engine.stats()
         data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
-        return build_report(self._replica_id, data, dict(self._live))
+        return build_report(self._replica_id, data, dict(self._live), healthy=self._engine.is_healthy())
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""

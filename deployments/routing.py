@@ -11,6 +11,10 @@ replicas. A target the router does not know yet (a replica that registered with 
 Serve's replica list reached this router) is waited for; one still missing after `route_timeout_s` (it
 died) fails the call with ReplicaUnavailableError, which the ingress answers by admitting the request
 again, elsewhere.
+
+The router also tells the admission controller when Serve drops a replica from its set (dead, unhealthy,
+stopping) or a call finds its actor dead, so its reservations are reclaimed at once rather than after
+the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import random
 import time
 from typing import Any, List, Optional
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.admission import get_or_create_controller
+from deployments.admission_state import AdmissionConfig
 from deployments.errors import ReplicaUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -41,8 +47,33 @@ def target_replica_id(pending_request: Optional[PendingRequest]) -> Optional[str
 
 
 class AdmissionRequestRouter(RequestRouter):
-    def initialize_state(self, route_timeout_s: float = 10.0, **kwargs: Any) -> None:
+    def initialize_state(self, route_timeout_s: float = 10.0, admission: Optional[dict] = None,
+                         **kwargs: Any) -> None:
+        """`request_router_kwargs`: how long to wait for an unknown target; the admission config (to
+        find the controller)."""
         self._route_timeout_s = route_timeout_s
+        self._admission = AdmissionConfig.model_validate(admission) if admission else None
+        self._controller: Any = None
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        before = {replica_id.unique_id for replica_id in self.curr_replicas}
+        super().update_replicas(replicas)
+        for replica_id in before - {r.replica_id.unique_id for r in replicas}:
+            self._report_gone(replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._report_gone(replica_id.unique_id)
+
+    def _report_gone(self, replica_id: str) -> None:
+        if getattr(self, "_admission", None) is None:
+            return
+        try:
+            if self._controller is None:
+                self._controller = get_or_create_controller(self._admission, self.app_name)
+            self._controller.replica_failed.remote(replica_id)
+        except Exception:  # best effort: the heartbeat timeout reclaims it anyway
+            logger.warning("could not report replica %s gone to admission", replica_id, exc_info=True)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

@@ -114,6 +114,20 @@ def test_reclaim_silent_replica_and_explicit_removal():
     assert book.release("1", now=6.0) is None  # the ingress's release after a reclaim is a no-op
 
 
+def test_unhealthy_and_gone_replicas_stay_out():
+    book = ledger(capacity("a"), capacity("b"))
+    book.try_reserve("1", 10, 10, 0.0)
+    owner = book.get("1").replica_id
+    assert book.report(ReplicaReport(capacity(owner), healthy=False), now=1.0).ignored
+    assert book.get("1") is None and book.num_replicas == 1  # a hung engine: dropped, reclaimed
+    other = "b" if owner == "a" else "a"
+    assert book.remove_replica(other, ignore_until=10.0) == 0
+    assert book.report(ReplicaReport(capacity(other)), now=2.0).ignored  # Serve said it is gone
+    assert book.num_replicas == 0 and book.try_reserve("2", 10, 10, 2.0) is None
+    book.reclaim(now=10.5)
+    assert book.report(ReplicaReport(capacity(other)), now=10.5).registered  # the tombstone expired
+
+
 def test_rebuild_from_reports_without_double_counting():
     book = AdmissionLedger(CONFIG)  # a restarted controller: empty
     live = (LiveRequest("1", STEP_BYTES, 20), LiveRequest("2", 2 * STEP_BYTES, 300))
