@@ -4,8 +4,8 @@
 on the tiny model and wraps its runner: a prompt chunk holding `fail_token_id` raises in prefill; a
 prompt holding `fail_decode_token_id` makes the decode forward raise once that request has decoded
 `decodes_before_fault` tokens (mid-stream); one holding `hang_token_id` blocks the engine thread for good
-(AsyncEngine's `hang_timeout_s` then reports the engine unhealthy). Ray pickles the factory by reference, so the replicas import this module as
-`tests.serve.faults` (the repository root is on their PYTHONPATH).
+(AsyncEngine's `hang_timeout_s` then reports the engine unhealthy). Ray pickles the factory by reference,
+so the replicas import this module as `tests.serve.faults` (the repository root is on their PYTHONPATH).
 """
 
 from __future__ import annotations
