@@ -530,10 +530,25 @@ class Server:
 
 
 def start_app(args) -> Server:
-    """Our app through `serve run config/serve.yaml` (its model, port 8000 as in the file)."""
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    """Our app through `serve run` on a copy of --app-config whose HTTP port is --url's, in a Ray
+    cluster of its own (`--address local`, its own RAY_TMPDIR), so a cluster that tests or other
+    people run on this host is never joined nor its application replaced."""
+    import urllib.parse
+
+    import yaml
+
+    config = yaml.safe_load((ROOT / args.app_config).read_text())
+    port = urllib.parse.urlparse(args.url).port or 8000
+    config.setdefault("http_options", {})["port"] = port
+    os.makedirs(args.log_dir, exist_ok=True)
+    cfg_path = Path(args.log_dir) / "serve_bench.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               RAY_TMPDIR=str(Path(args.log_dir) / "ray"))
+    os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     serve = str(Path(sys.executable).with_name("serve"))
-    server = Server([serve, "run", args.app_config], args.log_dir + "/app.log", env=env, cwd=str(ROOT))
+    server = Server([serve, "run", "--address", "local", str(cfg_path)], args.log_dir + "/app.log",
+                    env=env, cwd=str(ROOT))
     wait_http(args.url, "/v1/models", args.start_timeout_s, server.proc)
     return server
 
@@ -614,7 +629,8 @@ def eos_token_ids(folder: Optional[str]) -> list[int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
-    p.add_argument("--start-app", action="store_true", help="start our app (serve run --app-config)")
+    p.add_argument("--start-app", action="store_true",
+                   help="start our app (serve run on a copy of --app-config, port from --url, default 8100)")
     p.add_argument("--app-config", default="config/serve.yaml")
     p.add_argument("--compare-mlx-lm", action="store_true",
                    help="also start mlx_lm.server on --model's folder and run the same load")
@@ -646,7 +662,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     if args.start_app and not args.url:
-        args.url = "http://127.0.0.1:8000"
+        args.url = "http://127.0.0.1:8100"  # not serve.yaml's 8000, which a running app may hold
     if not (args.engine_only or args.url or args.compare_mlx_lm):
         p.error("give --url, --start-app, --compare-mlx-lm or --engine-only")
     return args
