@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/x.py` from anywhere
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

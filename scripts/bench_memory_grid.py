@@ -114,7 +114,7 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
                                whole_step_measured=st["whole_step_measured"],
                                terms=prefill_terms(shape, cc, n, logits)))
         engine.abort("g")
-        del engine, recorder
+        engine = recorder = None  # the next engine starts from nothing alive but the weights
         free_memory()
     return points
 
@@ -163,7 +163,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         meter.result(0, None, [0.0], 0.0)
         for rid in alive:
             engine.abort(rid)
-        del engine, recorder
+        engine = recorder = None
         free_memory()
     return points
 
