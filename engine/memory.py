@@ -7,14 +7,16 @@ Terms, for a model with L layers, H query heads, H_kv KV heads of size d, hidden
 vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - KV per token: 2 * L * H_kv * d * s, reserved per request in steps of `kv_step` tokens.
 - Prefill chunk of c tokens of one row whose context after the chunk is n:
-      a_s * 4*H*c*n + a_m * c*n + a_i * c*I*s + a_d * c*D*s + a_v * 4*V
+      a_s * 4*H*c*n + a_m * c*n + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
   (attention scores and their softmax, the causal mask, the MLP intermediates, the hidden-size
   activations, the last position's logits). Rows prefill one after another, each evaluated before the
   next, so a step's prefill transient is the largest chunk's, not the sum.
 - Decode of B rows, the longest with n keys:
-      b_d * B*D*s + g * 2*B*H_kv*n*d*s + b_s * 4*B*H*n + max(b_i * B*I*s,  b_v * 4*B*V)
+      b_d * B*D*s + g * 2*B*H_kv*n*d*s + b_s * 4*B*H*n + max(b_i * B*I*s,  (b_v * B + z) * 4*V)
   one layer's gathered right-padded KV (none when B = 1) and its scores, plus the larger of the MLP
   intermediates and the logits (they are never alive together).
+- z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
+  when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen on MLX's
 CPU backend from measured forwards of small random llamas (scripts/calibrate_memory.py reports how
 they do and searches others) and are checked step by step by tests/engine/test_memory_measured.py.
@@ -71,6 +73,7 @@ class TransientCoefficients:
     decode_logits: float
     decode_mlp: float
     decode_hidden: float
+    sampling: float = 11.0  # x 4*V: temperature / top-k / top-p of one row (rows are sampled in turn)
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
@@ -84,6 +87,7 @@ class PrefillChunkPlan:
     num_tokens: int  # c: tokens computed in this chunk
     context_len: int  # n: tokens of KV the chunk attends to, itself included
     computes_logits: bool = True  # only the chunk that ends a prompt reaches the LM head
+    samples: bool = False  # ... and samples (not greedy) from them
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class StepPlan:
     """What one engine step computes, as the memory model needs it (plain ints)."""
 
     decode_context_lens: tuple[int, ...] = ()  # n per decoding row, this step's token included
+    decode_samples: bool = False  # some decoding row samples (temperature > 0)
     prefill_chunks: tuple[PrefillChunkPlan, ...] = ()
 
 
@@ -121,7 +126,8 @@ class MemoryModel:
         return self.kv_tokens(num_tokens) * self.kv_bytes_per_token
 
     # --- transients -------------------------------------------------------------------------------
-    def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True) -> int:
+    def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
+                            samples: bool = False) -> int:
         s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
@@ -129,11 +135,11 @@ class MemoryModel:
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
-            + k.prefill_logits * FLOAT32_BYTES * s.vocab_size * computes_logits
+            + (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         )
         return int(total)
 
-    def decode_bytes(self, context_lens: Sequence[int]) -> int:
+    def decode_bytes(self, context_lens: Sequence[int], samples: bool = False) -> int:
         """Gathered KV + scores, plus the larger of the MLP intermediates and the logits."""
         if not context_lens:
             return 0
@@ -141,13 +147,13 @@ class MemoryModel:
         gather = 2 * b * s.num_kv_heads * n * s.head_dim * s.dtype_bytes if b > 1 else 0
         attention = k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
         mlp = k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
-        logits = k.decode_logits * FLOAT32_BYTES * b * s.vocab_size
+        logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + attention + max(mlp, logits))
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
-        parts = [self.decode_bytes(plan.decode_context_lens)]
-        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits)
+        parts = [self.decode_bytes(plan.decode_context_lens, plan.decode_samples)]
+        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples)
                   for p in plan.prefill_chunks]
         return max(parts)
 
@@ -159,6 +165,6 @@ class MemoryModel:
         """
         chunk = min(prefill_chunk_size, max_model_len)
         return max(
-            self.prefill_chunk_bytes(chunk, max_model_len),
-            self.decode_bytes([max_model_len] * max_num_seqs),
+            self.prefill_chunk_bytes(chunk, max_model_len, samples=True),
+            self.decode_bytes([max_model_len] * max_num_seqs, samples=True),
         )

@@ -55,5 +55,6 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> list[int]:
         row = row - mx.logsumexp(row)
         row = apply_top_k_top_p(row, s.params.top_k, s.params.top_p)
         tokens[i] = mx.random.categorical(row, key=s.next_key())
+        mx.eval(tokens[i])  # one row's sort / cumsum temporaries at a time (the memory model counts one)
     stacked = mx.stack(tokens) if tokens else mx.array([], mx.int32)
     return stacked.tolist()

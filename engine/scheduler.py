@@ -150,9 +150,12 @@ class Scheduler:
         new_rows: list[NewRow] = []
         while budget > 0 and self.waiting and self._try_admit(self.waiting[0], new_rows):
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
+        samples = {r.request_id for r in self.running if not r.sampling.greedy}
         plan = StepPlan(
             decode_context_lens=tuple(self.requests[i].num_tokens for i in decodes),
-            prefill_chunks=tuple(PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt)
+            decode_samples=any(i in samples for i in decodes),
+            prefill_chunks=tuple(PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
+                                                  c.completes_prompt and c.request_id in samples)
                                  for c in prefills),
         )
         return SchedulerOutput(
