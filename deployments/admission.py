@@ -55,12 +55,14 @@ def controller_name(config: AdmissionConfig, app_name: str) -> str:
     return f"mlx-admission.{app_name}.{digest}"
 
 
-def get_or_create_controller(config: AdmissionConfig, app_name: Optional[str] = None) -> Any:
+def get_or_create_controller(config: AdmissionConfig, app_name: Optional[str] = None,
+                             telemetry_factory: Optional[Callable[[], Any]] = None) -> Any:
+    """The app's controller; whoever creates it first gives it its telemetry (a picklable factory)."""
     actor_cls = ray.remote(AdmissionController)
     return actor_cls.options(
         name=controller_name(config, app_name or current_app_name()), namespace=NAMESPACE,
         lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=-1, num_cpus=0,
-    ).remote(config.model_dump())
+    ).remote(config.model_dump(), telemetry_factory)
 
 
 class AdmissionController:
@@ -70,7 +72,8 @@ class AdmissionController:
     def __init__(self, config: Union[AdmissionConfig, dict], telemetry_factory: Optional[Callable] = None,
                  exit_fn: Optional[Callable[[], None]] = None) -> None:
         self.config = AdmissionConfig.model_validate(config)
-        self._admitter = Admitter(self.config, telemetry=telemetry_factory() if telemetry_factory else None)
+        self._telemetry = telemetry_factory() if telemetry_factory else None
+        self._admitter = Admitter(self.config, telemetry=self._telemetry)
         self._exit_fn = exit_fn or _exit_this_actor
         self._last_activity = time.monotonic()
         self._reaper: Optional[asyncio.Task] = None
@@ -92,8 +95,9 @@ class AdmissionController:
         return self._admitter.replica_failed(replica_id)
 
     async def stats(self) -> dict[str, Any]:
+        """The Admitter's stats, plus where this process serves its metrics (None: not served)."""
         self._touch()
-        return self._admitter.stats()
+        return {**self._admitter.stats(), "prometheus_url": getattr(self._telemetry, "prometheus_url", None)}
 
     def _touch(self) -> None:
         self._last_activity = time.monotonic()
@@ -119,9 +123,10 @@ def _exit_this_actor() -> None:
 class AdmissionClient:
     """What the ingress calls; maps decisions to the typed API errors."""
 
-    def __init__(self, config: AdmissionConfig, controller_factory: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, config: AdmissionConfig, controller_factory: Optional[Callable[[], Any]] = None,
+                 telemetry_factory: Optional[Callable[[], Any]] = None) -> None:
         self.config = config
-        self._factory = controller_factory or (lambda: get_or_create_controller(config))
+        self._factory = controller_factory or (lambda: get_or_create_controller(config, None, telemetry_factory))
         self._handle: Any = None
 
     def _controller(self) -> Any:
@@ -219,19 +224,22 @@ class AdmittedReplicaClient:
         return await self._inner.call(method, timeout_s)
 
 
-def admitted_client_factory(config: AdmissionConfig) -> Callable[[Any], AdmittedReplicaClient]:
+def admitted_client_factory(config: AdmissionConfig, telemetry_factory: Optional[Callable[[], Any]] = None
+                            ) -> Callable[[Any], AdmittedReplicaClient]:
     """The ingress's `client_factory` when admission is on (a picklable callable, for `bind`)."""
-    return _AdmittedClientFactory(config)
+    return _AdmittedClientFactory(config, telemetry_factory)
 
 
 @dataclasses.dataclass(frozen=True)
 class _AdmittedClientFactory:
     config: AdmissionConfig
+    telemetry_factory: Optional[Callable[[], Any]] = None  # the controller's, if this ingress creates it
 
     def __call__(self, handle: Any) -> AdmittedReplicaClient:
         from deployments.ingress import HandleReplicaClient
 
-        return AdmittedReplicaClient(HandleReplicaClient(handle, max_attempts=1), AdmissionClient(self.config))
+        admission = AdmissionClient(self.config, telemetry_factory=self.telemetry_factory)
+        return AdmittedReplicaClient(HandleReplicaClient(handle, max_attempts=1), admission)
 
 
 class ReplicaReporter:
@@ -239,10 +247,11 @@ class ReplicaReporter:
     first report registers the replica; a restarted controller is re-registered by the next one."""
 
     def __init__(self, config: AdmissionConfig, report_fn: Callable[[], Optional[ReplicaReport]],
-                 controller_factory: Optional[Callable[[], Any]] = None) -> None:
+                 controller_factory: Optional[Callable[[], Any]] = None,
+                 telemetry_factory: Optional[Callable[[], Any]] = None) -> None:
         self.config = config
         self._report_fn = report_fn
-        self._factory = controller_factory or (lambda: get_or_create_controller(config))
+        self._factory = controller_factory or (lambda: get_or_create_controller(config, None, telemetry_factory))
         self._handle: Any = None
         self._task: Optional[asyncio.Task] = None
         self.num_reports = 0
@@ -292,8 +301,9 @@ class ReporterFactory:
     """EngineReplica's `reporter_factory` (picklable, for `bind`): report_fn -> started ReplicaReporter."""
 
     config: AdmissionConfig
+    telemetry_factory: Optional[Callable[[], Any]] = None  # the controller's, if this replica creates it
 
     def __call__(self, report_fn: Callable[[], Optional[ReplicaReport]]) -> ReplicaReporter:
-        reporter = ReplicaReporter(self.config, report_fn)
+        reporter = ReplicaReporter(self.config, report_fn, telemetry_factory=self.telemetry_factory)
         reporter.ensure_started()
         return reporter

@@ -9,6 +9,7 @@ OpenAIIngress stay plain classes (Ray Serve LLM's `build_llm_deployment` does th
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable, Optional, Union
@@ -20,7 +21,7 @@ from engine.telemetry import TelemetryConfig
 
 from deployments.admission_state import AdmissionConfig
 from deployments.ingress import IngressSettings, OpenAIIngress
-from deployments.observability import TelemetryFactory
+from deployments.observability import TelemetryFactory, process_telemetry
 from deployments.replica import EngineFactory, EngineReplica
 
 APP_NAME = "mlx-llm"
@@ -174,16 +175,18 @@ def build_app_with(
 
     app_args = parse_args(args)
     admission = app_args.admission if app_args.admission.enabled else None
+    # The controller's own Telemetry (role "admission"), built in its process by whoever creates it.
+    admission_telemetry = functools.partial(telemetry_factory or process_telemetry, app_args.telemetry, "admission")
     replica = serve.deployment(EngineReplica, **app_args.replica_deployment_options())
     ingress_cls = serve.ingress()(serve_ingress_class(OpenAIIngress))
     ingress = serve.deployment(ingress_cls, **app_args.ingress_deployment_options())
     return ingress.bind(
         replica.bind(app_args.engine, engine_factory, telemetry=app_args.telemetry,
                      telemetry_factory=telemetry_factory,
-                     reporter_factory=ReporterFactory(admission) if admission else None),
+                     reporter_factory=ReporterFactory(admission, admission_telemetry) if admission else None),
         app_args.ingress_settings(),
         tokenizer_factory,
-        client_factory=admitted_client_factory(admission) if admission else None,
+        client_factory=admitted_client_factory(admission, admission_telemetry) if admission else None,
         telemetry_factory=telemetry_factory,
     )
 

@@ -182,6 +182,9 @@ def test_burst_beyond_capacity(cluster):
     for replica in after["replicas"]:
         assert 0 < replica["max_measured_transient_bytes"] <= replica["transient_bound_bytes"]
         assert not replica["peak_exceeded"]
+    scrape = httpx.get(after["prometheus_url"], timeout=10).text  # the controller's own Telemetry
+    decisions = [line for line in scrape.splitlines() if line.startswith("mlx_serve_admission_decisions_total{")]
+    assert any('outcome="rejected",reason="queue_full"' in line for line in decisions), decisions
 
 
 def test_placement_by_room_not_round_robin(cluster):
