@@ -7,8 +7,11 @@ the KV never grows, never copies, and the bytes in use are exactly what the sche
 Prefill runs one row at a time through `RowKV.layer(i)` (B = 1, causal mask by offset, no mask array).
 Decode of all running rows is one forward through `DecodeView`: per layer it writes each row's new
 key/value in place, then gathers the rows into one right-padded `[B, H_kv, L_max, D]` tensor with a
-`[B, 1, 1, L_max]` boolean mask. Only one layer's gathered copy is alive at a time (MLX frees it once
-that layer's attention ran), which the memory model counts as the decode transient.
+`[B, 1, 1, L_max]` boolean mask. On the CPU only one layer's gathered copy is alive at a time (MLX
+frees it once that layer's attention ran), which the memory model counts as the decode transient. On
+CUDA, MLX frees temporaries per committed batch of ops, so several layers' copies can coexist
+(docs/benchmarks.md); MLX_MAX_OPS_PER_BUFFER bounds that. The 2 + 4B small ops per layer are also
+the decode's main cost on a GPU (a shared batched layout is the fix, not done yet).
 """
 
 from __future__ import annotations
