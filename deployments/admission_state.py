@@ -235,7 +235,7 @@ class AdmissionLedger:
         existing = self.get(request_id)
         if existing is not None:
             return existing
-        best: Optional[tuple[int, int, str]] = None
+        best_id, best_key = None, None
         for replica_id, replica in self._replicas.items():
             capacity = replica.capacity
             if num_prompt_tokens + max_tokens > capacity.max_model_len:
@@ -244,13 +244,13 @@ class AdmissionLedger:
             room = replica.kv_limit_bytes(self.config.headroom) - replica.reserved_bytes - need
             if room < 0:
                 continue
-            key = (-room, replica.queued_tokens, replica_id)
-            if best is None or key < best:
-                best = key
-        if best is None:
+            key = (-room, replica.queued_tokens, replica_id)  # most room left, then fewest queued tokens
+            if best_key is None or key < best_key:
+                best_id, best_key = replica_id, key
+        if best_id is None:
             return None
-        replica = self._replicas[best[2]]
-        reservation = Reservation(request_id, best[2],
+        replica = self._replicas[best_id]
+        reservation = Reservation(request_id, best_id,
                                   replica.capacity.reservation_bytes(num_prompt_tokens, max_tokens),
                                   num_prompt_tokens + max_tokens)
         self._add(replica, reservation, now, seen_live=False)
