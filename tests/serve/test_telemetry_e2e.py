@@ -87,6 +87,12 @@ def http_calls(ingress: OpenAIIngress) -> list[tuple[str, dict, int]]:
 @pytest.fixture(scope="module")
 def recorded():
     """Run the requests once; keep the metrics data and the spans (read before the replica closes)."""
+    import mlx.core as mx
+
+    # Start like a fresh replica process: buffers that earlier tests left in MLX's buffer cache are
+    # reused for smaller requests and counted at their full size, inflating measured peaks
+    # (docs/memory.md, "Measured peaks in a long-running process").
+    mx.clear_cache()
     telemetry = Telemetry.for_testing()
     replica = EngineReplica(ENGINE, replica_id="r0", telemetry_factory=lambda config, role: telemetry)
     ingress = OpenAIIngress(replica, IngressSettings(engine=EngineConfig(**ENGINE)),
