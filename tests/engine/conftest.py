@@ -25,6 +25,24 @@ def tiny_parts(model_cache_dir):
     return model, tokenizer, json.loads((path / "config.json").read_text())
 
 
+def reference_greedy_ids(model, prompt_ids, max_tokens, eos_ids=()):
+    """mlx-lm's own greedy generation of one prompt alone: what the engine must reproduce."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if out[-1] in eos_ids:
+            break
+    return out
+
+
+@pytest.fixture
+def reference_greedy():
+    return reference_greedy_ids
+
+
 @pytest.fixture
 def make_engine(tiny_parts, model_cache_dir):
     """Build an Engine on the shared tiny model with any config overrides."""

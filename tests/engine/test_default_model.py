@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -30,21 +28,15 @@ def test_paris(engine):
     assert out.finish_reason == FinishReason.STOP
 
 
-def test_concurrent_chunked_greedy_equals_mlx_lm(engine):
+def test_concurrent_chunked_greedy_equals_mlx_lm(engine, reference_greedy):
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))
     for prompt, out in zip(prompts, outs):
-        ids = engine.encode(prompt)
-        ref = []
-        for token, _ in generate_step(mx.array(ids), engine.model, max_tokens=16):
-            ref.append(int(token))
-            if ref[-1] in engine.eos_token_ids:
-                break
-        assert out.token_ids == ref
+        assert out.token_ids == reference_greedy(engine.model, engine.encode(prompt), 16, engine.eos_token_ids)
     assert engine.stats().kv_used_bytes == 0 and engine.stats().num_running == 0
 
 
-def test_prefix_cache_hit_equals_miss_on_the_default_model(engine):
+def test_prefix_cache_hit_equals_miss_on_the_default_model(engine, reference_greedy):
     system = {"role": "system", "content": "You are a terse assistant. Answer every question in at most "
                                            "one short sentence, with no preamble and no follow-up."}
     first = [system, {"role": "user", "content": "What is the capital of Italy?"}]
@@ -54,10 +46,4 @@ def test_prefix_cache_hit_equals_miss_on_the_default_model(engine):
     hits = engine.stats().prefix_cache_hits
     warm = engine.generate([second], greedy)[0]
     assert engine.stats().prefix_cache_hits == hits + 1 and warm.num_cached_tokens > 20
-    ids = engine.encode(second)
-    ref = []
-    for token, _ in generate_step(mx.array(ids), engine.model, max_tokens=12):
-        ref.append(int(token))
-        if ref[-1] in engine.eos_token_ids:
-            break
-    assert warm.token_ids == ref
+    assert warm.token_ids == reference_greedy(engine.model, engine.encode(second), 12, engine.eos_token_ids)

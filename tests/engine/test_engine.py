@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from engine.request import FinishReason, SamplingParams
-
-
-def reference_greedy(model, prompt_ids, max_tokens, eos_ids=()):
-    out = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        out.append(int(token))
-        if out[-1] in eos_ids:
-            break
-    return out
 
 
 def random_prompts(lengths, vocab, seed=0):
@@ -25,7 +14,7 @@ def random_prompts(lengths, vocab, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def test_batched_chunked_greedy_equals_mlx_lm_generate(make_engine, tiny_parts):
+def test_batched_chunked_greedy_equals_mlx_lm_generate(make_engine, tiny_parts, reference_greedy):
     engine = make_engine(prefill_chunk_size=8, max_num_batched_tokens=20, max_num_seqs=8)
     prompts = random_prompts([1, 5, 13, 29, 40, 64, 97], vocab=engine.memory.shape.vocab_size)
     sampling = SamplingParams(max_tokens=16, ignore_eos=True)
