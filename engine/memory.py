@@ -17,9 +17,10 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   intermediates and the logits (they are never alive together).
 - z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
   when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
-The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen on MLX's
-CPU backend from measured forwards of small random llamas (scripts/calibrate_memory.py reports how
-they do and searches others) and are checked step by step by tests/engine/test_memory_measured.py.
+The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
+MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
+no measured step exceeded them; scripts/calibrate_memory.py reports how they do on random workloads and
+searches others, and tests/engine/test_memory_measured.py checks them step by step.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from is pinned until then. No mlx import: rows are opaque objects with an `nbyte
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 
@@ -38,7 +38,6 @@ class PrefixCacheStats:
     num_hits: int = 0
     num_hit_tokens: int = 0
     num_evictions: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 from engine.memory import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.request import FinishReason, Request, RequestStatus
@@ -204,6 +204,3 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 updated.append(request)
         return updated
-
-    def running_ids(self) -> Iterable[str]:
-        return (r.request_id for r in self.running)

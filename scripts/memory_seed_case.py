@@ -18,6 +18,18 @@ LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_hea
                        weights_bytes=8_030_261_248 * 2)
 
 
+def chunk_terms(m: MemoryModel, c: int, n: int) -> dict:
+    """Each term of MemoryModel.prefill_chunk_bytes for a sampled last chunk (see docs/memory.md)."""
+    s, k = m.shape, m.coefficients
+    return {
+        "scores": int(k.prefill_scores * 4 * s.num_heads * c * n),
+        "mask": int(k.prefill_mask * c * n),
+        "mlp": int(k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes),
+        "hidden": int(k.prefill_hidden * c * s.hidden_size * s.dtype_bytes),
+        "logits_and_sampling": int((k.prefill_logits + k.sampling) * 4 * s.vocab_size),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,8192,8192,8192")
@@ -28,7 +40,7 @@ def main() -> None:
     m = MemoryModel(LLAMA3_8B)
     chunk, budget = cfg.prefill_chunk_size, cfg.max_num_batched_tokens
     last = PrefillChunkPlan(chunk, args.max_model_len, True)
-    worst_chunk = m.prefill_chunk_bytes(last.num_tokens, last.context_len, True)
+    worst_chunk = m.prefill_chunk_bytes(last.num_tokens, last.context_len, True, samples=True)
     naive_scores = 4 * LLAMA3_8B.num_heads * max(lengths) ** 2 * len(lengths)  # one [B,H,L,L] fp32 tensor
     kv = sum(m.kv_bytes(n) for n in lengths)
     print(json.dumps({
@@ -39,8 +51,9 @@ def main() -> None:
         "chunks_per_step": budget // chunk,
         "steps_to_prefill_all": -(-sum(lengths) // budget),
         "worst_chunk_transient_bytes": worst_chunk,
+        "worst_chunk_terms_bytes": chunk_terms(m, chunk, args.max_model_len),
         "transient_bound_bytes": m.transient_bound_bytes(cfg.max_num_seqs, chunk, args.max_model_len),
-        "decode_transient_at_bound_bytes": m.decode_bytes([args.max_model_len] * cfg.max_num_seqs),
+        "decode_transient_at_bound_bytes": m.decode_bytes([args.max_model_len] * cfg.max_num_seqs, samples=True),
         "naive_unchunked_scores_bytes": naive_scores,
         "weights_bytes": LLAMA3_8B.weights_bytes,
         "peak_bytes_predicted": LLAMA3_8B.weights_bytes + kv + m.transient_bound_bytes(
