@@ -174,14 +174,19 @@ class CompletionChoice(_Response):
     logprobs: None = None
 
 
-class CompletionResponse(_Response):
+class _ResponseMeta(_Response):
+    """What every completion / chat response and chunk carries besides its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: Optional[str] = Field(None, description="Id of the engine replica that served it.")
+
+
+class CompletionResponse(_ResponseMeta):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = Field(None, description="Id of the engine replica that served it.")
 
 
 class CompletionChunk(CompletionResponse):
@@ -200,14 +205,10 @@ class ChatChoice(_Response):
     logprobs: None = None
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_ResponseMeta):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: Optional[str] = Field(None, description="Id of the engine replica that served it.")
 
 
 class DeltaMessage(_Response):
@@ -222,14 +223,10 @@ class ChunkChoice(_Response):
     logprobs: None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_ResponseMeta):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
     usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = Field(None, description="Id of the engine replica that served it.")
 
 
 class ModelCard(_Response):
