@@ -18,6 +18,7 @@ Requests may also be plain dicts. Errors are the typed exceptions of `deployment
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -90,7 +91,7 @@ class HandleReplicaClient:
         """Stream from one replica. A replica that dies before its first output is retried on another
         (nothing was produced yet); after that, its death is the request's error."""
         for attempt in range(1, self._max_attempts + 1):
-            gen = self._handle.options(stream=True).generate.remote(request)
+            gen = child_call(self._handle.options(stream=True).generate, request)
             done = started = False
             try:
                 async for out in gen:
@@ -107,7 +108,7 @@ class HandleReplicaClient:
                     gen.cancel()
 
     async def call(self, method: str, timeout_s: float) -> Any:
-        response = getattr(self._handle, method).remote()
+        response = child_call(getattr(self._handle, method))
 
         async def result() -> Any:
             return await response
@@ -120,6 +121,29 @@ class HandleReplicaClient:
                                           retry_after_s=timeout_s) from None
         except Exception as e:
             raise replica_error(e) from None
+
+
+def child_call(method: Any, *args: Any) -> Any:
+    """`method.remote(*args)` under a Serve request id of its own.
+
+    Serve gives every call made while handling a request the caller's internal request id. Two calls of
+    one request in flight at once (the n choices of a request, each streamed from a replica) then share
+    it, and Serve loses one of them: it never reaches a replica and its stream never ends (seen with
+    Ray 2.60, about one n=2 request in a few; tests/serve/test_serve_e2e.py::test_n_choices_never_hang).
+    Each call gets its own id in a copy of the context, so the caller's own context is untouched.
+    """
+    return contextvars.copy_context().run(_call_with_own_request_id, method, args)
+
+
+def _call_with_own_request_id(method: Any, args: tuple) -> Any:
+    from ray.serve import context as serve_context
+    from ray.serve._private.utils import generate_request_id
+
+    current = serve_context._serve_request_context.get()
+    if current is not None:
+        serve_context._serve_request_context.set(
+            dataclasses.replace(current, _internal_request_id=generate_request_id()))
+    return method.remote(*args)
 
 
 def _replica_died(exc: BaseException) -> bool:

@@ -137,6 +137,30 @@ def test_handle_api(base_url):
     asyncio.run(calls())
 
 
+def test_n_choices_never_hang(base_url):
+    """n > 1 fans out one replica call per choice, in flight at once. With Serve's shared request id
+    these calls used to lose one of the two within a few requests (the stream never ended)."""
+    from ray import serve
+
+    handle = serve.get_app_handle(APP_NAME)
+
+    async def streamed(i: int) -> set:
+        gen = handle.options(stream=True).completions_stream.remote(
+            CompletionRequest(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, seed=i))
+        return {c.choices[0].index async for c in gen}
+
+    async def all_requests() -> None:
+        for i in range(15):
+            assert await asyncio.wait_for(streamed(i), 20) == {0, 1}
+
+    asyncio.run(all_requests())
+    with httpx.Client(timeout=20) as http:
+        for i in range(5):
+            r = http.post(f"{base_url}/v1/completions",
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "n": 2, "seed": i})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
 @pytest.mark.parametrize("body, status, param", [
     (b"{oops", 400, None),
     (json.dumps({"model": MODEL}).encode(), 400, "messages"),
