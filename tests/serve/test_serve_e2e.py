@@ -206,7 +206,7 @@ def test_client_disconnect_frees_the_engine(base_url):
 
     async def running_on_that_replica() -> int:
         for _ in range(50):  # the router picks a replica per call; sample until ours answers
-            stats = await handle.stats.remote()
+            stats = await asyncio.wait_for(handle.stats.remote(), 10)
             if stats["replica_id"] == replica_id:
                 return stats["num_running"] + stats["num_waiting"]
         raise AssertionError(f"replica {replica_id} never answered")
