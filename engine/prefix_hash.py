@@ -6,9 +6,10 @@ its heartbeat, and the ingress hashes each prompt before asking the controller f
 (deployments/admission_state.py prefers the replica holding the longest prefix).
 
 Hash k covers token_ids[:k * BLOCK_TOKENS] (it chains hash k - 1 with block k), so a replica holding
-hash k holds that whole prefix, and matching is a set lookup per block. Only full blocks are hashed.
-blake2b, not `hash()`: the values must be the same in every process and on every Python. Pure: no mlx,
-no ray.
+hash k holds that whole prefix, and matching is a set lookup per block. Only full blocks are hashed, at
+most MAX_SUMMARY_HASHES of them. blake2b, not `hash()`: the values must be the same in every process and
+on every Python. A collision (64 bits) can only misroute a request, never corrupt it: the engine's own
+lookup compares token ids. Pure: no mlx, no ray.
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Container, Iterable, Sequence
-from typing import Optional
 
 BLOCK_TOKENS = 64  # tokens per hashed block; a constant so the engine and the ingress always agree
-MAX_SUMMARY_HASHES = 4096  # most hashes a replica ever sends (AdmissionConfig.max_prefix_hashes <= this)
+MAX_SUMMARY_HASHES = 4096  # most hashes of one sequence, and most a replica sends (>= max_prefix_hashes)
 _DIGEST_BYTES = 8
 
 
-def block_hashes(token_ids: Sequence[int], max_blocks: Optional[int] = None) -> tuple[int, ...]:
-    """Hash of every full block prefix: element k - 1 covers token_ids[:k * BLOCK_TOKENS]."""
-    num_blocks = len(token_ids) // BLOCK_TOKENS
-    if max_blocks is not None:
-        num_blocks = min(num_blocks, max_blocks)
+def block_hashes(token_ids: Sequence[int], max_blocks: int = MAX_SUMMARY_HASHES) -> tuple[int, ...]:
+    """Hash of every full block prefix, at most `max_blocks`: element k - 1 covers
+    token_ids[:k * BLOCK_TOKENS]."""
+    num_blocks = min(len(token_ids) // BLOCK_TOKENS, max_blocks)
     data = struct.pack(f"<{num_blocks * BLOCK_TOKENS}Q", *token_ids[: num_blocks * BLOCK_TOKENS])
     block_bytes = BLOCK_TOKENS * 8
     hashes, previous = [], b""
