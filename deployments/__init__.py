@@ -12,7 +12,7 @@
                   the replicas' heartbeat (ReplicaReporter)
     admission_state.py / admission_queue.py   its pure accounting and bounded wait queue (no ray)
     routing.py    AdmissionRequestRouter: Serve's request router, sends a request to the replica
-                  admission chose (GenerateRequest.target_replica_id)
+                  admission chose (GenerateRequest.target_replica_id): prefix affinity, else most room
 
 This package is the only one that imports ray (engine/ never does). `config/serve.yaml` runs it:
 `serve run config/serve.yaml`.

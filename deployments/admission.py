@@ -10,10 +10,12 @@ to create it, and that replica's death would take the controller with it. It rem
 empty and rebuilds from the replicas' next heartbeats (deployments/admission_state.py says how).
 
     ingress:  AdmittedReplicaClient.generate(request)
-                  reserve -> Reservation(replica_id)  | 400 never fits | 503/429 + Retry-After
+                  reserve(prompt's block hashes: prefix affinity) -> Reservation(replica_id)
+                                                    | 400 never fits | 503/429 + Retry-After
                   stream from exactly that replica (target_replica_id, deployments/routing.py)
                   finally: release (idempotent, fire and forget)
-    replica:  ReplicaReporter: every heartbeat_interval_s, report(capacity, live requests, peaks)
+    replica:  ReplicaReporter: every heartbeat_interval_s, report(capacity, live requests, peaks,
+                  prefix-cache block hashes: at most max_prefix_hashes)
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from contextlib import aclosing
 from typing import Any, Optional, Union
 
 import ray
+
+from engine.prefix_hash import block_hashes
 
 from deployments.admission_queue import Admitter
 from deployments.admission_state import AdmissionConfig, AdmissionDecision, ReplicaReport, Reservation
@@ -78,9 +82,10 @@ class AdmissionController:
         self._last_activity = time.monotonic()
         self._reaper: Optional[asyncio.Task] = None
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> AdmissionDecision:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      prefix_hashes: tuple[int, ...] = ()) -> AdmissionDecision:
         self._touch()
-        return await self._admitter.reserve(request_id, num_prompt_tokens, max_tokens)
+        return await self._admitter.reserve(request_id, num_prompt_tokens, max_tokens, prefix_hashes)
 
     async def release(self, request_id: str) -> bool:
         self._touch()
@@ -134,9 +139,10 @@ class AdmissionClient:
             self._handle = self._factory()
         return self._handle
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Reservation:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      prefix_hashes: tuple[int, ...] = ()) -> Reservation:
         timeout_s = self.config.queue_timeout_s + CALL_TIMEOUT_S
-        ref = self._controller().reserve.remote(request_id, num_prompt_tokens, max_tokens)
+        ref = self._controller().reserve.remote(request_id, num_prompt_tokens, max_tokens, prefix_hashes)
         try:
             decision = await asyncio.wait_for(_awaitable(ref), timeout_s)
         except asyncio.CancelledError:  # the client went away while queued: leave the queue, free any grant
@@ -200,9 +206,11 @@ class AdmittedReplicaClient:
         """Reserve, stream from the chosen replica, release exactly once whatever happens. A replica that
         is gone before the first output is reported and the request admitted again."""
         num_prompt = len(request.prompt_token_ids)
+        # For prefix affinity: the controller prefers the replica whose cache holds most of these blocks.
+        hashes = block_hashes(request.prompt_token_ids) if self._admission.config.max_prefix_hashes else ()
         for attempt in range(1, self._max_attempts + 1):
             reservation = await self._admission.reserve(request.request_id, num_prompt,
-                                                        request.sampling.max_tokens)
+                                                        request.sampling.max_tokens, hashes)
             started = False
             try:
                 targeted = dataclasses.replace(request, target_replica_id=reservation.replica_id)
@@ -275,6 +283,9 @@ class ReplicaReporter:
             report = self._report_fn()
             if report is None:
                 return False
+            bound = self.config.max_prefix_hashes
+            if len(report.prefix_hashes) > bound:  # the summary is most recent first: keep its head
+                report = dataclasses.replace(report, prefix_hashes=report.prefix_hashes[:bound])
             if self._handle is None:
                 self._handle = self._factory()
             await asyncio.wait_for(_awaitable(self._handle.report.remote(report)), CALL_TIMEOUT_S)

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from deployments.admission_state import (AdmissionConfig, AdmissionDecision, AdmissionLedger, ReplicaReport,
                                          ReportResult, Reservation)
@@ -31,6 +31,7 @@ class _Waiter:
     num_prompt_tokens: int
     max_tokens: int
     future: asyncio.Future
+    prefix_hashes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -46,6 +47,8 @@ class AdmissionCounters:
     num_reclaimed: int = 0  # reservations dropped with a dead / silent replica
     num_adopted: int = 0  # reservations rebuilt from replica reports
     num_peak_exceeded: int = 0
+    num_admitted_by_prefix: int = 0  # sent to a replica that reported caching a prefix of the prompt
+    num_prefix_blocks_matched: int = 0  # over those, prompt blocks (engine/prefix_hash.py) it held
 
 
 class Admitter:
@@ -59,20 +62,24 @@ class Admitter:
         self._waiters: deque[_Waiter] = deque()
 
     # --- requests ---------------------------------------------------------------------------------
-    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> AdmissionDecision:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      prefix_hashes: Sequence[int] = ()) -> AdmissionDecision:
+        """`prefix_hashes`: the prompt's block hashes, for prefix affinity (AdmissionLedger.try_reserve)."""
+        prefix_hashes = tuple(prefix_hashes)
         why = self.ledger.never_fits(num_prompt_tokens, max_tokens)
         if why is not None:
             self.counters.num_invalid += 1
             self._record("rejected", "never_fits")
             return AdmissionDecision("invalid", "never_fits", why, status_code=400)
         if not self._waiters:
-            reservation = self.ledger.try_reserve(request_id, num_prompt_tokens, max_tokens, self._clock())
+            reservation = self.ledger.try_reserve(request_id, num_prompt_tokens, max_tokens, self._clock(),
+                                                  prefix_hashes)
             if reservation is not None:
                 return self._admitted(reservation, waited=False)
         if len(self._waiters) >= self.config.max_queue_len:
             return self._rejected("queue_full", f"{len(self._waiters)} requests already wait for room")
         return await self._wait(_Waiter(request_id, num_prompt_tokens, max_tokens,
-                                        asyncio.get_running_loop().create_future()))
+                                        asyncio.get_running_loop().create_future(), prefix_hashes))
 
     async def _wait(self, waiter: _Waiter) -> AdmissionDecision:
         self._waiters.append(waiter)
@@ -159,7 +166,7 @@ class Admitter:
                 head.future.set_result(AdmissionDecision("invalid", "never_fits", why, status_code=400))
                 continue
             reservation = self.ledger.try_reserve(head.request_id, head.num_prompt_tokens, head.max_tokens,
-                                                  self._clock())
+                                                  self._clock(), head.prefix_hashes)
             if reservation is None:
                 return
             self._waiters.popleft()
@@ -179,7 +186,10 @@ class Admitter:
     def _admitted(self, reservation: Reservation, waited: bool) -> AdmissionDecision:
         self.counters.num_admitted += 1
         self.counters.num_admitted_after_wait += waited
-        reason = "after_wait" if waited else "room"
+        if reservation.num_prefix_blocks:
+            self.counters.num_admitted_by_prefix += 1
+            self.counters.num_prefix_blocks_matched += reservation.num_prefix_blocks
+        reason = "after_wait" if waited else "prefix_affinity" if reservation.num_prefix_blocks else "room"
         self._record("admitted", reason)
         return AdmissionDecision("admitted", reason, reservation=reservation)
 

@@ -18,16 +18,21 @@ ledger holds that the replica no longer has are dropped once the replica has bee
 finished them) or once they are older than the grace period (they never arrived). Releases are keyed by
 request id and idempotent; recently released ids are remembered so a report sent before a release does
 not bring the request back.
+
+Prefix affinity: a report also carries a bounded summary of the replica's prefix cache (chained block
+hashes, engine/prefix_hash.py), and a request may come with its prompt's hashes. Among the replicas with
+room, the one holding the longest prefix of the prompt wins; without a match, the most room wins.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.memory import round_up
+from engine.prefix_hash import MAX_SUMMARY_HASHES, matched_blocks
 
 Outcome = Literal["admitted", "rejected", "invalid"]
 
@@ -55,6 +60,10 @@ class AdmissionConfig(BaseModel):
                                                                          "reclaimed.")
     idle_shutdown_s: float = Field(600.0, ge=0.0, description="The detached controller exits after this "
                                                               "long without replicas or calls (0: never).")
+    max_prefix_hashes: int = Field(256, ge=0, le=MAX_SUMMARY_HASHES, description="Prefix-cache block "
+                                   "hashes (64 tokens each) a replica reports per heartbeat, most recently "
+                                   "used first; routing prefers the replica holding the longest prefix of a "
+                                   "prompt. 0: no prefix affinity, room alone decides.")
 
     @model_validator(mode="after")
     def _timing(self) -> "AdmissionConfig":
@@ -102,6 +111,7 @@ class ReplicaReport:
     engine_kv_used_bytes: int = 0
     max_measured_transient_bytes: int = 0
     healthy: bool = True  # False: the engine is dead or hung; the replica is dropped, nothing goes there
+    prefix_hashes: tuple[int, ...] = ()  # its prefix cache, summarised (engine/prefix_hash.py)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class Reservation:
     replica_id: str
     kv_bytes: int
     num_tokens: int
+    num_prefix_blocks: int = 0  # prompt blocks the replica reported caching when it was chosen
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,7 @@ class _Replica:
     engine_kv_reserved_bytes: int = 0
     engine_kv_used_bytes: int = 0
     num_peak_exceeded: int = 0
+    prefix_hashes: frozenset[int] = frozenset()
 
     @property
     def reserved_bytes(self) -> int:
@@ -189,6 +201,7 @@ class ReplicaView:
     engine_kv_used_bytes: int
     seconds_since_report: float
     request_ids: tuple[str, ...]
+    num_prefix_hashes: int = 0
 
 
 class AdmissionLedger:
@@ -228,14 +241,15 @@ class AdmissionLedger:
             return None
         return self._replicas[replica_id].entries[request_id].reservation
 
-    def try_reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                    now: float) -> Optional[Reservation]:
-        """Reserve on the replica with the most room left after it (ties: fewest queued tokens), or
+    def try_reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int, now: float,
+                    prefix_hashes: Sequence[int] = ()) -> Optional[Reservation]:
+        """Reserve on the replica with room that caches the longest prefix of the prompt (`prefix_hashes`,
+        engine/prefix_hash.py), else the one with the most room left after it, then fewest queued tokens;
         None when none has room now. An id already reserved gets its reservation back."""
         existing = self.get(request_id)
         if existing is not None:
             return existing
-        best_id, best_key = None, None
+        best_id, best_key, best_blocks = None, None, 0
         for replica_id, replica in self._replicas.items():
             capacity = replica.capacity
             if num_prompt_tokens + max_tokens > capacity.max_model_len:
@@ -244,15 +258,16 @@ class AdmissionLedger:
             room = replica.kv_limit_bytes(self.config.headroom) - replica.reserved_bytes - need
             if room < 0:
                 continue
-            key = (-room, replica.queued_tokens, replica_id)  # most room left, then fewest queued tokens
+            blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
+            key = (-blocks, -room, replica.queued_tokens, replica_id)  # longest cached prefix, then room
             if best_key is None or key < best_key:
-                best_id, best_key = replica_id, key
+                best_id, best_key, best_blocks = replica_id, key, blocks
         if best_id is None:
             return None
         replica = self._replicas[best_id]
         reservation = Reservation(request_id, best_id,
                                   replica.capacity.reservation_bytes(num_prompt_tokens, max_tokens),
-                                  num_prompt_tokens + max_tokens)
+                                  num_prompt_tokens + max_tokens, num_prefix_blocks=best_blocks)
         self._add(replica, reservation, now, seen_live=False)
         self._released.pop(request_id, None)
         return reservation
@@ -280,6 +295,7 @@ class AdmissionLedger:
         replica.capacity, replica.last_seen = capacity, now
         replica.engine_kv_reserved_bytes = report.engine_kv_reserved_bytes
         replica.engine_kv_used_bytes = report.engine_kv_used_bytes
+        replica.prefix_hashes = frozenset(report.prefix_hashes[: self.config.max_prefix_hashes])
         adopted = self._adopt(replica, report.live, now)
         dropped = self._drop_gone(replica, {r.request_id for r in report.live}, now)
         exceeded = self._check_peak(replica, report.max_measured_transient_bytes)
@@ -363,6 +379,7 @@ class AdmissionLedger:
             peak_exceeded=r.excess_bytes > 0, num_peak_exceeded=r.num_peak_exceeded,
             engine_kv_reserved_bytes=r.engine_kv_reserved_bytes, engine_kv_used_bytes=r.engine_kv_used_bytes,
             seconds_since_report=now - r.last_seen, request_ids=tuple(sorted(r.entries)),
+            num_prefix_hashes=len(r.prefix_hashes),
         ) for i, r in sorted(self._replicas.items())]
 
 
@@ -370,10 +387,11 @@ CAPACITY_FIELDS = ("memory_limit_bytes", "weights_bytes", "kv_bytes_per_token", 
                    "transient_bound_bytes", "kv_budget_bytes", "max_model_len")
 
 
-def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]],
-                 healthy: bool = True) -> Optional[ReplicaReport]:
-    """A replica's report from its engine's stats (EngineStats as a dict) and the requests it holds
-    ({request_id: (num_prompt_tokens, max_tokens)}); None if the engine does not report capacity."""
+def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]], healthy: bool = True,
+                 prefix_hashes: tuple[int, ...] = ()) -> Optional[ReplicaReport]:
+    """A replica's report from its engine's stats (EngineStats as a dict), the requests it holds
+    ({request_id: (num_prompt_tokens, max_tokens)}) and its prefix-cache summary; None if the engine does
+    not report capacity."""
     if any(name not in stats for name in CAPACITY_FIELDS):
         return None
     capacity = ReplicaCapacity(replica_id, **{name: int(stats[name]) for name in CAPACITY_FIELDS})
@@ -382,4 +400,4 @@ def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]],
     return ReplicaReport(capacity, requests, engine_kv_reserved_bytes=int(stats.get("kv_reserved_bytes", 0)),
                          engine_kv_used_bytes=int(stats.get("kv_used_bytes", 0)),
                          max_measured_transient_bytes=int(stats.get("max_measured_transient_bytes", 0)),
-                         healthy=healthy)
+                         healthy=healthy, prefix_hashes=tuple(prefix_hashes))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from engine.config import EngineConfig
+from engine.prefix_hash import MAX_SUMMARY_HASHES, summarize
 from engine.request import RequestOutput, SamplingParams
 from engine.telemetry import TelemetryConfig
 
@@ -181,10 +182,15 @@ class EngineReplica:
         return data
 
     def admission_report(self) -> Optional[ReplicaReport]:
-        """Capacity and live requests for the admission controller (None: the engine reports no capacity)."""
+        """Capacity, live requests and the prefix cache's block hashes (most recently used first; the
+        reporter keeps the first max_prefix_hashes) for the admission controller (None: the engine reports
+        no capacity)."""
         stats = self._engine.stats()
         data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
-        return build_report(self._replica_id, data, dict(self._live), healthy=self._engine.is_healthy())
+        chains = getattr(self._engine, "prefix_block_hash_chains", None)  # absent: no prefix cache to report
+        prefix_hashes = summarize(chains(), MAX_SUMMARY_HASHES) if chains is not None else ()
+        return build_report(self._replica_id, data, dict(self._live), healthy=self._engine.is_healthy(),
+                            prefix_hashes=prefix_hashes)
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""

@@ -1,7 +1,8 @@
 """AdmissionRequestRouter: Ray Serve's request router for EngineReplica, honouring the admission choice.
 
-The admission controller picks the replica that has room for a request; the ingress puts that replica's
-id in `GenerateRequest.target_replica_id` and calls the deployment handle as usual. Serve's router (this
+The admission controller picks the replica that has room for a request (preferring the one whose prefix
+cache holds the longest prefix of the prompt); the ingress puts that replica's id in
+`GenerateRequest.target_replica_id` and calls the deployment handle as usual. Serve's router (this
 class, set through `request_router_config` in deployments/app.py) runs in the ingress process with the
 request's resolved arguments and offers only that replica; Serve then sends it there with its own
 machinery (queue-length probing, `max_ongoing_requests` back-pressure, retries on a dead actor).

@@ -89,6 +89,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def prefix_block_hash_chains(self) -> tuple[tuple[int, ...], ...]:
+        return self.engine.prefix_block_hash_chains()
+
     def is_healthy(self) -> bool:
         busy = self._busy_since
         hung = busy is not None and time.monotonic() - busy > self.hang_timeout_s

@@ -275,6 +275,11 @@ class Engine:
         return [CompletionOutput(i, t, tokens[i], "".join(texts[i]), finals[i].finish_reason,
                                  finals[i].num_cached_tokens) for i, t in zip(ids, token_ids)]
 
+    def prefix_block_hash_chains(self) -> tuple[tuple[int, ...], ...]:
+        """The prefix cache's block hashes per entry, most recently used first (a snapshot: safe to read
+        from another thread; the replica summarises it for the admission controller)."""
+        return self.prefix_cache.block_hash_chains
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from engine.prefix_hash import block_hashes
+
 
 @dataclass
 class CacheEntry:
@@ -24,6 +26,7 @@ class CacheEntry:
     row: Any  # the RowKV holding KV for token_ids
     nbytes: int
     pins: int = 0
+    block_hashes: tuple[int, ...] = ()  # engine/prefix_hash.py, of token_ids
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ class PrefixCache:
         self._next_key = 0
         self.nbytes = 0
         self.stats = PrefixCacheStats()
+        self.block_hash_chains: tuple[tuple[int, ...], ...] = ()  # per entry, most recently used first
+
+    def _refresh_chains(self) -> None:
+        self.block_hash_chains = tuple(e.block_hashes for e in reversed(self._entries.values()))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,6 +85,7 @@ class PrefixCache:
         entry = self._entries[best_key]
         entry.pins += 1
         self._entries.move_to_end(best_key)
+        self._refresh_chains()
         self.stats.num_hits += 1
         self.stats.num_hit_tokens += best_len
         return PrefixHit(best_key, best_len)
@@ -101,9 +109,11 @@ class PrefixCache:
         self.evict(self.nbytes + nbytes - self.max_bytes)
         if self.nbytes + nbytes > self.max_bytes:
             return False
-        self._entries[self._next_key] = CacheEntry(tuple(token_ids), row, nbytes)
+        self._entries[self._next_key] = CacheEntry(tuple(token_ids), row, nbytes,
+                                                   block_hashes=block_hashes(token_ids))
         self._next_key += 1
         self.nbytes += nbytes
+        self._refresh_chains()
         return True
 
     def evict(self, num_bytes: int) -> int:
@@ -116,4 +126,6 @@ class PrefixCache:
             freed += entry.nbytes
             self.nbytes -= entry.nbytes
             self.stats.num_evictions += 1
+        if freed:
+            self._refresh_chains()
         return freed

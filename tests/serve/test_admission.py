@@ -129,6 +129,47 @@ def test_decisions_map_to_typed_errors():
         decision_to_reservation(AdmissionDecision("invalid", "never_fits", "too big", status_code=400))
 
 
+def test_replica_reports_its_cache_most_recent_first_within_the_bound():
+    """No cluster: EngineReplica's report carries its engine's prefix-cache hashes; the reporter keeps
+    the first max_prefix_hashes of them."""
+    from deployments.admission import ReplicaReporter
+    from deployments.admission_state import AdmissionConfig
+    from deployments.replica import EngineReplica
+    from engine.config import EngineConfig
+    from engine.prefix_hash import block_hashes
+    from serve_fakes import FakeEngine
+
+    newest, oldest = block_hashes(list(range(10, 10 + 64 * 3))), block_hashes(list(range(500, 500 + 64 * 4)))
+
+    class CachingEngine(FakeEngine):
+        def stats(self) -> dict:
+            return {"memory_limit_bytes": 1 << 30, "weights_bytes": 0, "kv_bytes_per_token": 8,
+                    "kv_cache_step": 256, "transient_bound_bytes": 0, "kv_budget_bytes": 1 << 29,
+                    "max_model_len": 128}
+
+        def prefix_block_hash_chains(self):
+            return (newest, newest[:2], oldest)  # a hit's entry repeats its source's prefix: sent once
+
+    engine = CachingEngine(EngineConfig(model=MODEL))
+    replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0")
+    assert replica.admission_report().prefix_hashes == newest + oldest
+    sent = []
+
+    class Controller:
+        class report:
+            @staticmethod
+            def remote(report):
+                sent.append(report)
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(None)
+                return future
+
+    reporter = ReplicaReporter(AdmissionConfig(max_prefix_hashes=5), replica.admission_report,
+                               controller_factory=Controller)
+    assert asyncio.run(reporter.send_once())
+    assert sent[0].prefix_hashes == (newest + oldest)[:5]
+
+
 def test_registered_replicas_and_never_fits(cluster):
     s = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 else None)(stats()), what="2 replicas")
     for replica in s["replicas"]:
@@ -260,6 +301,80 @@ def test_router_sends_to_the_target_and_fails_a_gone_one(cluster):
         asyncio.run(generate("nowhere", "no-such-replica"))
     assert isinstance(unwrap(err.value), ReplicaUnavailableError), repr(err.value)
     assert ADMISSION["replica_timeout_s"] <= time.monotonic() - started < ADMISSION["replica_timeout_s"] + 5
+
+
+SYSTEM_PROMPT = "You are a careful assistant who answers in one short sentence. " * 22  # ~270 tokens
+
+
+def chat_body(question: str, max_tokens: int = 4, system: str = SYSTEM_PROMPT) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+@pytest.fixture(scope="module")
+def chat_ids():
+    """Token ids of a chat request exactly as the ingress computes them (same tokenizer, same function)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from deployments.protocol import chat_prompt_ids
+    from deployments.schemas import ChatCompletionRequest
+    from engine.models import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(MODEL))
+    return lambda body_: chat_prompt_ids(tokenizer, ChatCompletionRequest(**body_))
+
+
+def test_shared_system_prompt_lands_on_the_replica_that_caches_it(cluster, chat_ids):
+    """Prefix affinity: repeats of a long system prompt go to the replica that served it first, even when
+    that replica has less room than the other; a repeat it has no room for goes by room instead.
+
+    The load that makes the replicas unequal is a reservation the test makes on the controller itself
+    (with the prompt's block hashes, so affinity places it too): released after each request, it keeps
+    the state the same for every one, whatever the timing of a real stream would be."""
+    import ray
+
+    from engine.prefix_cache import common_prefix_len
+    from engine.prefix_hash import BLOCK_TOKENS, block_hashes
+
+    url = cluster["url"]
+    wait_for(lambda: stats()["num_reservations"] == 0, what="an idle cluster")
+    first = httpx.post(f"{url}/v1/chat/completions", json=chat_body("What is two plus two?"), timeout=60)
+    assert first.status_code == 200, first.text
+    home = first.headers["x-replica-id"]
+    [other] = {r["replica_id"] for r in stats()["replicas"]} - {home}
+    ids = chat_ids(chat_body("What is two plus two?"))
+    assert first.json()["usage"]["prompt_tokens"] == len(ids) and len(ids) // BLOCK_TOKENS >= 4
+    hashes = block_hashes(ids)
+    wait_for(lambda: any(r["replica_id"] == home and r["num_prefix_hashes"] >= len(hashes)
+                         for r in stats()["replicas"]), what="the first replica's heartbeat with its cache")
+    before = stats()["counters"]
+
+    def with_blocker(i: int, body_: dict) -> httpx.Response:
+        """`body_` sent while a 4-step reservation (placed by affinity on `home`) leaves it 2.5 steps."""
+        blocker = ray.get(controller().reserve.remote(f"blocker-{i}", len(ids), 1024 - len(ids), hashes))
+        assert blocker.reservation.replica_id == home and blocker.reason == "prefix_affinity"
+        try:
+            return httpx.post(f"{url}/v1/chat/completions", json=body_, timeout=60)
+        finally:
+            ray.get(controller().release.remote(f"blocker-{i}"))
+
+    questions = ["Name a colour.", "How many legs has a cat?", "Say hello.", "What is the capital of France?"]
+    shared = min(common_prefix_len(ids, chat_ids(chat_body(q))) for q in questions)  # the system prompt
+    assert shared >= 4 * BLOCK_TOKENS
+    for i, question in enumerate(questions):  # 2 steps each: headroom alone would pick `other`
+        r = with_blocker(i, chat_body(question))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-replica-id"] == home, (i, question)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
+    control = with_blocker(10, chat_body("Name a colour.", system="Answer tersely, please. " * 50))
+    assert control.status_code == 200 and control.headers["x-replica-id"] == other  # no match: most room
+    big = with_blocker(11, chat_body("Count slowly.", max_tokens=700 - len(ids)))  # 3 steps: no room at home
+    assert big.status_code == 200 and big.headers["x-replica-id"] == other
+    assert big.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK_TOKENS  # not cached there
+    counters = stats()["counters"]
+    assert counters["num_admitted_by_prefix"] - before["num_admitted_by_prefix"] >= 2 * len(questions) + 2
+    assert counters["num_prefix_blocks_matched"] > before["num_prefix_blocks_matched"]
+    print(f"{len(questions)} repeats of a {len(ids)}-token prompt all on {home}; control and oversized on {other}")
 
 
 def test_replica_killed_frees_its_reservations(cluster):
