@@ -64,6 +64,9 @@ class AdmissionConfig(BaseModel):
                                    "hashes (64 tokens each) a replica reports per heartbeat, most recently "
                                    "used first; routing prefers the replica holding the longest prefix of a "
                                    "prompt. 0: no prefix affinity, room alone decides.")
+    prefix_max_imbalance: int = Field(4, ge=0, description="Prefix affinity applies to a replica holding at "
+                                      "most this many more requests than the least busy one with room; "
+                                      "busier, room decides (as Ray Serve LLM's prefix-aware router does).")
 
     @model_validator(mode="after")
     def _timing(self) -> "AdmissionConfig":
@@ -249,21 +252,27 @@ class AdmissionLedger:
         existing = self.get(request_id)
         if existing is not None:
             return existing
-        best_id, best_key, best_blocks = None, None, 0
+        candidates = []  # (replica_id, room left after it, matched prefix blocks)
         for replica_id, replica in self._replicas.items():
             capacity = replica.capacity
             if num_prompt_tokens + max_tokens > capacity.max_model_len:
                 continue
             need = capacity.reservation_bytes(num_prompt_tokens, max_tokens)
             room = replica.kv_limit_bytes(self.config.headroom) - replica.reserved_bytes - need
-            if room < 0:
-                continue
-            blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
-            key = (-blocks, -room, replica.queued_tokens, replica_id)  # longest cached prefix, then room
-            if best_key is None or key < best_key:
-                best_id, best_key, best_blocks = replica_id, key, blocks
-        if best_id is None:
+            if room >= 0:
+                blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
+                candidates.append((replica_id, room, blocks))
+        if not candidates:
             return None
+        # Affinity only among replicas not busier than the least busy by more than prefix_max_imbalance
+        # requests, so one hot prefix cannot pile everything on one replica while another idles.
+        least = min(len(self._replicas[c[0]].entries) for c in candidates)
+        limit = least + self.config.prefix_max_imbalance
+        best_id, _, best_blocks = min(candidates, key=lambda c: (
+            -c[2] if len(self._replicas[c[0]].entries) <= limit else 0,  # longest cached prefix
+            -c[1], self._replicas[c[0]].queued_tokens, c[0]))  # then most room, fewest queued tokens
+        if len(self._replicas[best_id].entries) > limit:
+            best_blocks = 0
         replica = self._replicas[best_id]
         reservation = Reservation(request_id, best_id,
                                   replica.capacity.reservation_bytes(num_prompt_tokens, max_tokens),

@@ -141,6 +141,19 @@ def test_full_replica_falls_back_to_headroom():
     assert book.try_reserve("3", len(prompt(4)), 200, 1.0, block_hashes(prompt(4))).replica_id == "a"
 
 
+def test_a_busy_prefix_holder_loses_to_an_idle_replica():
+    """Affinity yields to load: the holder may have at most prefix_max_imbalance more requests."""
+    config = CONFIG.model_copy(update={"prefix_max_imbalance": 2})
+    book = AdmissionLedger(config)
+    for r in (report("a", [prompt(1)], steps=64), report("b", steps=64)):
+        book.report(r, 0.0)
+    placed = [book.try_reserve(f"q{i}", len(prompt(i + 2)), 10, 0.0, block_hashes(prompt(i + 2)))
+              for i in range(6)]
+    # a takes the hits while it holds at most 2 more than b; then b gets one, and a the next hit again.
+    assert [r.replica_id for r in placed] == ["a", "a", "a", "b", "a", "b"]
+    assert [r.num_prefix_blocks for r in placed] == [4, 4, 4, 0, 4, 0]
+
+
 def test_reported_hashes_are_bounded_and_refreshed():
     many = [list(range(10_000 * i, 10_000 * i + 8 * B)) for i in range(20)]  # 160 distinct hashes
     book = ledger(report("a", many), config=AdmissionConfig(headroom=1.0, max_prefix_hashes=50))
