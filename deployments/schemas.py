@@ -15,7 +15,9 @@ FinishReasonStr = Literal["stop", "length"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # strict: JSON true is not the integer 1, "5" is not a number, 5.0 is not a token count (ints are
+    # still accepted where a float is expected).
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
 class StreamOptions(_Request):
