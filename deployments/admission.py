@@ -144,12 +144,18 @@ class AdmissionClient:
         timeout_s = self.config.queue_timeout_s + CALL_TIMEOUT_S
         ref = self._controller().reserve.remote(request_id, num_prompt_tokens, max_tokens, prefix_hashes)
         try:
-            decision = await asyncio.wait_for(_awaitable(ref), timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands as the result
+            # arrives, and the abandoned request then runs to its end (seen in a timeout storm).
+            async with asyncio.timeout(timeout_s):
+                decision = await ref
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # cancelled as the decision came: do not run it
+                raise asyncio.CancelledError()
         except asyncio.CancelledError:  # the client went away while queued: leave the queue, free any grant
             ray.cancel(ref)
             self.release(request_id)
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ray.cancel(ref)
             self.release(request_id)
             raise ServiceUnavailableError("the admission controller did not answer", retry_after_s=

@@ -36,7 +36,7 @@ from deployments.errors import APIError, BadRequestError, EngineError, ModelNotF
 from deployments.observability import RequestObservation, TelemetryFactory, process_telemetry
 from deployments.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
     usage_chunk
-from deployments.replica import GenerateOutput, GenerateRequest, ReplicaInfo
+from deployments.replica import AbortRequest, GenerateOutput, GenerateRequest, ReplicaInfo
 from deployments.schemas import ChatCompletionRequest, CompletionRequest, HealthStatus, ModelCard, ModelList
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,19 @@ class HandleReplicaClient:
             finally:
                 if not done:  # client went away or failed: cancel the replica call, which aborts the engine
                     gen.cancel()
+                    self._abort_on_target(request)
+
+    def _abort_on_target(self, request: GenerateRequest) -> None:
+        """Serve's cancel is best effort: a call cancelled while Serve dispatches it still reaches the
+        replica and runs to its end (seen in a timeout storm: abandoned prompts kept the engine busy for
+        20 s). When admission chose the replica, tell it directly; it drops the request whether the call
+        is already there or arrives later. Fire and forget: the caller is being cancelled."""
+        if request.target_replica_id is None:
+            return
+        try:
+            child_call(self._handle.abort, AbortRequest(request.request_id, request.target_replica_id))
+        except Exception:  # the replica is gone: nothing runs there any more
+            logger.debug("abort of %s not sent", request.request_id, exc_info=True)
 
     async def call(self, method: str, timeout_s: float) -> Any:
         response = child_call(getattr(self._handle, method))

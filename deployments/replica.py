@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -33,6 +35,9 @@ from deployments.replica_telemetry import ReplicaObserver
 
 logger = logging.getLogger(__name__)
 
+MAX_ABORTED_IDS = 10_000  # ids of requests aborted before they arrived, kept...
+ABORTED_TTL_S = 600.0  # ...this long at most
+
 EngineFactory = Callable[[EngineConfig], Any]
 ReporterFactory = Callable[[Callable[[], Optional["ReplicaReport"]]], Any]  # report_fn -> started reporter
 
@@ -46,6 +51,14 @@ class GenerateRequest:
     sampling: SamplingParams
     trace_context: Optional[dict[str, str]] = None  # W3C carrier of the ingress's span (telemetry)
     target_replica_id: Optional[str] = None  # the admission controller's choice (deployments/routing.py)
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """The ingress's explicit cancel of a request on the replica admission chose for it."""
+
+    request_id: str
+    target_replica_id: Optional[str] = None  # routes it like the request (deployments/routing.py)
 
 
 @dataclass(frozen=True)
@@ -110,12 +123,15 @@ class EngineReplica:
         self._observer = ReplicaObserver(self._telemetry, self._replica_id, self._engine,
                                          prefix_cache=config.prefix_cache_fraction > 0)
         self._live: dict[str, tuple[int, int]] = {}  # request_id -> (prompt tokens, max_tokens)
+        self._aborted: "OrderedDict[str, float]" = OrderedDict()  # aborted before they arrived -> when
         # Admission heartbeat (deployments/admission.py): a started reporter calling admission_report().
         self._reporter = reporter_factory(self.admission_report) if reporter_factory else None
         logger.info("replica %s serving %s", self._replica_id, self._engine.model_name)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Stream the increments of one request; abort it in the engine if the caller goes away."""
+        if self._aborted.pop(request.request_id, None) is not None:
+            return  # its caller went away while Serve was still dispatching it: never reaches the engine
         trace = self._observer.start(request)
         self._live[request.request_id] = (len(request.prompt_token_ids), request.sampling.max_tokens)
         if self._reporter is not None:
@@ -142,6 +158,20 @@ class EngineReplica:
                 await self._abort(request.request_id)
             self._live.pop(request.request_id, None)
             await _close_quietly(stream)
+
+    async def abort(self, request: AbortRequest) -> bool:
+        """Cancel a request whose caller went away. Serve's own cancellation is best effort: a call
+        cancelled while Serve is dispatching it still arrives and runs to the end, so the ingress also
+        sends this. A request not here yet is remembered and refused when it arrives. True: it was live."""
+        if request.request_id in self._live:
+            await self._abort(request.request_id)
+            return True
+        now = time.monotonic()
+        self._aborted[request.request_id] = now
+        while self._aborted and (len(self._aborted) > MAX_ABORTED_IDS
+                                 or now - next(iter(self._aborted.values())) > ABORTED_TTL_S):
+            self._aborted.popitem(last=False)
+        return False
 
     async def _abort(self, request_id: str) -> None:
         # Shielded: runs while this task is being cancelled; the abort must still reach the engine.

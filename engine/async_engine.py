@@ -173,9 +173,11 @@ class AsyncEngine:
                     self._streams[request_id] = stream
                 except ValueError as exc:
                     stream.put(exc)
-            else:
-                self.engine.abort(message[1])
-                self._streams.pop(message[1], None)
+            else:  # abort: a listening stream gets the final "abort" output and ends
+                out = self.engine.abort(message[1])
+                stream = self._streams.pop(message[1], None)
+                if stream is not None and out is not None:
+                    stream.put(out)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -57,6 +57,21 @@ async def test_cancel_aborts_and_frees_kv(async_engine):
     assert async_engine.is_healthy()
 
 
+async def test_abort_ends_a_listening_stream(async_engine):
+    """An abort from elsewhere (the replica's explicit abort) ends the stream with an "abort" output."""
+    outs = []
+
+    async def consume():
+        async for out in async_engine.generate("x", [9] * 20, SamplingParams(max_tokens=1500, ignore_eos=True)):
+            outs.append(out)
+            if len(outs) == 2:
+                await async_engine.abort("x")
+
+    await asyncio.wait_for(consume(), 30)
+    assert outs[-1].finished and outs[-1].finish_reason.value == "abort"
+    assert async_engine.stats().kv_reserved_bytes == 0
+
+
 async def test_bad_request_raises_value_error(async_engine):
     with pytest.raises(ValueError, match="max_model_len"):
         async for _ in async_engine.generate("x", [1] * 10, SamplingParams(max_tokens=10**6)):

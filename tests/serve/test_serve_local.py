@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from deployments.app import AppArgs, build_app_with, parse_args, serve_ingress_class
 from deployments.errors import BadRequestError, EngineError, ModelNotFoundError, ServiceUnavailableError
 from deployments.ingress import IngressSettings, OpenAIIngress
-from deployments.replica import EngineReplica, GenerateRequest
+from deployments.replica import AbortRequest, EngineReplica, GenerateRequest
 from deployments.schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest
 from engine.config import EngineConfig
 from engine.request import SamplingParams
@@ -213,6 +213,28 @@ async def test_replica_cancel_aborts_engine():
     async with aclosing(replica.generate(request2)) as gen:
         await gen.__anext__()
     assert "req-2" in engine.aborted and replica.stats()["num_running"] == 0
+
+
+async def test_replica_abort_before_and_after_arrival():
+    """The ingress's explicit abort: a request aborted before it arrives never reaches the engine; a live
+    one is aborted in the engine."""
+    engine = FakeEngine(EngineConfig(model=MODEL), step_s=0.01)
+    replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0")
+    assert await replica.abort(AbortRequest("early", "r0")) is False
+    outs = [o async for o in replica.generate(GenerateRequest("early", [1, 2], SamplingParams(max_tokens=5)))]
+    assert outs == [] and "early" not in engine.aborted and not engine.running
+    # the id is forgotten once used: a later request with it runs
+    again = [o async for o in replica.generate(GenerateRequest("early", [1, 2], SamplingParams(max_tokens=2)))]
+    assert again[-1].finished
+    task = asyncio.create_task(_drain(replica.generate(GenerateRequest("live", [1], SamplingParams(max_tokens=1000)))))
+    await asyncio.sleep(0.05)
+    assert await replica.abort(AbortRequest("live", "r0")) is True and "live" in engine.aborted
+    task.cancel()
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
 
 
 async def test_replica_errors():
