@@ -59,6 +59,8 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_evictions: int = 0
+    mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
+    mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
 
 
 def resolve_dtype(name: str) -> str:
@@ -295,4 +297,5 @@ class Engine:
             prefix_cache_hits=self.prefix_cache.stats.num_hits,
             prefix_cache_hit_tokens=self.prefix_cache.stats.num_hit_tokens,
             prefix_cache_evictions=self.prefix_cache.stats.num_evictions,
+            mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
         )

@@ -10,7 +10,9 @@ time (prompt and max_tokens drawn at random, half of them streamed); `cancel_fra
 abandoned by the client after a random short delay. Halfway through, one engine replica actor is killed
 through Ray (Serve restarts it). Ends with one JSON summary on stdout: outcomes by status, errors that are
 not allowed (anything but 200, 503, 429, a client cancel, and errors of requests in flight on the killed
-replica), replica RSS (median) in the first and last quarter, and the replicas' and admission controller's state after
+replica), replica RSS and MLX memory (medians) in the first and last quarter with `memory_flat` (MLX active memory
+beside the prefix cache and running KV grew by at most 8 MB on every replica alive the whole run), and the
+replicas' and admission controller's state after
 the run (running, waiting, KV in use, reservations: all should be zero; the prefix cache's bytes, which
 finished requests leave behind by design, beside them).
 """
@@ -47,6 +49,7 @@ class Run:
     unexpected: list = field(default_factory=list)  # (t, status, message) of errors that are not allowed
     restart_window: list = field(default_factory=list)  # errors of requests in flight on the killed replica
     rss: dict = field(default_factory=dict)  # replica actor name -> [(t, rss_bytes)]
+    mlx: dict = field(default_factory=dict)  # replica id -> [(t, active - prefix cache - KV, active, cache)]
     start: float = 0.0
     killed_at: Optional[float] = None
     killed: Optional[str] = None
@@ -157,6 +160,25 @@ def sample_rss(run: Run, t: float) -> None:
             pass
 
 
+def sample_mlx(run: Run, t: float) -> None:
+    """Each replica's MLX memory from its stats: what is allocated beside the prefix cache and the KV of
+    running requests (weights plus whatever leaks) is what must stay flat."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP)
+    seen = set()
+    for _ in range(6):  # the router picks a replica per call
+        try:
+            s = handle.stats.remote().result(timeout_s=5)
+        except Exception:  # a replica restarting
+            continue
+        if s["replica_id"] in seen:
+            continue
+        seen.add(s["replica_id"])
+        other = s["mlx_active_bytes"] - s["prefix_cache_bytes"] - s["kv_used_bytes"]
+        run.mlx.setdefault(s["replica_id"], []).append((t, other, s["mlx_active_bytes"], s["mlx_cache_bytes"]))
+
+
 def kill_one_replica(run: Run) -> None:
     import ray
 
@@ -175,6 +197,7 @@ async def monitor(args: argparse.Namespace, run: Run, start: float, stop_at: flo
         now = time.monotonic()
         if with_ray:
             await asyncio.to_thread(sample_rss, run, now - start)
+            await asyncio.to_thread(sample_mlx, run, now - start)
             if not args.no_restart and run.killed_at is None and now >= restart_at:
                 await asyncio.to_thread(kill_one_replica, run)
         await asyncio.sleep(2.0)
@@ -190,6 +213,28 @@ def rss_summary(run: Run, duration_s: float) -> dict[str, Any]:
         out[name.rsplit("#", 1)[-1]] = {
             "first_quarter_rss_mb": first_mb, "last_quarter_rss_mb": last_mb,
             "growth_mb": round(last_mb - first_mb, 1) if first and last else None, "num_samples": len(samples)}
+    return out
+
+
+def mlx_summary(run: Run, duration_s: float, tolerance_mb: float = 8.0) -> dict[str, Any]:
+    """Per replica, medians over the first and last quarter of the run of MLX active memory minus the
+    prefix cache and the running requests' KV (weights plus anything leaked): flat when it grew by at most
+    tolerance_mb. Active and cached (reusable, freed) bytes are printed beside it."""
+    out = {}
+    for replica_id, samples in run.mlx.items():
+        def median_mb(column: int, first: bool) -> Optional[float]:
+            values = [row[column] for row in samples
+                      if (row[0] <= duration_s / 4 if first else row[0] >= 3 * duration_s / 4)]
+            return round(statistics.median(values) / 2**20, 1) if values else None
+
+        first, last = median_mb(1, True), median_mb(1, False)
+        growth = round(last - first, 1) if first is not None and last is not None else None
+        out[replica_id] = {
+            "first_quarter_other_mb": first, "last_quarter_other_mb": last, "growth_mb": growth,
+            "flat": None if growth is None else growth <= tolerance_mb,  # None: not alive the whole run
+            "first_quarter_active_mb": median_mb(2, True), "last_quarter_active_mb": median_mb(2, False),
+            "first_quarter_cache_mb": median_mb(3, True), "last_quarter_cache_mb": median_mb(3, False),
+            "num_samples": len(samples)}
     return out
 
 
@@ -237,6 +282,9 @@ async def soak(args: argparse.Namespace, url: str, model: str, with_ray: bool) -
     }
     if with_ray:
         summary["replica_rss"] = rss_summary(run, args.duration_s)
+        summary["replica_mlx_memory"] = mlx_summary(run, args.duration_s)
+        spanning = [m for m in summary["replica_mlx_memory"].values() if m["growth_mb"] is not None]
+        summary["memory_flat"] = bool(spanning) and all(m["flat"] for m in spanning)
         summary["after_run"] = await asyncio.to_thread(final_state)
     return summary
 
