@@ -238,7 +238,7 @@ def mlx_summary(run: Run, duration_s: float, tolerance_mb: float = 8.0) -> dict[
     return out
 
 
-def final_state(timeout_s: float = 20.0) -> dict[str, Any]:
+def final_state(num_replicas: int, timeout_s: float = 20.0) -> dict[str, Any]:
     """Each replica's running/waiting/KV/reservations and the admission controller's, once idle (or at timeout)."""
     from ray import serve
 
@@ -246,9 +246,11 @@ def final_state(timeout_s: float = 20.0) -> dict[str, Any]:
     keys = ("num_running", "num_waiting", "kv_used_bytes", "kv_reserved_bytes", "prefix_cache_bytes")
     deadline, replicas = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
-        for _ in range(8):  # the router picks a replica per call: sample until both answered
+        for _ in range(30):  # the router picks a replica per call: sample until every replica answered
             s = handle.stats.remote().result(timeout_s=10)
             replicas[s["replica_id"]] = {k: s[k] for k in keys}
+            if len(replicas) >= num_replicas:
+                break
         if not any(v for r in replicas.values() for k, v in r.items() if k != "prefix_cache_bytes"):
             break
         time.sleep(0.5)
@@ -285,7 +287,7 @@ async def soak(args: argparse.Namespace, url: str, model: str, with_ray: bool) -
         summary["replica_mlx_memory"] = mlx_summary(run, args.duration_s)
         spanning = [m for m in summary["replica_mlx_memory"].values() if m["growth_mb"] is not None]
         summary["memory_flat"] = bool(spanning) and all(m["flat"] for m in spanning)
-        summary["after_run"] = await asyncio.to_thread(final_state)
+        summary["after_run"] = await asyncio.to_thread(final_state, args.replicas)
     return summary
 
 
