@@ -245,6 +245,33 @@ def test_placement_by_room_not_round_robin(cluster):
     wait_for(lambda: stats()["num_reservations"] == 0, what="release on disconnect")
 
 
+def test_disconnect_while_queued_never_reaches_the_engine(cluster):
+    """Both replicas full: a request waits in the controller's queue; its client gives up; when room comes
+    it is not admitted (the ingress left the queue), so no engine ever sees it."""
+    url = cluster["url"]
+    with httpx.Client(timeout=60) as http:
+        streams = [http.stream("POST", f"{url}/v1/completions", json=body(10, 1500, stream=True, offset=300 + i))
+                   for i in range(2)]  # 1510 tokens: 6 of each replica's 6.5 steps
+        responses = [s.__enter__() for s in streams]
+        lines = [r.iter_lines() for r in responses]
+        try:
+            for r, it in zip(responses, lines):
+                assert r.status_code == 200
+                next(it)
+            assert {r.headers["x-replica-id"] for r in responses} == {r["replica_id"] for r in stats()["replicas"]}
+            before = stats()["counters"]
+            with pytest.raises(httpx.TimeoutException):  # 1 step: fits nowhere now, so it queues
+                httpx.post(f"{url}/v1/completions", json=body(10, 8, offset=900), timeout=1.5)
+            queued = wait_for(lambda: (lambda s: s if s["num_waiting"] == 0 else None)(stats()), what="left queue")
+            assert queued["counters"]["num_queued"] == before["num_queued"] + 1
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    after = wait_for(lambda: (lambda s: s if s["num_reservations"] == 0 else None)(stats()), what="all released")
+    assert after["counters"]["num_admitted_after_wait"] == before["num_admitted_after_wait"]
+    assert after["counters"]["num_admitted"] == before["num_admitted"]
+
+
 def test_controller_killed_under_load(cluster):
     import ray
 
