@@ -7,14 +7,20 @@ Terms, for a model with L layers, H query heads, H_kv KV heads of size d, hidden
 vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - KV per token: 2 * L * H_kv * d * s, reserved per request in steps of `kv_step` tokens.
 - Prefill chunk of c tokens of one row whose context after the chunk is n:
-      a_s * 4*H*c*n + a_m * c*n + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
-  (attention scores and their softmax, the causal mask, the MLP intermediates, the hidden-size
-  activations, the last position's logits). Rows prefill one after another, each evaluated before the
-  next, so a step's prefill transient is the largest chunk's, not the sum.
+      a_s * 4*H*c*n + a_m * c*n + a_g * n*H_kv*(2*d*s + 4) + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
+  (attention scores and their softmax, the causal mask, one layer's KV of the row gathered from the
+  pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last position's logits). Rows prefill
+  one after another, each evaluated before the next, so a step's prefill transient is the largest
+  chunk's, not the sum.
 - Decode of B rows, the longest with n keys:
-      b_d * B*D*s + g * 2*B*H_kv*n*d*s + b_s * 4*B*H*n + max(b_i * B*I*s,  (b_v * B + z) * 4*V)
-  one layer's gathered right-padded KV (none when B = 1) and its scores, plus the larger of the MLP
-  intermediates and the logits (they are never alive together).
+      b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + max(b_i * B*I*s,  (b_v * B + z) * 4*V)
+  one layer's KV of the rows gathered from the pool, right-padded to n, with its int32 slot index
+  (built once per forward), and the scores, plus the
+  larger of the MLP intermediates and the logits (they are never alive together).
+- KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
+  is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
+  (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
+  after the weights so that budget + max(forward bound, growth of a full pool) fits in it.
 - z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
   when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
@@ -75,6 +81,7 @@ class TransientCoefficients:
     decode_mlp: float
     decode_hidden: float
     sampling: float = 11.0  # x 4*V: temperature / top-k / top-p of one row (rows are sampled in turn)
+    prefill_gather: float = 1.0  # x n*H_kv*(2*d*s + 4): one layer's KV of the row, gathered from the pool
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
@@ -126,14 +133,34 @@ class MemoryModel:
     def kv_bytes(self, num_tokens: int) -> int:
         return self.kv_tokens(num_tokens) * self.kv_bytes_per_token
 
+    def kv_copy_bytes(self, num_tokens: int) -> int:
+        """Transient of copying one layer's K (or V) of `num_tokens` slots of the pool (growth of a
+        pool of that size, or a prefix-cache copy), with its int32 source and destination slots."""
+        s = self.shape
+        return num_tokens * (s.num_kv_heads * s.head_dim * s.dtype_bytes + 8)
+
+    def kv_budget_bytes(self, available_bytes: int, forward_bound_bytes: int) -> int:
+        """KV budget out of `available_bytes` (memory limit less weights) such that
+        budget + max(forward_bound, kv_copy_bytes(budget in tokens)) <= available: a full pool's
+        growth copy must fit beside it, like a forward's transient (they never run together)."""
+        per_token = self.kv_bytes_per_token
+        copy_fraction = self.kv_copy_bytes(1) / per_token  # growth transient per byte of pool
+        return max(0, min(available_bytes - forward_bound_bytes, int(available_bytes / (1 + copy_fraction))))
+
+    def kv_growth_bound_bytes(self, kv_budget_bytes: int) -> int:
+        """The largest pool-growth or prefix-copy transient: one array of a pool as large as the budget."""
+        return self.kv_copy_bytes(kv_budget_bytes // self.kv_bytes_per_token)
+
     # --- transients -------------------------------------------------------------------------------
     def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                             samples: bool = False) -> int:
         s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
+        gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
         total = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
+            + k.prefill_gather * gather
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
             + (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
@@ -145,7 +172,7 @@ class MemoryModel:
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
-        gather = 2 * b * s.num_kv_heads * n * s.head_dim * s.dtype_bytes if b > 1 else 0
+        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
         attention = k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
         mlp = k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
