@@ -13,10 +13,11 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   one after another, each evaluated before the next, so a step's prefill transient is the largest
   chunk's, not the sum.
 - Decode of B rows, the longest with n keys:
-      b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + max(b_i * B*I*s,  (b_v * B + z) * 4*V)
-  one layer's KV of the rows gathered from the pool, right-padded to n, with its int32 slot index
-  (built once per forward), and the scores, plus the
-  larger of the MLP intermediates and the logits (they are never alive together).
+      b_d * B*D*s + max(g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s,  (b_v * B + z) * 4*V)
+  the hidden states, plus the larger of the layers' phase (one layer's KV of the rows gathered from
+  the pool, right-padded to n, with its int32 slot index; the scores; the MLP intermediates) and the
+  head's (the logits): the runner evaluates the hidden states before the head, so the last layer's
+  gathered KV is freed before the logits exist.
 - KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
   is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
   (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
@@ -86,7 +87,7 @@ class TransientCoefficients:
 
 CPU_COEFFICIENTS = TransientCoefficients(
     prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
-    decode_gather=1.0, decode_scores=1.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=4.0,
+    decode_gather=1.0, decode_scores=2.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=16.0,
 )
 
 
@@ -168,15 +169,16 @@ class MemoryModel:
         return int(total)
 
     def decode_bytes(self, context_lens: Sequence[int], samples: bool = False) -> int:
-        """Gathered KV + scores, plus the larger of the MLP intermediates and the logits."""
+        """Hidden states, plus the larger of the layers' phase (gathered KV, scores, MLP) and the
+        head's (logits): the runner evaluates the hidden states before the head."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
         gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
-        attention = k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
-        mlp = k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
+        layers = (k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+                  + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
-        return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + attention + max(mlp, logits))
+        return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + max(layers, logits))
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""

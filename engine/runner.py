@@ -163,6 +163,7 @@ class ModelRunner:
         view = ForwardView(self.pool, [self.rows[w.request_id] for w in work], 1)
         tokens = mx.array([w.token_id for w in work])[:, None]  # [B, 1]
         hidden = self._forward(tokens, view.layers())  # [B, 1, D]
+        mx.eval(hidden)  # the last layer's gathered KV is freed before the logits exist
         logits = self._head(hidden)[:, 0, :]  # [B, V]
         sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
         view.advance()
