@@ -1,21 +1,23 @@
 """Decode step time and MLX graph size per step, at a fixed context, for B = 1, 4, 8 rows.
 
-For each model (the tiny test llama, the default SmolLM2-135M) and each batch size B, an Engine admits
-B requests with `--prompt-tokens` random prompt tokens, prefills them, runs `--warmup` decode steps,
-then times `--steps` decode-only steps (`Engine.step()`, scheduling and sampling included).
-`ops_per_step` is the number of operations in the lazy graph of one decode forward (hidden states,
-LM head excluded), counted from `mx.export_to_dot`; `ops_per_layer` divides the part that grows with
-the layer count by it. Prints one JSON object.
+For each model (`tiny`, `default` SmolLM2-135M, or a random shape of scripts/bench_common.py such as
+`llama-8b`) and each batch size B, an Engine admits B requests with `--prompt-tokens` random prompt
+tokens, prefills them, runs `--warmup` decode steps, then times `--steps` decode-only steps
+(`Engine.step()`: scheduling, forward, LM head and sampling). `ops_per_step` is the number of
+operations in the lazy graph of one decode forward (up to the final hidden states, LM head and
+sampling excluded), counted from `mx.export_to_dot`; `extra_ops_per_layer_vs_b1` is how many more per
+layer than at the first batch size. Prints one JSON object (and each result as it comes, on stderr).
 
     python scripts/bench_decode_step.py                          # tiny and default, B = 1, 4, 8
     python scripts/bench_decode_step.py --models tiny --batches 1,8 --steps 5
+    python3 scripts/bench_decode_step.py --models llama-8b --dtype bfloat16 --prompt-tokens 512 \
+        --warmup 5 --steps 20 --out decode.json                  # on a GPU (scripts/gpu_bench.sh)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -23,11 +25,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import mlx.core as mx  # noqa: E402
 
+from bench_common import environment, free_memory, load_bench_model, memory_model_for  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -59,14 +63,24 @@ class OpCounter:
         return hidden
 
 
-def bench_one(model: str, batch: int, args) -> dict:
-    cfg = EngineConfig(model=model, max_num_seqs=max(batch, 1), prefill_chunk_size=512,
-                       max_num_batched_tokens=max(2048, batch), memory_limit_bytes=args.memory_limit,
-                       prefix_cache_fraction=0.0, cache_dir=os.environ.get("MLX_SERVE_CACHE"))
-    engine = Engine.from_config(cfg)
+def make_engine(lm, batch: int, max_len: int) -> Engine:
+    """The default engine config sized for B rows of `max_len` tokens, with room for them."""
+    memory = memory_model_for(lm)
+    seqs, chunk = max(batch, 1), 512
+    kv = batch * memory.kv_bytes(max_len)
+    bound = memory.transient_bound_bytes(seqs, chunk, max_len)
+    limit = int(1.5 * (lm.weights_bytes + bound + kv)) + (256 << 20)
+    cfg = EngineConfig(model=lm.name, dtype=lm.dtype, max_num_seqs=seqs, prefill_chunk_size=chunk,
+                       max_num_batched_tokens=max(2048, seqs), memory_limit_bytes=limit,
+                       max_model_len=max_len, prefix_cache_fraction=0.0)
+    return Engine(lm.model, lm.tokenizer, cfg, lm.config)
+
+
+def bench_one(lm, batch: int, args) -> dict:
+    total_steps = args.warmup + args.steps + 2
+    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4)
     rng = random.Random(0)
     vocab = engine.memory.shape.vocab_size
-    total_steps = args.warmup + args.steps + 2
     for i in range(batch):
         prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=total_steps + 4, ignore_eos=True))
@@ -87,7 +101,7 @@ def bench_one(model: str, batch: int, args) -> dict:
     num_layers = engine.memory.shape.num_layers
     times.sort()
     return {
-        "model": model, "batch": batch, "num_layers": num_layers,
+        "model": lm.name, "dtype": lm.dtype, "batch": batch, "num_layers": num_layers,
         "context_tokens": args.prompt_tokens + args.warmup + 1,
         "step_ms_mean": round(1000 * sum(times) / len(times), 3),
         "step_ms_median": round(1000 * times[len(times) // 2], 3),
@@ -99,17 +113,22 @@ def bench_one(model: str, batch: int, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,default")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--memory-limit", type=int, default=4 << 30)
+    p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     results = []
-    for model in args.models.split(","):
+    for name in args.models.split(","):
+        lm = load_bench_model(name, args.dtype)
         for batch in (int(b) for b in args.batches.split(",")):
-            results.append(bench_one(model, batch, args))
+            results.append(bench_one(lm, batch, args))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            free_memory()
+        del lm
+        free_memory()
     # ops that grow with B: the difference between batch sizes, per layer
     by_model = {}
     for r in results:
@@ -120,8 +139,11 @@ def main() -> None:
             if base["ops_per_step"] is not None and r["ops_per_step"] is not None:
                 r["extra_ops_per_layer_vs_b%d" % base["batch"]] = round(
                     (r["ops_per_step"] - base["ops_per_step"]) / r["num_layers"], 2)
-    print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
-                      "results": results}, indent=1))
+    text = json.dumps({"bench": "decode_step", "argv": sys.argv[1:], "environment": environment(),
+                       "results": results}, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":
