@@ -5,7 +5,8 @@ For each model (`tiny`, `default` SmolLM2-135M, or a random shape of scripts/ben
 tokens, prefills them, runs `--warmup` decode steps, then times `--steps` decode-only steps
 (`Engine.step()`: scheduling, forward, LM head and sampling). `ops_per_step` is the number of
 operations in the lazy graph of one decode forward (up to the final hidden states, LM head and
-sampling excluded), counted from `mx.export_to_dot`; `extra_ops_per_layer_vs_b1` is how many more per
+sampling excluded), counted from `mx.export_to_dot`; `graph_build_ms_mean` the Python time spent
+building that graph (`ModelRunner._forward`, no computation); `extra_ops_per_layer_vs_b1` is how many more per
 layer than at the first batch size. Prints one JSON object (and each result as it comes, on stderr).
 
     python scripts/bench_decode_step.py                          # tiny and default, B = 1, 4, 8
@@ -47,16 +48,19 @@ def count_ops(outputs: mx.array) -> int:
 
 
 class OpCounter:
-    """Wraps runner._forward: counts the ops of the next decode forward's graph."""
+    """Wraps runner._forward: times the Python graph build of every forward, and counts the ops of the
+    next decode forward's graph when armed."""
 
     def __init__(self, runner):
-        self.runner = runner
         self.original = runner._forward
         self.armed = False
         self.count = None
+        self.build_s: list[float] = []
 
     def __call__(self, tokens, cache):
+        t0 = time.perf_counter()
         hidden = self.original(tokens, cache)
+        self.build_s.append(time.perf_counter() - t0)
         if self.armed and tokens.shape[1] == 1:
             self.count = count_ops(hidden)
             self.armed = False
@@ -92,6 +96,7 @@ def bench_one(lm, batch: int, args) -> dict:
     engine.runner._forward = counter
     counter.armed = True
     engine.step()  # counted, not timed (exporting the graph takes time)
+    counter.build_s.clear()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -106,6 +111,7 @@ def bench_one(lm, batch: int, args) -> dict:
         "step_ms_mean": round(1000 * sum(times) / len(times), 3),
         "step_ms_median": round(1000 * times[len(times) // 2], 3),
         "ms_per_token": round(1000 * sum(times) / len(times) / batch, 3),
+        "graph_build_ms_mean": round(1000 * sum(counter.build_s) / len(counter.build_s), 3),
         "ops_per_step": counter.count,
     }
 
