@@ -55,7 +55,8 @@ class Row:
         if end > self.capacity:
             raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
         pos = np.arange(start, end)
-        return np.asarray(self.blocks, np.int64)[pos // self.block_size] * self.block_size + pos % self.block_size
+        blocks = np.asarray(self.blocks, np.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
 
     def advance(self) -> None:
         self.offset += self._pending
@@ -99,7 +100,8 @@ class KVPool:
             self.values = [mx.zeros((0, d), self._dtype) for _ in range(self.num_layers)]
         for arrays in (self.keys, self.values):
             for i, old in enumerate(arrays):
-                grown = mx.pad(old.reshape(h, self.num_slots, d), [(0, 0), (0, slots - self.num_slots), (0, 0)])
+                grown = mx.pad(old.reshape(h, self.num_slots, d),
+                               [(0, 0), (0, slots - self.num_slots), (0, 0)])  # [H_kv, slots, D]
                 arrays[i] = grown.reshape(h * slots, d)  # [H_kv * slots, D]
                 del old, grown
                 mx.eval(arrays[i])

@@ -9,9 +9,9 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - Prefill chunk of c tokens of one row whose context after the chunk is n:
       a_s * 4*H*c*n + a_m * c*n + a_g * n*H_kv*(2*d*s + 4) + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
   (attention scores and their softmax, the causal mask, one layer's KV of the row gathered from the
-  pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last position's logits). Rows prefill
-  one after another, each evaluated before the next, so a step's prefill transient is the largest
-  chunk's, not the sum.
+  pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last
+  position's logits). Rows prefill one after another, each evaluated before the next, so a step's
+  prefill transient is the largest chunk's, not the sum.
 - Decode of B rows, the longest with n keys:
       b_d * B*D*s + max(g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s,  (b_v * B + z) * 4*V)
   the hidden states, plus the larger of the layers' phase (one layer's KV of the rows gathered from
@@ -26,8 +26,10 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
 MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
-no measured step exceeded them; scripts/calibrate_memory.py reports how they do on random workloads and
-searches others, and tests/engine/test_memory_measured.py checks them step by step.
+no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
+pool replaced per-request buffers, see docs/memory.md); scripts/calibrate_memory.py reports how they do
+on random workloads and searches others, and tests/engine/test_memory_measured.py checks them step by
+step.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, min_hit_tokens: int = 1, on_evict: Callable[[Any], None] = lambda row: None):
+    def __init__(self, max_bytes: int, min_hit_tokens: int = 1,
+                 on_evict: Callable[[Any], None] = lambda row: None):
         self.max_bytes = max_bytes
         self._on_evict = on_evict
         self.min_hit_tokens = min_hit_tokens
