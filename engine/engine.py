@@ -42,7 +42,7 @@ class EngineStats:
     num_waiting: int
     num_running: int
     kv_reserved_bytes: int
-    kv_used_bytes: int
+    kv_used_bytes: int  # KV blocks held by running requests (= reserved)
     kv_budget_bytes: int
     kv_bytes_per_token: int
     kv_cache_step: int
@@ -61,6 +61,7 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
     mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
+    kv_allocated_bytes: int = 0  # the KV pool's arrays (running rows, prefix cache, free blocks)
 
 
 def resolve_dtype(name: str) -> str:
@@ -100,13 +101,17 @@ class Engine:
         bound = self.memory.transient_bound_bytes(
             config.max_num_seqs, config.prefill_chunk_size, self.max_model_len
         )
-        kv_budget = self.memory_limit_bytes - weights_bytes - bound
+        kv_budget = self.memory.kv_budget_bytes(self.memory_limit_bytes - weights_bytes, bound)
         if kv_budget < self.memory.kv_bytes(1):
             raise ValueError(
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
                 f"{weights_bytes} + transient bound {bound} bytes"
             )
-        self.prefix_cache = PrefixCache(int(config.prefix_cache_fraction * kv_budget))
+        self.runner = ModelRunner(model, seed=config.seed, block_size=self.memory.kv_step,
+                                  max_kv_tokens=kv_budget // self.memory.kv_bytes_per_token)
+        # Evicted prefix-cache entries give their pool blocks back.
+        self.prefix_cache = PrefixCache(int(config.prefix_cache_fraction * kv_budget),
+                                        on_evict=self.runner.release)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len, kv_budget),
@@ -115,7 +120,6 @@ class Engine:
             reclaim=self.prefix_cache.evict,
         )
         self._prefix_hits: dict[str, PrefixHit] = {}  # waiting requests' pinned cache hits
-        self.runner = ModelRunner(model, seed=config.seed)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
         self.num_steps = 0
@@ -184,19 +188,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.last_plan = plan  # plain data, read by AsyncEngine's step observer
-        for row in plan.new_rows:
-            request = self.scheduler.requests[row.request_id]
-            self.runner.add_row(row.request_id, row.kv_capacity_tokens,
-                                RequestSampler(request.sampling, self.config.seed))
-            hit = self._prefix_hits.pop(row.request_id, None)
-            if hit is not None:
-                self.runner.copy_prefix(row.request_id, self.prefix_cache.take(hit), hit.num_tokens)
+        admitted = self._add_rows(plan.new_rows)
         if plan.is_empty:
             return []
         self.num_steps += 1
         failed: dict[str, str] = {}  # request_id -> error of its own prefill chunk
         try:
-            sampled = self._execute(plan, failed)
+            sampled = self._execute(plan, failed, admitted)
         except Exception as exc:  # a failed decode forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             ids = list(plan.decodes) + [c.request_id for c in plan.prefills]
@@ -221,12 +219,40 @@ class Engine:
         if hit is not None:  # never admitted: let the entry go
             self.prefix_cache.unpin(hit)
         row = self.runner.free_row(request.request_id)
-        if row is not None and row.offset > 0 and reason != FinishReason.ERROR and self.prefix_cache.max_bytes:
-            self.prefix_cache.insert(request.all_token_ids[: row.offset], row)
+        if row is None:
+            return
+        if row.offset > 0 and reason != FinishReason.ERROR and self.prefix_cache.max_bytes:
+            if self.prefix_cache.insert(request.all_token_ids[: row.offset], self.runner.keep_prefix(row)):
+                return
+        self.runner.release(row)
 
-    def _execute(self, plan: SchedulerOutput, failed: dict[str, str]) -> dict[str, int]:
+    def _add_rows(self, new_rows) -> StepMemory:
+        """Give admitted requests their KV blocks (growing the pool first if it must) and copy their
+        prefix-cache hits. Growth and copies run between forwards; their transients (one array of
+        the old pool, one layer's K or V of the copied prefix) are measured and predicted."""
+        predicted = measured = 0
+        need = sum(self.runner.blocks_for(row.kv_capacity_tokens) for row in new_rows)
+        target = self.runner.pool_growth_target(need)
+        if target is not None:
+            predicted = self.memory.kv_copy_bytes(self.runner.pool_tokens)
+            measured = self._measured(self.runner.grow_pool, target)[1]
+        for row in new_rows:
+            request = self.scheduler.requests[row.request_id]
+            self.runner.add_row(row.request_id, row.kv_capacity_tokens,
+                                RequestSampler(request.sampling, self.config.seed))
+            hit = self._prefix_hits.pop(row.request_id, None)
+            if hit is not None:
+                source = self.prefix_cache.take(hit)
+                copied = self._measured(lambda args: self.runner.copy_prefix(*args),
+                                        (row.request_id, source, hit.num_tokens))[1]
+                predicted = max(predicted, self.memory.kv_copy_bytes(hit.num_tokens))
+                measured = max(measured, copied)
+        return StepMemory(predicted, measured)
+
+    def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
         """Run the decode forward, then each prefill chunk; measure each one's transient peak. A prefill
-        chunk that raises touches its own row only: its request goes into `failed`, the others go on."""
+        chunk that raises touches its own row only: its request goes into `failed`, the others go on.
+        `admitted`: the transients of this step's pool growth and prefix copies (`_add_rows`)."""
         requests = self.scheduler.requests
         decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
         tokens, measured = self._measured(self.runner.decode, decode)
@@ -243,18 +269,20 @@ class Engine:
             measured = max(measured, chunk_bytes)
             if token is not None:
                 sampled[chunk.request_id] = token
-        self.last_step_memory = StepMemory(plan.predicted_transient_bytes, measured)
+        predicted = max(plan.predicted_transient_bytes, admitted.predicted_bytes)
+        measured = max(measured, admitted.measured_bytes)
+        self.last_step_memory = StepMemory(predicted, measured)
         self._max_measured = max(self._max_measured, measured)
-        self._max_predicted = max(self._max_predicted, plan.predicted_transient_bytes)
+        self._max_predicted = max(self._max_predicted, predicted)
         return sampled
 
     def _measured(self, fn, work):
         """fn(work) and its transient: MLX peak over what was live before, less KV it allocated."""
-        kv_before = self.runner.kv_used_bytes
+        kv_before = self.runner.kv_allocated_bytes
         active_before = mx.get_active_memory()
         mx.reset_peak_memory()
         result = fn(work)
-        new_kv = self.runner.kv_used_bytes - kv_before
+        new_kv = self.runner.kv_allocated_bytes - kv_before
         return result, max(0, mx.get_peak_memory() - active_before - new_kv)
 
     # --- sync API -------------------------------------------------------------------------------
@@ -298,4 +326,5 @@ class Engine:
             prefix_cache_hit_tokens=self.prefix_cache.stats.num_hit_tokens,
             prefix_cache_evictions=self.prefix_cache.stats.num_evictions,
             mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
+            kv_allocated_bytes=self.runner.kv_allocated_bytes,
         )

@@ -1,17 +1,27 @@
-"""Per-request KV storage and the batched decode view, both speaking mlx-lm's cache protocol.
+"""The KV pool (one K and one V array per layer, in blocks of token slots) and the views through which
+mlx-lm attention layers read and write it (mlx-lm's cache protocol: offset, update_and_fetch, make_mask).
 
-Each running request owns one `RowKV`: per layer a `[1, H_kv, capacity, D]` key and value buffer,
-allocated once, on admission, at the request's reserved size (prompt + max_tokens, rounded up to the cache step), so
-the KV never grows, never copies, and the bytes in use are exactly what the scheduler reserved.
+Layout: per layer, keys and values are each one `[H_kv * num_slots, D]` array (head-major: head h's
+slots are rows h*num_slots ...), with `num_slots = num_blocks * block_size`. A request owns a list of
+blocks (engine/blocks.py); its position p lives in slot `blocks[p // block_size] * block_size +
+p % block_size`. Every forward, prefill of one row or decode of B rows, touches each layer with a fixed
+number of operations whatever B is:
+- write: one scatter per K and V of the forward's new tokens (`[B, H_kv, T, D]` flattened, rows
+  `h*num_slots + slot`) into the pool, in place (the pool array is donated to the scatter);
+- read: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the contiguous
+  `[B, H_kv, L_max, D]` that attention wants (no transposed copy); padded positions read row 0 and are
+  masked by a `[B, 1, 1, L_max]` boolean mask (none for one row).
+The indices are built once per forward (numpy, shared by all layers). Per layer and step: 2 scatters,
+2 gathers and 2 reshapes, against 2 + 4B small operations of the per-row buffers this replaces. The
+gathered copy is one layer's KV of the rows in the forward (on the CPU only one layer's is alive at a
+time), which the memory model counts for prefill and decode.
 
-Prefill runs one row at a time through `RowKV.layer(i)` (B = 1, causal mask by offset, no mask array).
-Decode of all running rows is one forward through `DecodeView`: per layer it writes each row's new
-key/value in place, then gathers the rows into one right-padded `[B, H_kv, L_max, D]` tensor with a
-`[B, 1, 1, L_max]` boolean mask. On the CPU only one layer's gathered copy is alive at a time (MLX
-frees it once that layer's attention ran), which the memory model counts as the decode transient. On
-CUDA, MLX frees temporaries per committed batch of ops, so several layers' copies can coexist
-(docs/benchmarks.md); MLX_MAX_OPS_PER_BUFFER bounds that. The 2 + 4B small ops per layer are also
-the decode's main cost on a GPU (a shared batched layout is the fix, not done yet).
+Why a pool rather than one `[B, H_kv, L, D]` batch tensor (mlx-lm's BatchKVCache): a batch tensor is
+padded to the longest row and must be rebuilt (a copy of all of it) when rows join or leave; blocks
+keep KV equal to what the scheduler reserved and never copy a row's KV. The pool is allocated lazily
+and grows (doubling, capped at the KV budget) by one copy per array, between forwards, each array
+evaluated before the next: that transient is one layer's K (or V) of the old pool, which the memory
+model counts (`MemoryModel.kv_copy_bytes`).
 """
 
 from __future__ import annotations
@@ -19,125 +29,152 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 
-def round_up(n: int, step: int) -> int:
-    return ((n + step - 1) // step) * step
+class Row:
+    """One request's KV: the pool blocks it owns and how many positions hold computed KV."""
 
-
-class _RowLayer:
-    """One layer of one row: the object an mlx-lm attention layer sees during that row's prefill."""
-
-    def __init__(self, row: "RowKV", index: int):
-        self._row = row
-        self._index = index
+    def __init__(self, blocks: list[int], block_size: int, block_bytes: int):
+        self.blocks = blocks
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.offset = 0  # tokens whose KV is stored
+        self._pending = 0  # tokens written by the forward being built, committed by advance()
 
     @property
-    def offset(self) -> int:
-        return self._row.offset
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        return self._row.write(self._index, keys, values)
-
-    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None or return_array:
-            raise NotImplementedError("sliding-window / explicit-mask models are not supported")
-        return None if n == 1 else "causal"  # MLX's causal mode aligns queries to the last keys
-
-
-class RowKV:
-    """KV cache of one request, allocated at its full reserved capacity when the request is admitted.
-
-    Allocating before the first forward (not inside it) keeps a step's measured peak a clean
-    transient: no KV appears halfway through a forward.
-    """
-
-    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        self.capacity = capacity
-        self.offset = 0  # tokens whose KV is stored
-        shape = (1, num_kv_heads, capacity, head_dim)
-        self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]  # [1, H_kv, capacity, D]
-        self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
-        mx.eval(self.keys, self.values)
-        self._pending = 0  # tokens written in the current forward, committed by advance()
-
-    def layers(self) -> list[_RowLayer]:
-        return [_RowLayer(self, i) for i in range(len(self.keys))]
-
-    def write(self, layer: int, keys: mx.array, values: mx.array):
-        """Store `keys`/`values` ([1, H_kv, n, D]) at the current offset; return all stored KV."""
-        n = keys.shape[2]
-        start, end = self.offset, self.offset + n
-        if end > self.capacity:
-            raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
-        self.keys[layer][..., start:end, :] = keys  # in place: the old buffer is donated
-        self.values[layer][..., start:end, :] = values
-        self._pending = n
-        return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
-
-    def advance(self) -> None:
-        """Commit the tokens written by the forward that just ran (all layers wrote the same n)."""
-        self.offset += self._pending
-        self._pending = 0
-
-    def arrays(self) -> list[mx.array]:
-        return self.keys + self.values
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        return len(self.blocks) * self.block_bytes
+
+    def slots(self, start: int, end: int) -> np.ndarray:
+        """Pool slots of positions [start, end)."""
+        if end > self.capacity:
+            raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
+        pos = np.arange(start, end)
+        blocks = np.asarray(self.blocks, np.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def advance(self) -> None:
+        self.offset += self._pending
+        self._pending = 0
 
 
-class _DecodeLayer:
-    """One layer of the batched decode forward over several rows of different lengths."""
+class KVPool:
+    """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
 
-    def __init__(self, view: "DecodeView", index: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self._dtype = dtype
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.num_slots = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self._dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        """Pool rows of `slots` ([...]) for every head: [H_kv, ...]."""
+        heads = np.arange(self.num_kv_heads).reshape((-1,) + (1,) * slots.ndim)
+        return heads * self.num_slots + slots[None]
+
+    def grow(self, num_blocks: int) -> None:
+        """Resize to `num_blocks`: one array at a time, so the transient is one old array."""
+        slots = num_blocks * self.block_size
+        if slots <= self.num_slots:
+            return
+        h, d = self.num_kv_heads, self.head_dim
+        if not self.keys:
+            self.keys = [mx.zeros((0, d), self._dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros((0, d), self._dtype) for _ in range(self.num_layers)]
+        for arrays in (self.keys, self.values):
+            for i, old in enumerate(arrays):
+                grown = mx.pad(old.reshape(h, self.num_slots, d),
+                               [(0, 0), (0, slots - self.num_slots), (0, 0)])  # [H_kv, slots, D]
+                arrays[i] = grown.reshape(h * slots, d)  # [H_kv * slots, D]
+                del old, grown
+                mx.eval(arrays[i])
+        self.num_slots = slots
+        mx.clear_cache()  # the old arrays' buffers are smaller than any later pool array
+
+    def copy(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """KV of `src_slots` into `dst_slots` (a prefix-cache hit), one array at a time."""
+        src = mx.array(self.rows(src_slots).reshape(-1), mx.int32)
+        dst = mx.array(self.rows(dst_slots).reshape(-1), mx.int32)
+        for arrays in (self.keys, self.values):
+            for i in range(self.num_layers):
+                arrays[i][dst] = arrays[i][src]  # [H_kv * n, D]
+                mx.eval(arrays[i])
+
+
+class _ViewLayer:
+    """One layer of a forward, as an mlx-lm attention layer sees its cache."""
+
+    def __init__(self, view: "ForwardView", index: int):
         self._view = view
         self._index = index
 
     @property
-    def offset(self) -> mx.array:
-        return self._view.positions  # per-row RoPE offsets, [B]
+    def offset(self):
+        return self._view.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         return self._view.write_and_gather(self._index, keys, values)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:
-            raise NotImplementedError("sliding-window models are not supported")
+        if window_size is not None or return_array:
+            raise NotImplementedError("sliding-window / explicit-mask models are not supported")
+        if n > 1:
+            return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
         return self._view.mask
 
 
-class DecodeView:
-    """The cache list for one batched decode step over `rows` (one new token each)."""
+class ForwardView:
+    """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
 
-    def __init__(self, rows: list[RowKV]):
+    def __init__(self, pool: KVPool, rows: list[Row], num_new: int):
+        if num_new > 1 and len(rows) > 1:
+            raise ValueError("a forward of several rows computes one token per row")
+        self.pool = pool
         self.rows = rows
-        lengths = [r.offset + 1 for r in rows]  # KV length after this step's token
-        self.max_len = max(lengths)
-        self.positions = mx.array([r.offset for r in rows])
-        # [B, 1, 1, L_max]: True where a row has a real key. One row needs neither mask nor gather.
-        self.mask = None
-        if len(rows) > 1:
-            self.mask = (mx.arange(self.max_len)[None] < mx.array(lengths)[:, None])[:, None, None, :]
+        lengths = [r.offset + num_new for r in rows]  # KV length after this forward
+        width = max(lengths)
+        read = np.zeros((len(rows), width), np.int64)  # padded positions read slot 0, masked
+        for b, (row, n) in enumerate(zip(rows, lengths)):
+            read[b, :n] = row.slots(0, n)
+            row._pending = num_new
+        write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
+        self._read = mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_max]
+        self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
+        if len(rows) == 1:
+            self.offset = rows[0].offset
+            self.mask = None
+        else:
+            self.offset = mx.array([r.offset for r in rows])  # per-row RoPE offsets, [B]
+            # [B, 1, 1, L_max]: True where a row has a real key
+            self.mask = mx.array(np.arange(width)[None] < np.array(lengths)[:, None])[:, None, None, :]
 
-    def layers(self) -> list[_DecodeLayer]:
-        return [_DecodeLayer(self, i) for i in range(len(self.rows[0].keys))]
+    def layers(self) -> list[_ViewLayer]:
+        return [_ViewLayer(self, i) for i in range(self.pool.num_layers)]
 
     def write_and_gather(self, layer: int, keys: mx.array, values: mx.array):
-        """keys/values: [B, H_kv, 1, D] -> right-padded [B, H_kv, L_max, D] over all rows."""
-        if len(self.rows) == 1:
-            return self.rows[0].write(layer, keys, values)
-        gathered = []
-        for src in (keys, values):
-            b_, h, _, d = src.shape
-            gathered.append(mx.zeros((b_, h, self.max_len, d), src.dtype))
-        for b, row in enumerate(self.rows):
-            k_all, v_all = row.write(layer, keys[b : b + 1], values[b : b + 1])
-            n = k_all.shape[2]
-            gathered[0][b : b + 1, :, :n, :] = k_all
-            gathered[1][b : b + 1, :, :n, :] = v_all
-        return gathered[0], gathered[1]
+        """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]."""
+        out = []
+        for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
+            pool_arrays[layer][self._write] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
+            out.append(pool_arrays[layer][self._read])  # [B, H_kv, L_max, D]
+        return out[0], out[1]
 
     def advance(self) -> None:
         for row in self.rows:

@@ -7,20 +7,29 @@ Terms, for a model with L layers, H query heads, H_kv KV heads of size d, hidden
 vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - KV per token: 2 * L * H_kv * d * s, reserved per request in steps of `kv_step` tokens.
 - Prefill chunk of c tokens of one row whose context after the chunk is n:
-      a_s * 4*H*c*n + a_m * c*n + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
-  (attention scores and their softmax, the causal mask, the MLP intermediates, the hidden-size
-  activations, the last position's logits). Rows prefill one after another, each evaluated before the
-  next, so a step's prefill transient is the largest chunk's, not the sum.
+      a_s * 4*H*c*n + a_m * c*n + a_g * n*H_kv*(2*d*s + 4) + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
+  (attention scores and their softmax, the causal mask, one layer's KV of the row gathered from the
+  pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last
+  position's logits). Rows prefill one after another, each evaluated before the next, so a step's
+  prefill transient is the largest chunk's, not the sum.
 - Decode of B rows, the longest with n keys:
-      b_d * B*D*s + g * 2*B*H_kv*n*d*s + b_s * 4*B*H*n + max(b_i * B*I*s,  (b_v * B + z) * 4*V)
-  one layer's gathered right-padded KV (none when B = 1) and its scores, plus the larger of the MLP
-  intermediates and the logits (they are never alive together).
+      b_d * B*D*s + max(g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s,  (b_v * B + z) * 4*V)
+  the hidden states, plus the larger of the layers' phase (one layer's KV of the rows gathered from
+  the pool, right-padded to n, with its int32 slot index; the scores; the MLP intermediates) and the
+  head's (the logits): the runner evaluates the hidden states before the head, so the last layer's
+  gathered KV is freed before the logits exist.
+- KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
+  is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
+  (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
+  after the weights so that budget + max(forward bound, growth of a full pool) fits in it.
 - z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
   when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
 MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
-no measured step exceeded them; scripts/calibrate_memory.py reports how they do on random workloads and
-searches others, and tests/engine/test_memory_measured.py checks them step by step.
+no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
+pool replaced per-request buffers, see docs/memory.md); scripts/calibrate_memory.py reports how they do
+on random workloads and searches others, and tests/engine/test_memory_measured.py checks them step by
+step.
 """
 
 from __future__ import annotations
@@ -75,11 +84,12 @@ class TransientCoefficients:
     decode_mlp: float
     decode_hidden: float
     sampling: float = 11.0  # x 4*V: temperature / top-k / top-p of one row (rows are sampled in turn)
+    prefill_gather: float = 1.0  # x n*H_kv*(2*d*s + 4): one layer's KV of the row, gathered from the pool
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
     prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
-    decode_gather=1.0, decode_scores=1.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=4.0,
+    decode_gather=1.0, decode_scores=2.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=16.0,
 )
 
 
@@ -126,14 +136,34 @@ class MemoryModel:
     def kv_bytes(self, num_tokens: int) -> int:
         return self.kv_tokens(num_tokens) * self.kv_bytes_per_token
 
+    def kv_copy_bytes(self, num_tokens: int) -> int:
+        """Transient of copying one layer's K (or V) of `num_tokens` slots of the pool (growth of a
+        pool of that size, or a prefix-cache copy), with its int32 source and destination slots."""
+        s = self.shape
+        return num_tokens * (s.num_kv_heads * s.head_dim * s.dtype_bytes + 8)
+
+    def kv_budget_bytes(self, available_bytes: int, forward_bound_bytes: int) -> int:
+        """KV budget out of `available_bytes` (memory limit less weights) such that
+        budget + max(forward_bound, kv_copy_bytes(budget in tokens)) <= available: a full pool's
+        growth copy must fit beside it, like a forward's transient (they never run together)."""
+        per_token = self.kv_bytes_per_token
+        copy_fraction = self.kv_copy_bytes(1) / per_token  # growth transient per byte of pool
+        return max(0, min(available_bytes - forward_bound_bytes, int(available_bytes / (1 + copy_fraction))))
+
+    def kv_growth_bound_bytes(self, kv_budget_bytes: int) -> int:
+        """The largest pool-growth or prefix-copy transient: one array of a pool as large as the budget."""
+        return self.kv_copy_bytes(kv_budget_bytes // self.kv_bytes_per_token)
+
     # --- transients -------------------------------------------------------------------------------
     def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                             samples: bool = False) -> int:
         s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
+        gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
         total = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
+            + k.prefill_gather * gather
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
             + (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
@@ -141,15 +171,16 @@ class MemoryModel:
         return int(total)
 
     def decode_bytes(self, context_lens: Sequence[int], samples: bool = False) -> int:
-        """Gathered KV + scores, plus the larger of the MLP intermediates and the logits."""
+        """Hidden states, plus the larger of the layers' phase (gathered KV, scores, MLP) and the
+        head's (logits): the runner evaluates the hidden states before the head."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
-        gather = 2 * b * s.num_kv_heads * n * s.head_dim * s.dtype_bytes if b > 1 else 0
-        attention = k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
-        mlp = k.decode_mlp * b * s.intermediate_size * s.dtype_bytes
+        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
+        layers = (k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+                  + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
-        return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + attention + max(mlp, logits))
+        return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + max(layers, logits))
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""

@@ -8,14 +8,15 @@ the output without it). At least one prompt token is always recomputed, for the 
 
 Cached bytes are reclaimable: the scheduler evicts entries (`make_room`) before it would make a
 request wait for KV, so the cache never causes a refusal. An entry a waiting request is going to copy
-from is pinned until then. No mlx import: rows are opaque objects with an `nbytes` attribute.
+from is pinned until then. No mlx import: rows are opaque objects with an `nbytes` attribute; an
+evicted entry's row goes to `on_evict` (the engine gives its KV pool blocks back).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from engine.prefix_hash import block_hashes
 
@@ -23,7 +24,7 @@ from engine.prefix_hash import block_hashes
 @dataclass
 class CacheEntry:
     token_ids: tuple[int, ...]
-    row: Any  # the RowKV holding KV for token_ids
+    row: Any  # the KV of token_ids (engine/kv.py Row: pool blocks)
     nbytes: int
     pins: int = 0
     block_hashes: tuple[int, ...] = ()  # engine/prefix_hash.py, of token_ids
@@ -52,8 +53,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, min_hit_tokens: int = 1):
+    def __init__(self, max_bytes: int, min_hit_tokens: int = 1,
+                 on_evict: Callable[[Any], None] = lambda row: None):
         self.max_bytes = max_bytes
+        self._on_evict = on_evict
         self.min_hit_tokens = min_hit_tokens
         self._entries: "OrderedDict[int, CacheEntry]" = OrderedDict()  # LRU order: oldest first
         self._next_key = 0
@@ -102,7 +105,8 @@ class PrefixCache:
             entry.pins -= 1
 
     def insert(self, token_ids: Sequence[int], row: Any) -> bool:
-        """Keep `row` (KV of `token_ids`) if it fits the budget after evicting unpinned LRU entries."""
+        """Keep `row` (KV of `token_ids`) if it fits the budget after evicting unpinned LRU entries.
+        False: not kept, the row stays the caller's."""
         nbytes = row.nbytes
         if nbytes > self.max_bytes or not token_ids:
             return False
@@ -126,6 +130,7 @@ class PrefixCache:
             freed += entry.nbytes
             self.nbytes -= entry.nbytes
             self.stats.num_evictions += 1
+            self._on_evict(entry.row)
         if freed:
             self._refresh_chains()
         return freed

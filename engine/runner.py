@@ -3,7 +3,9 @@
 Takes plain data from the scheduler (which rows compute which tokens) and returns sampled token ids.
 - Prefill: one forward per row and chunk, evaluated before the next row's, so a step's transient is
   the largest single chunk's, never their sum. Only the prompt's last position reaches the LM head.
-- Decode: every decoding row in one batched forward (`DecodeView`), one token each.
+- Decode: every decoding row in one batched forward, one token each.
+Both read and write the KV pool through a `ForwardView` (engine/kv.py): per layer a constant number of
+operations whatever the number of rows. The pool's blocks are handed out by a `BlockAllocator`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kv import DecodeView, RowKV
+from engine.blocks import BlockAllocator, num_blocks_for
+from engine.kv import ForwardView, KVPool, Row
 from engine.sampling import RequestSampler, sample_rows
 
 
@@ -56,45 +59,81 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, seed: int = 0):
+    def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20):
+        """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens)."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
         self.num_layers = len(self._backbone.layers)
         attention = self._backbone.layers[0].self_attn
-        self._kv_heads = attention.n_kv_heads
-        self._head_dim = getattr(attention, "head_dim", None) or model.args.hidden_size // attention.n_heads
+        head_dim = getattr(attention, "head_dim", None) or model.args.hidden_size // attention.n_heads
         proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
-        self._kv_dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
+        dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
+        self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
+        self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
-        self.rows: dict[str, RowKV] = {}
+        self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
         self.num_tokens_computed = 0
 
-    # --- rows -----------------------------------------------------------------------------------
+    # --- KV pool and rows -----------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return num_blocks_for(num_tokens, self.blocks.block_size)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool.num_slots
+
+    def pool_growth_target(self, num_blocks: int) -> Optional[int]:
+        """Blocks the pool must grow to before `num_blocks` more can be allocated (None: they fit)."""
+        return self.blocks.growth_target(num_blocks)
+
+    def grow_pool(self, num_blocks: int) -> None:
+        self.pool.grow(num_blocks)
+        self.blocks.grow(num_blocks)
+
     def add_row(self, request_id: str, capacity: int, sampler: RequestSampler) -> None:
-        self.rows[request_id] = RowKV(self.num_layers, capacity, self._kv_heads, self._head_dim,
-                                      self._kv_dtype)
+        """Give the request the blocks of `capacity` tokens (the pool must have grown for them)."""
+        blocks = self.blocks.allocate(self.blocks_for(capacity))
+        if blocks is None:
+            raise RuntimeError(f"{request_id}: KV pool has {self.blocks.num_free} free blocks, needs "
+                               f"{self.blocks_for(capacity)} (grow_pool first)")
+        self.rows[request_id] = Row(blocks, self.blocks.block_size, self.pool.block_bytes)
         self.samplers[request_id] = sampler
 
-    def free_row(self, request_id: str) -> Optional[RowKV]:
-        """Forget the row; returns its KV (the prefix cache may keep it)."""
+    def free_row(self, request_id: str) -> Optional[Row]:
+        """Forget the row; returns it with its blocks still held (the prefix cache may keep them):
+        the caller gives them back with `release` or `keep_prefix`."""
         self.samplers.pop(request_id, None)
         return self.rows.pop(request_id, None)
 
-    def copy_prefix(self, request_id: str, source: RowKV, num_tokens: int) -> None:
+    def release(self, row: Row) -> None:
+        self.blocks.free(row.blocks)
+        row.blocks = []
+
+    def keep_prefix(self, row: Row) -> Row:
+        """Free the blocks past the row's computed tokens; the row keeps the rest (for the prefix cache)."""
+        keep = self.blocks_for(row.offset)
+        self.blocks.free(row.blocks[keep:])
+        row.blocks = row.blocks[:keep]
+        return row
+
+    def copy_prefix(self, request_id: str, source: Row, num_tokens: int) -> None:
         """Start the row with the first `num_tokens` positions of `source`'s KV (a prefix-cache hit)."""
         row = self.rows[request_id]
-        for dst, src in ((row.keys, source.keys), (row.values, source.values)):
-            for layer in range(self.num_layers):
-                dst[layer][..., :num_tokens, :] = src[layer][..., :num_tokens, :]  # [1, H_kv, n, D]
-        mx.eval(row.arrays())
+        self.pool.copy(source.slots(0, num_tokens), row.slots(0, num_tokens))
         row.offset = num_tokens
 
     @property
     def kv_used_bytes(self) -> int:
+        """KV held by running rows (their reserved blocks)."""
         return sum(r.nbytes for r in self.rows.values())
+
+    @property
+    def kv_allocated_bytes(self) -> int:
+        """The pool's arrays: running rows, prefix-cache entries and free blocks."""
+        return self.pool.nbytes
 
     # --- compute --------------------------------------------------------------------------------
     def _forward(self, tokens: mx.array, cache: list) -> mx.array:
@@ -107,22 +146,24 @@ class ModelRunner:
         row = self.rows[work.request_id]
         if row.offset != work.start:
             raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
-        hidden = self._forward(mx.array(work.token_ids)[None], row.layers())  # [1, T, D]
+        view = ForwardView(self.pool, [row], len(work.token_ids))
+        hidden = self._forward(mx.array(work.token_ids)[None], view.layers())  # [1, T, D]
         if not work.sample:
-            mx.eval(row.arrays())
-            row.advance()
+            mx.eval(self.pool.keys, self.pool.values)
+            view.advance()
             return None
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])[0]
-        row.advance()
+        view.advance()
         return token
 
     def decode(self, work: list[DecodeWork]) -> list[int]:
         if not work:
             return []
-        view = DecodeView([self.rows[w.request_id] for w in work])
+        view = ForwardView(self.pool, [self.rows[w.request_id] for w in work], 1)
         tokens = mx.array([w.token_id for w in work])[:, None]  # [B, 1]
         hidden = self._forward(tokens, view.layers())  # [B, 1, D]
+        mx.eval(hidden)  # the last layer's gathered KV is freed before the logits exist
         logits = self._head(hidden)[:, 0, :]  # [B, V]
         sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
         view.advance()

@@ -79,8 +79,11 @@ class Scheduler:
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
         self.kv_reserved_bytes = 0
-        self.transient_bound_bytes = memory.transient_bound_bytes(
-            config.max_num_seqs, config.prefill_chunk_size, config.max_model_len
+        # Forwards, and the KV pool's growth / prefix copies between them (never at the same time).
+        self.transient_bound_bytes = max(
+            memory.transient_bound_bytes(config.max_num_seqs, config.prefill_chunk_size,
+                                         config.max_model_len),
+            memory.kv_growth_bound_bytes(config.kv_budget_bytes),
         )
 
     # --- requests in and out ----------------------------------------------------------------------

@@ -31,8 +31,8 @@ from bench_prefill_memory import Meter, StepRecorder, make_engine  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-PREFILL_TERMS = ("prefill_scores", "prefill_mask", "prefill_mlp", "prefill_hidden", "prefill_logits",
-                 "decode_scores")
+PREFILL_TERMS = ("prefill_scores", "prefill_mask", "prefill_gather", "prefill_mlp", "prefill_hidden",
+                 "prefill_logits", "decode_scores")
 DECODE_TERMS = ("decode_gather", "decode_scores", "decode_logits", "decode_mlp", "decode_hidden")
 
 # 2-layer variants: each changes some of heads / hidden / MLP / vocabulary against the 8B shape.
@@ -58,12 +58,14 @@ def shape_of(config: dict, dtype_bytes: int) -> dict:
 
 def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
     return dict(prefill_scores=4 * sh["H"] * c * n if c > 1 else 0, prefill_mask=c * n,
+                prefill_gather=n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
                 prefill_mlp=c * sh["I"] * sh["s"], prefill_hidden=c * sh["D"] * sh["s"],
                 prefill_logits=4 * sh["V"] * int(logits), decode_scores=4 * sh["H"] * n if c == 1 else 0)
 
 
 def decode_terms(sh: dict, b: int, n: int) -> dict:
-    return dict(decode_gather=2 * b * sh["Hkv"] * n * sh["d"] * sh["s"] if b > 1 else 0,
+    # a linear fit: the engine's max(layers, logits) is fitted as a sum (points where the layers dominate)
+    return dict(decode_gather=b * n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
                 decode_scores=4 * b * sh["H"] * n, decode_logits=4 * b * sh["V"],
                 decode_mlp=b * sh["I"] * sh["s"], decode_hidden=b * sh["D"] * sh["s"])
 
@@ -72,12 +74,12 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
     """Step the engine until `until()`; one record per step (predicted, measured, time, plan)."""
     out = []
     while not until():
-        meter.begin(engine.runner.kv_used_bytes)
+        meter.begin(engine.runner.kv_allocated_bytes)
         t = time.perf_counter()
         outputs = engine.step()
         mx.synchronize()
         dt = time.perf_counter() - t
-        whole = meter.end(engine.runner.kv_used_bytes)
+        whole = meter.end(engine.runner.kv_allocated_bytes)
         for o in outputs:
             if o.error:
                 raise RuntimeError(f"{o.request_id}: {o.error}")

@@ -277,11 +277,11 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
     first: dict[str, float] = {}
     steps = []
     while len(first) < len(prompts):
-        meter.begin(engine.runner.kv_used_bytes)
+        meter.begin(engine.runner.kv_allocated_bytes)
         t = time.perf_counter()
         outputs = engine.step()
         step_s = time.perf_counter() - t
-        whole_step = meter.end(engine.runner.kv_used_bytes)  # across the engine's per-forward resets
+        whole_step = meter.end(engine.runner.kv_allocated_bytes)  # across the engine's per-forward resets
         now = meter.elapsed()
         for out in outputs:
             if out.error:
@@ -302,7 +302,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
     prefill_s = meter.elapsed()
     meter.stepwise = max(s["measured"] for s in steps)
     stats = engine.stats()
-    kv = engine.runner.kv_used_bytes
+    kv = engine.runner.kv_allocated_bytes
     result = meter.result(kv, stats.max_predicted_transient_bytes, [first[i] for i in ids], prefill_s,
                           config=engine.config.model_dump(), steps=steps,
                           engine_stats=dataclasses.asdict(stats))

@@ -71,7 +71,7 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
             if isinstance(work, PrefillWork):
                 c = len(work.token_ids)
                 prefill.append((("prefill", shape, (c, work.start + c, work.sample)), peak))
-            elif work:
+            elif isinstance(work, list) and work:  # decode (pool growth and prefix copies: not fitted)
                 lens = [engine.runner.rows[w.request_id].offset for w in work]  # after the step
                 decode.append((("decode", shape, lens), peak))
             return result, peak

@@ -3,10 +3,11 @@
 # wheels, then runs, each in its own process under a deadline, writing JSON under $OUT:
 #   prefill.json   scripts/bench_prefill_memory.py  8B, 8192/6144/4096/2048 (sequential, engine, mlx_lm)
 #   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
+#   decode.json    scripts/bench_decode_step.py  decode step time and graph ops at B = 1, 4, 8 (512-token context)
 #   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
-# SKIP_PREFILL / SKIP_SERVING / SKIP_NAIVE=1 leave a step out; MLX_* variables pass through (the grid
+# SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_NAIVE=1 leave a step out; MLX_* variables pass through (the grid
 # under MLX_MAX_OPS_PER_BUFFER=8: docs/benchmarks.md).
 #
 # Wheels: /root/stash/part_aa (carried by an earlier call) + wheels_b/ (part_ab and the small wheels):
@@ -90,6 +91,8 @@ COMMON=(--model "$MODEL" --dtype "$DTYPE")
 [[ -n "${SKIP_SERVING:-}" ]] || step serving 180 160 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
   --backends engine_sync,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
+[[ -n "${SKIP_DECODE:-}" ]] || step decode 90 80 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
+  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --out "$OUT/decode.json"
 step grid 200 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
   --json --out "$OUT/grid.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \

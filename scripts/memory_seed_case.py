@@ -24,6 +24,7 @@ def chunk_terms(m: MemoryModel, c: int, n: int) -> dict:
     return {
         "scores": int(k.prefill_scores * 4 * s.num_heads * c * n),
         "mask": int(k.prefill_mask * c * n),
+        "kv_gather": int(k.prefill_gather * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)),
         "mlp": int(k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes),
         "hidden": int(k.prefill_hidden * c * s.hidden_size * s.dtype_bytes),
         "logits_and_sampling": int((k.prefill_logits + k.sampling) * 4 * s.vocab_size),

@@ -11,7 +11,7 @@ abandoned by the client after a random short delay. Halfway through, one engine 
 through Ray (Serve restarts it). Ends with one JSON summary on stdout: outcomes by status, errors that are
 not allowed (anything but 200, 503, 429, a client cancel, and errors of requests in flight on the killed
 replica), replica RSS and MLX memory (medians) in the first and last quarter with `memory_flat` (MLX active memory
-beside the prefix cache and running KV grew by at most 8 MB on every replica alive the whole run), and the
+beside the KV pool grew by at most 8 MB on every replica alive the whole run), and the
 replicas' and admission controller's state after
 the run (running, waiting, KV in use, reservations: all should be zero; the prefix cache's bytes, which
 finished requests leave behind by design, beside them).
@@ -49,7 +49,7 @@ class Run:
     unexpected: list = field(default_factory=list)  # (t, status, message) of errors that are not allowed
     restart_window: list = field(default_factory=list)  # errors of requests in flight on the killed replica
     rss: dict = field(default_factory=dict)  # replica actor name -> [(t, rss_bytes)]
-    mlx: dict = field(default_factory=dict)  # replica id -> [(t, active - prefix cache - KV, active, cache)]
+    mlx: dict = field(default_factory=dict)  # replica id -> [(t, active - KV pool, active, cache)]
     start: float = 0.0
     killed_at: Optional[float] = None
     killed: Optional[str] = None
@@ -161,8 +161,9 @@ def sample_rss(run: Run, t: float) -> None:
 
 
 def sample_mlx(run: Run, t: float) -> None:
-    """Each replica's MLX memory from its stats: what is allocated beside the prefix cache and the KV of
-    running requests (weights plus whatever leaks) is what must stay flat."""
+    """Each replica's MLX memory from its stats: what is allocated beside the KV pool (which holds the
+    running requests' KV, the prefix cache and free blocks, and grows up to the KV budget) is the weights
+    plus whatever leaks, and must stay flat."""
     from ray import serve
 
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP)
@@ -175,7 +176,7 @@ def sample_mlx(run: Run, t: float) -> None:
         if s["replica_id"] in seen:
             continue
         seen.add(s["replica_id"])
-        other = s["mlx_active_bytes"] - s["prefix_cache_bytes"] - s["kv_used_bytes"]
+        other = s["mlx_active_bytes"] - s["kv_allocated_bytes"]  # the KV pool: running KV, prefix cache, free
         run.mlx.setdefault(s["replica_id"], []).append((t, other, s["mlx_active_bytes"], s["mlx_cache_bytes"]))
 
 
@@ -217,8 +218,8 @@ def rss_summary(run: Run, duration_s: float) -> dict[str, Any]:
 
 
 def mlx_summary(run: Run, duration_s: float, tolerance_mb: float = 8.0) -> dict[str, Any]:
-    """Per replica, medians over the first and last quarter of the run of MLX active memory minus the
-    prefix cache and the running requests' KV (weights plus anything leaked): flat when it grew by at most
+    """Per replica, medians over the first and last quarter of the run of MLX active memory minus the KV
+    pool (weights plus anything leaked): flat when it grew by at most
     tolerance_mb. Active and cached (reusable, freed) bytes are printed beside it."""
     out = {}
     for replica_id, samples in run.mlx.items():

@@ -47,9 +47,14 @@ def memory_limit_bytes() -> tuple[int, int]:
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    stats = Engine.from_config(EngineConfig(**ENGINE, memory_limit_bytes=1 << 30)).stats()
+    engine = Engine.from_config(EngineConfig(**ENGINE, memory_limit_bytes=1 << 30))
+    stats = engine.stats()
     step_bytes = stats.kv_cache_step * stats.kv_bytes_per_token
-    need = stats.weights_bytes + stats.transient_bound_bytes + ROOM_STEPS * step_bytes
+    # The forwards' bound: the engine's also covers a KV pool growth copy, which scales with the KV
+    # budget (so with this probe's 1 GiB limit); with ROOM_STEPS of KV it is far smaller.
+    forward_bound = engine.memory.transient_bound_bytes(ENGINE["max_num_seqs"], ENGINE["prefill_chunk_size"],
+                                                        ENGINE["max_model_len"])
+    need = stats.weights_bytes + forward_bound + ROOM_STEPS * step_bytes
     return math.ceil(need / HEADROOM), step_bytes
 
 

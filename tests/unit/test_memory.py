@@ -33,7 +33,19 @@ def test_bound_dominates_every_step_and_grows_with_config():
     assert m.transient_bound_bytes(16, 512, 4096) < bound
 
 
-def test_single_row_decode_has_no_gather():
+def test_decode_gathers_every_row_from_the_pool():
     m = MemoryModel(LLAMA3_8B)
-    gather = 2 * 2 * 8 * 1000 * 128 * 2
-    assert m.decode_bytes([1000, 1000]) - 2 * m.decode_bytes([1000]) >= gather
+    gather = 1000 * 8 * (2 * 128 * 2 + 4)  # one row, one layer: K, V and the int32 slot index
+    assert m.decode_bytes([1000]) >= gather
+    assert m.decode_bytes([1000, 1000]) - m.decode_bytes([1000]) >= gather
+
+
+def test_kv_budget_leaves_room_for_the_pool_growth_copy():
+    m = MemoryModel(LLAMA3_8B)
+    for available, forward in ((100 << 30, 1 << 30), (100 << 30, 1 << 20), (8 << 30, 2 << 30)):
+        budget = m.kv_budget_bytes(available, forward)
+        growth = m.kv_growth_bound_bytes(budget)
+        assert budget + max(forward, growth) <= available
+        assert budget + max(forward, growth) >= available - m.kv_bytes_per_token  # nothing wasted
+    # growth of a full pool: one layer's K (or V) of the pool and its indices
+    assert m.kv_copy_bytes(1000) == 1000 * (8 * 128 * 2 + 8)

@@ -40,3 +40,15 @@ def test_entry_larger_than_budget_is_not_kept():
     cache = PrefixCache(max_bytes=50)
     assert not cache.insert([1, 2], Row(100))
     assert len(cache) == 0
+
+
+def test_evicted_rows_go_to_on_evict():
+    evicted = []
+    cache = PrefixCache(max_bytes=250, on_evict=evicted.append)
+    first, second = Row(100), Row(100)
+    cache.insert([1], first)
+    cache.insert([2], second)
+    cache.insert([3], Row(100))  # evicts [1]: its blocks go back to the pool
+    assert evicted == [first]
+    cache.evict(1000)
+    assert len(evicted) == 3 and evicted[1] is second
