@@ -43,12 +43,16 @@ step() {
 } >"$OUT/env.txt" 2>&1
 
 if [[ -z "${SKIP_INSTALL:-}" ]]; then
-  WHL=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-  cat /root/stash/part_aa wheels_b/part_ab >"$WHL"
-  sed "s#  mlx_cuda#  /tmp/mlx_cuda#" wheels_b/mlx_cuda_13.sha256 | sha256sum -c - >>"$LOG" 2>&1 \
-    || log "WARNING: joined wheel checksum mismatch"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site "$WHL" wheels_b/*.whl >>"$LOG" 2>&1
-  log "pip install rc=$?"
+  if [[ -d /root/site/mlx ]]; then  # installed by an earlier call on this (still warm) machine
+    log "MLX already in /root/site"
+  else
+    WHL=/tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    cat /root/stash/part_aa wheels_b/part_ab >"$WHL"
+    sed "s#  mlx_cuda#  /tmp/mlx_cuda#" wheels_b/mlx_cuda_13.sha256 | sha256sum -c - >>"$LOG" 2>&1 \
+      || log "WARNING: joined wheel checksum mismatch"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site "$WHL" wheels_b/*.whl >>"$LOG" 2>&1
+    log "pip install rc=$?"
+  fi
   # libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: point that at the
   # image's own nvidia-* packages (cublas, cudnn, nccl, nvrtc, cufft, cusolver).
   NV=$(python3 -c "import nvidia, os; print([p for p in nvidia.__path__ if not p.startswith('/root/site')][0])" 2>>"$LOG")
@@ -93,7 +97,7 @@ COMMON=(--model "$MODEL" --dtype "$DTYPE")
   --out "$OUT/serving.json"
 [[ -n "${SKIP_DECODE:-}" ]] || step decode 90 80 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
   --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --out "$OUT/decode.json"
-step grid 200 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
+[[ -n "${SKIP_GRID:-}" ]] || step grid 200 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
   --json --out "$OUT/grid.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
   --peak-tflops 790 --json --out "$OUT/naive.json"
