@@ -58,12 +58,25 @@ def replica_stats() -> dict:
     return handle.stats.remote().result(timeout_s=30)
 
 
+def admission_reservations() -> int:
+    """Reservations the app's admission controller holds."""
+    import ray
+
+    from deployments.admission import NAMESPACE
+
+    [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]
+    return ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).stats.remote(), timeout=30)["num_reservations"]
+
+
 def wait_idle(timeout_s: float = 5.0) -> float:
-    """Seconds until the replica runs nothing and holds no KV or reservation; fails after timeout_s."""
+    """Seconds until the replica runs nothing and holds no KV, and admission holds no reservation; fails
+    after timeout_s."""
     start = time.monotonic()
     while True:
         s = replica_stats()
         busy = {k: s[k] for k in ("num_running", "num_waiting", "kv_used_bytes", "kv_reserved_bytes")}
+        busy["admission_reservations"] = admission_reservations()
         if not any(busy.values()):
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
