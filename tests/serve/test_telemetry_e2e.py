@@ -289,7 +289,12 @@ def test_scrape_shows_request_and_engine_metrics(served):
     assert {"mlx_serve_requests_running", "mlx_serve_requests_waiting", "mlx_serve_kv_cache_used_bytes",
             "mlx_serve_step_prefill_tokens_bucket", "mlx_serve_step_decode_tokens_sum",
             "mlx_serve_prefix_cache_hits_total"} <= names(replica)  # the second identical chat hit
-    assert sum(v for k, v in replica.items() if k.startswith("mlx_serve_requests_running{")) == 0
+    # The gauges are set every gauge_interval_s (1 s): once the requests are done they read 0 within it.
+    deadline = time.monotonic() + 5.0
+    while sum(v for k, v in replica.items() if k.startswith("mlx_serve_requests_running{")) != 0:
+        assert time.monotonic() < deadline, "mlx_serve_requests_running stayed above 0"
+        time.sleep(0.2)
+        replica = scrape(replica_url)
 
 
 def dashboard_metrics() -> set[str]:
