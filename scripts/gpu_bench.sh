@@ -5,6 +5,7 @@
 #   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
 #   decode.json    scripts/bench_decode_step.py  decode step time and graph ops at B = 1, 4, 8 (512-token context)
 #   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
+#   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
 # SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_NAIVE=1 leave a step out; MLX_* variables pass through (the grid
@@ -97,6 +98,8 @@ COMMON=(--model "$MODEL" --dtype "$DTYPE")
   --out "$OUT/serving.json"
 [[ -n "${SKIP_DECODE:-}" ]] || step decode 90 80 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
   --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --out "$OUT/decode.json"
+[[ -n "${SKIP_KVGATHER:-}" ]] || step kv_gather 60 0 python3 scripts/bench_kv_gather.py --dtype "$DTYPE" \
+  --out "$OUT/kv_gather.json"
 [[ -n "${SKIP_GRID:-}" ]] || step grid 200 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
   --json --out "$OUT/grid.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
