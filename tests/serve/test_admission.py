@@ -30,7 +30,7 @@ ROOM_STEPS = 6.5  # KV room per replica, in cache steps (256 tokens)
 ENGINE = {"model": MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 256, "prefill_chunk_size": 128,
           "max_model_len": 2048}
 ADMISSION = {"headroom": HEADROOM, "heartbeat_interval_s": 0.25, "replica_timeout_s": 3.0, "max_queue_len": 2,
-             "queue_timeout_s": 15.0, "retry_after_s": 2.0}
+             "queue_timeout_s": 90.0, "retry_after_s": 2.0}
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -283,8 +283,8 @@ def test_controller_killed_under_load(cluster):
     url = cluster["url"]
     step = cluster["step_bytes"]
     with httpx.Client(timeout=60) as http:
-        # 1280 tokens each: 5 of a replica's 6.5 steps, so a 1-step request still fits beside them
-        streams = [http.stream("POST", f"{url}/v1/completions", json=body(10, 1270, stream=True, offset=200 + i))
+        # 1510 tokens each: 6 of a replica's 6.5 steps, long enough to outlive the controller's restart
+        streams = [http.stream("POST", f"{url}/v1/completions", json=body(10, 1500, stream=True, offset=200 + i))
                    for i in range(2)]
         responses = [s.__enter__() for s in streams]
         lines = [r.iter_lines() for r in responses]  # kept: a dropped iterator closes the connection
@@ -300,8 +300,10 @@ def test_controller_killed_under_load(cluster):
             rebuild_s = time.monotonic() - killed
             assert rebuilt["counters"]["num_adopted"] == 2 and rebuilt["counters"]["num_admitted"] == 0
             assert sorted(i for r in rebuilt["replicas"] for i in r["request_ids"]) == sorted(ids)
-            assert rebuilt["reserved_kv_bytes"] == 2 * 5 * step  # 1280 tokens each: 5 steps
-            fresh = post(url, 10, 8)  # admitted by the new controller beside the adopted two
+            assert rebuilt["reserved_kv_bytes"] == 2 * 6 * step  # 1510 tokens each: 6 steps
+            # Admitted by the new controller: it waits in its queue until one adopted stream ends (no
+            # replica has a step left beside them), however long that takes on a loaded box.
+            fresh = httpx.post(f"{url}/v1/completions", json=body(10, 8), timeout=120)
             assert fresh.status_code == 200, fresh.text
             for it in lines:  # the in-flight requests complete
                 events = [line for line in it if line.startswith("data: ")]
