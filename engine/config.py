@@ -53,6 +53,12 @@ class EngineConfig(BaseModel):
         description="Share of the KV budget that finished requests' KV may keep for prefix reuse "
         "(evicted LRU, and before any request has to wait for KV). 0 disables the prefix cache.",
     )
+    async_decode: bool = Field(
+        True,
+        description="Pipeline decode steps as mlx-lm's BatchGenerator does: dispatch the next decode "
+        "before reading back the current one's tokens, so the device never waits for Python. A request "
+        "that stops on EOS or a stop string has one extra token computed and dropped.",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

@@ -35,6 +35,9 @@ class StepMemory:
 
     predicted_bytes: int
     measured_bytes: int
+    # A pipelined decode step: measured from the last read-back to this one, while the next decode
+    # was already dispatched; predicted as both decodes' transients together.
+    pipelined: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ class EngineStats:
     mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
     mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
     kv_allocated_bytes: int = 0  # the KV pool's arrays (running rows, prefix cache, free blocks)
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    """A decode dispatched to the device whose sampled tokens have not been read back."""
+
+    plan: SchedulerOutput
+    tokens: mx.array  # [B] lazy, rows in plan.decodes order
 
 
 def resolve_dtype(name: str) -> str:
@@ -99,7 +110,7 @@ class Engine:
             if config.memory_limit_bytes == "auto" else config.memory_limit_bytes
         )
         bound = self.memory.transient_bound_bytes(
-            config.max_num_seqs, config.prefill_chunk_size, self.max_model_len
+            config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, config.async_decode
         )
         kv_budget = self.memory.kv_budget_bytes(self.memory_limit_bytes - weights_bytes, bound)
         if kv_budget < self.memory.kv_bytes(1):
@@ -114,7 +125,8 @@ class Engine:
                                         on_evict=self.runner.release)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.prefill_chunk_size, self.max_model_len, kv_budget),
+                            config.prefill_chunk_size, self.max_model_len, kv_budget,
+                            config.async_decode),
             self.memory,
             cached_bytes=lambda: self.prefix_cache.nbytes,
             reclaim=self.prefix_cache.evict,
@@ -127,6 +139,8 @@ class Engine:
         self._max_measured = 0
         self.last_step_memory: Optional[StepMemory] = None
         self.last_plan: Optional[SchedulerOutput] = None
+        self._inflight: Optional[_Inflight] = None  # a dispatched decode whose tokens are not read back
+        self._base_other_bytes = mx.get_active_memory()  # see _pipeline_base_bytes
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -182,33 +196,119 @@ class Engine:
                              finished=True, finish_reason=reason, error=error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, dispatch the forwards, read back their tokens, return the increments.
+
+        Decode-only steps are pipelined like mlx-lm's BatchGenerator (`EngineConfig.async_decode`):
+        the next decode is dispatched, fed with this one's tokens as a lazy array, before this one's
+        tokens are read back, so the device never waits for Python (graph building, scheduling,
+        detokenizing). Outputs then come one step after their forward was dispatched. A row that
+        stops on EOS or a stop string has had one more token computed, which is dropped; rows
+        reaching max_tokens are left out of the next decode. Anything new for the scheduler (a
+        waiting request, a prompt chunk) ends the pipeline for one step."""
+        if self._inflight is not None:
+            return self._advance_pipeline()
         plan = self.scheduler.schedule()
         self.last_plan = plan  # plain data, read by AsyncEngine's step observer
         admitted = self._add_rows(plan.new_rows)
         if plan.is_empty:
             return []
         self.num_steps += 1
+        if self._can_pipeline(plan):
+            try:
+                self._inflight = self._dispatch_decode(plan, None)
+            except Exception as exc:
+                return self._fail_step(plan, exc)
+            return self._advance_pipeline()
         failed: dict[str, str] = {}  # request_id -> error of its own prefill chunk
         try:
             sampled = self._execute(plan, failed, admitted)
         except Exception as exc:  # a failed decode forward fails this step's requests, not the engine
-            logger.exception("engine step failed")
-            ids = list(plan.decodes) + [c.request_id for c in plan.prefills]
-            return [o for o in (self._finish(i, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-                                for i in dict.fromkeys(ids)) if o is not None]
+            return self._fail_step(plan, exc)
         # Finished before update(), which then skips them; the other rows of the step go on.
         outputs = [o for o in (self._finish(i, FinishReason.ERROR, e) for i, e in failed.items())
                    if o is not None]
+        return outputs + self._commit(plan, sampled)
+
+    def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        logger.error("engine step failed", exc_info=exc)
+        ids = list(plan.decodes) + [c.request_id for c in plan.prefills]
+        return [o for o in (self._finish(i, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                            for i in dict.fromkeys(ids)) if o is not None]
+
+    def _commit(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
         for request in self.scheduler.update(plan, sampled):
             out = process_token(request, self._streams[request.request_id], self.eos_token_ids)
             if out.finished:
                 self._release(self.scheduler.finish(request.request_id, out.finish_reason), out.finish_reason)
             outputs.append(out)
         return outputs
+
+    # --- pipelined decode -----------------------------------------------------------------------
+    def _can_pipeline(self, plan: SchedulerOutput) -> bool:
+        return (self.config.async_decode and bool(plan.decodes) and not plan.prefills
+                and not plan.new_rows and self.scheduler.num_waiting == 0)
+
+    def _dispatch_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
+        """Dispatch the decode of `plan` (inputs: the lazy tokens that feed it, else the rows' last
+        tokens); nothing waits for the device."""
+        requests = self.scheduler.requests
+        work = [DecodeWork(i, requests[i].output_token_ids[-1] if inputs is None else -1)
+                for i in plan.decodes]
+        return _Inflight(plan, self.runner.decode(work, inputs))
+
+    def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
+        """The decode that follows `prev` before `prev`'s tokens are known: its rows that are still
+        running and will not reach max_tokens with `prev`'s token; None if the scheduler has other
+        work (a waiting request, a prompt chunk) or no row goes on."""
+        s = self.scheduler
+        if s.num_waiting or any(r.is_prefilling for r in s.running):
+            return None
+        index = {rid: i for i, rid in enumerate(prev.plan.decodes)}
+        rows = [r.request_id for r in s.running if r.request_id in index
+                and r.num_output_tokens + 1 < r.sampling.max_tokens]
+        if not rows:
+            return None
+        if len(rows) == len(prev.plan.decodes):
+            inputs = prev.tokens
+        else:
+            inputs = prev.tokens[mx.array([index[r] for r in rows])]
+        return self._dispatch_decode(s.plan_decodes(rows, ahead=1), inputs)
+
+    def _advance_pipeline(self) -> list[RequestOutput]:
+        """Dispatch the next decode, then read back and commit the one in flight."""
+        prev, self._inflight = self._inflight, None
+        self.last_plan = prev.plan
+        try:
+            nxt = self._next_decode(prev)
+        except Exception as exc:  # the next forward's rows fail once this one's tokens are committed
+            nxt, next_error = None, exc
+        else:
+            next_error = None
+        if nxt is not None:
+            self.num_steps += 1
+        try:
+            tokens = prev.tokens.tolist()
+        except Exception as exc:
+            self._inflight = None
+            return self._fail_step(prev.plan, exc) + ([] if nxt is None else self._fail_step(nxt.plan, exc))
+        predicted = prev.plan.predicted_transient_bytes + (nxt.plan.predicted_transient_bytes if nxt else 0)
+        self._record_memory(predicted, 0, self._pipeline_base_bytes(), pipelined=True)
+        self._inflight = nxt
+        outputs = self._commit(prev.plan, dict(zip(prev.plan.decodes, tokens)))
+        if next_error is not None:
+            rows = [r.request_id for r in self.scheduler.running if not r.is_prefilling]
+            outputs += self._fail_step(self.scheduler.plan_decodes(rows), next_error)
+        return outputs
+
+    def _pipeline_base_bytes(self) -> int:
+        """Memory that is not a step's transient while forwards are in flight: what was alive at the
+        last step run without pipelining (weights, small state) beside the KV pool, plus the pool now."""
+        return self._base_other_bytes + self.runner.kv_allocated_bytes
 
     def _release(self, request: Optional[Request], reason: FinishReason) -> None:
         """Between forwards: the KV goes at once, into the prefix cache when it is worth keeping."""
@@ -250,38 +350,58 @@ class Engine:
         return StepMemory(predicted, measured)
 
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
-        """Run the decode forward, then each prefill chunk; measure each one's transient peak. A prefill
-        chunk that raises touches its own row only: its request goes into `failed`, the others go on.
-        `admitted`: the transients of this step's pool growth and prefix copies (`_add_rows`)."""
+        """Dispatch the decode forward, then each prefill chunk, then read back every sampled token
+        at once: the device runs the forwards back to back while Python builds the next one. A prefill
+        chunk that raises while its graph is built touches its own row only: its request goes into
+        `failed`, the others go on. The step's transient is MLX's peak over what was alive before,
+        less KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`)."""
         requests = self.scheduler.requests
-        decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-        tokens, measured = self._measured(self.runner.decode, decode)
-        sampled = dict(zip(plan.decodes, tokens))
+        active_before = mx.get_active_memory()
+        kv_before = self.runner.kv_allocated_bytes
+        self._base_other_bytes = active_before - kv_before
+        mx.reset_peak_memory()
+        lazy: dict[str, mx.array] = {}
+        if plan.decodes:
+            decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
+            tokens = self.runner.decode(decode)
+            lazy.update((rid, tokens[j]) for j, rid in enumerate(plan.decodes))
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
             try:
-                token, chunk_bytes = self._measured(self.runner.prefill, work)
+                token = self.runner.prefill(work)
             except Exception as exc:
                 logger.exception("prefill of %s failed", chunk.request_id)
                 failed[chunk.request_id] = f"{type(exc).__name__}: {exc}"
                 continue
-            measured = max(measured, chunk_bytes)
             if token is not None:
-                sampled[chunk.request_id] = token
-        predicted = max(plan.predicted_transient_bytes, admitted.predicted_bytes)
-        measured = max(measured, admitted.measured_bytes)
-        self.last_step_memory = StepMemory(predicted, measured)
+                lazy[chunk.request_id] = token[0]
+        values = mx.stack(list(lazy.values())).tolist() if lazy else []
+        mx.synchronize()  # chunks that sample nothing: their KV writes are part of the step
+        new_kv = self.runner.kv_allocated_bytes - kv_before
+        self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes,
+                            active_before + new_kv, admitted.predicted_bytes)
+        return dict(zip(lazy, values))
+
+    def _record_memory(self, predicted: int, measured: int, base_bytes: int, predicted_other: int = 0,
+                       pipelined: bool = False) -> None:
+        """The step's StepMemory: its measured transient is MLX's peak since the last reset over
+        `base_bytes` (what is not the step's), at least `measured` (pool growth / copies before it)."""
+        measured = max(measured, mx.get_peak_memory() - base_bytes, 0)
+        mx.reset_peak_memory()
+        predicted = max(predicted, predicted_other)
+        self.last_step_memory = StepMemory(predicted, measured, pipelined)
         self._max_measured = max(self._max_measured, measured)
         self._max_predicted = max(self._max_predicted, predicted)
-        return sampled
 
     def _measured(self, fn, work):
-        """fn(work) and its transient: MLX peak over what was live before, less KV it allocated."""
+        """fn(work), evaluated, and its transient: MLX peak over what was live before, less KV it
+        allocated (pool growth and prefix copies, which run between forwards)."""
         kv_before = self.runner.kv_allocated_bytes
         active_before = mx.get_active_memory()
         mx.reset_peak_memory()
         result = fn(work)
+        mx.synchronize()
         new_kv = self.runner.kv_allocated_bytes - kv_before
         return result, max(0, mx.get_peak_memory() - active_before - new_kv)
 

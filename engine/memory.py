@@ -189,14 +189,18 @@ class MemoryModel:
                   for p in plan.prefill_chunks]
         return max(parts)
 
-    def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:
+    def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int,
+                              pipelined_decode: bool = True) -> int:
         """Largest transient of any step the scheduler can produce under this configuration.
 
         Both formulas grow with every argument; a chunk attends to at most max_model_len keys and a
-        decode step has at most max_num_seqs rows of at most max_model_len keys each.
+        decode step has at most max_num_seqs rows of at most max_model_len keys each. With pipelined
+        decode (the engine's `async_decode`) the next decode is dispatched before the current one
+        ends, so two decodes' transients are counted together.
         """
         chunk = min(prefill_chunk_size, max_model_len)
+        decode = self.decode_bytes([max_model_len] * max_num_seqs, samples=True)
         return max(
             self.prefill_chunk_bytes(chunk, max_model_len, samples=True),
-            self.decode_bytes([max_model_len] * max_num_seqs, samples=True),
+            (2 if pipelined_decode else 1) * decode,
         )

@@ -39,13 +39,18 @@ def apply_top_k_top_p(logprobs: mx.array, top_k: int, top_p: float) -> mx.array:
     return logprobs
 
 
-def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> list[int]:
-    """logits: [B, V] (one row per request, same order as samplers) -> one token id per row."""
+def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> mx.array:
+    """logits: [B, V] (one row per request, same order as samplers) -> token ids [B], lazy.
+
+    Nothing is evaluated here, so the engine can dispatch a step and build the next one while the
+    device runs it. Greedy rows share one argmax; sampling rows are built one after another (their
+    sort / cumsum temporaries may coexist: the memory model counts one set per row)."""
     greedy_rows = [i for i, s in enumerate(samplers) if s.params.greedy]
+    if len(greedy_rows) == len(samplers):
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
     tokens: list[Optional[mx.array]] = [None] * len(samplers)
     if greedy_rows:
-        idx = mx.array(greedy_rows)
-        picked = mx.argmax(logits[idx], axis=-1)
+        picked = mx.argmax(logits[mx.array(greedy_rows)], axis=-1).astype(mx.int32)
         for j, i in enumerate(greedy_rows):
             tokens[i] = picked[j]
     for i, s in enumerate(samplers):
@@ -54,7 +59,5 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> list[int]:
         row = logits[i].astype(mx.float32) / s.params.temperature
         row = row - mx.logsumexp(row)
         row = apply_top_k_top_p(row, s.params.top_k, s.params.top_p)
-        tokens[i] = mx.random.categorical(row, key=s.next_key())
-        mx.eval(tokens[i])  # one row's sort / cumsum temporaries at a time (the memory model counts one)
-    stacked = mx.stack(tokens) if tokens else mx.array([], mx.int32)
-    return stacked.tolist()
+        tokens[i] = mx.random.categorical(row, key=s.next_key()).astype(mx.int32)
+    return mx.stack(tokens)

@@ -32,6 +32,7 @@ class SchedulerConfig:
     prefill_chunk_size: int
     max_model_len: int
     kv_budget_bytes: int
+    async_decode: bool = True  # the engine pipelines decode steps: two decodes' transients may meet
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Scheduler:
         # Forwards, and the KV pool's growth / prefix copies between them (never at the same time).
         self.transient_bound_bytes = max(
             memory.transient_bound_bytes(config.max_num_seqs, config.prefill_chunk_size,
-                                         config.max_model_len),
+                                         config.max_model_len, config.async_decode),
             memory.kv_growth_bound_bytes(config.kv_budget_bytes),
         )
 
@@ -165,6 +166,15 @@ class Scheduler:
             decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
             predicted_transient_bytes=self.memory.step_transient_bytes(plan),
         )
+
+    def plan_decodes(self, request_ids: list[str], ahead: int = 0) -> SchedulerOutput:
+        """A decode-only step of these running requests (the engine's pipelined decode). `ahead`:
+        tokens each has sampled beyond what `update` has committed (its context is that much longer)."""
+        decode_lens = tuple(self.requests[i].num_tokens + ahead for i in request_ids)
+        samples = any(not self.requests[i].sampling.greedy for i in request_ids)
+        plan = StepPlan(decode_context_lens=decode_lens, decode_samples=samples)
+        return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
+                               predicted_transient_bytes=self.memory.step_transient_bytes(plan))
 
     def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk]) -> int:
         remaining = request.num_prompt_tokens - request.num_computed_tokens

@@ -25,17 +25,57 @@ def test_batched_chunked_greedy_equals_mlx_lm_generate(make_engine, tiny_parts, 
     assert len({tuple(o.token_ids) for o in outs}) == len(prompts)  # the outputs really differ
 
 
-def test_decode_of_all_running_rows_is_one_forward(make_engine):
-    engine = make_engine(max_num_seqs=6)
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_decode_of_all_running_rows_is_one_forward(make_engine, async_decode):
+    engine = make_engine(max_num_seqs=6, async_decode=async_decode)
     for i, p in enumerate(random_prompts([3, 9, 17, 4, 30, 12], 49152, seed=1)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()  # all six prompts prefill (one forward each)
     assert engine.scheduler.num_running == 6
-    for _ in range(3):
+    forwards = []
+    for _ in range(4):
         before = engine.runner.num_forward_calls
         outputs = engine.step()
-        assert len(outputs) == 6
-        assert engine.runner.num_forward_calls - before == 1
+        assert len(outputs) == 6 and {o.request_id for o in outputs} == {str(i) for i in range(6)}
+        forwards.append(engine.runner.num_forward_calls - before)
+    # Pipelined: the first decode step dispatches two forwards (its own and the next), then one each.
+    assert forwards == ([2, 1, 1, 1] if async_decode else [1, 1, 1, 1])
+
+
+def test_pipelined_decode_equals_synchronous_with_stops_and_aborts(make_engine):
+    """Rows that stop on EOS / stop tokens (their extra token is dropped), reach max_tokens at
+    different steps, or are aborted mid-pipeline: the same outputs as the synchronous engine."""
+    prompts = random_prompts([5, 11, 7, 19, 3], 49152, seed=4)
+    results = {}
+    for async_decode in (False, True):
+        engine = make_engine(max_num_seqs=5, async_decode=async_decode)
+        reference = engine.generate(prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+        params = [SamplingParams(max_tokens=12, stop_token_ids=(reference[4],)),  # stops at its 5th token
+                  SamplingParams(max_tokens=3, ignore_eos=True),
+                  SamplingParams(max_tokens=9, ignore_eos=True),
+                  SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+                  SamplingParams(max_tokens=12, ignore_eos=True)]
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        tokens = {str(i): [] for i in range(5)}
+        finish = {}
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    finish[out.request_id] = out.finish_reason
+            steps += 1
+            if steps == 4:
+                out = engine.abort("4")
+                finish["4"] = out.finish_reason if out else None
+        assert engine.scheduler.kv_reserved_bytes == 0 and not engine.runner.rows
+        results[async_decode] = (tokens, finish)
+    assert results[True] == results[False]
+    tokens, finish = results[True]
+    assert finish["0"] == FinishReason.STOP and tokens["0"] == reference[:5]
+    assert len(tokens["1"]) == 3 and len(tokens["2"]) == 9 and len(tokens["3"]) == 12
+    assert finish["4"] == FinishReason.ABORT
 
 
 def test_several_prompts_prefill_in_one_step_within_budget(make_engine):

@@ -37,7 +37,7 @@ def test_measured_step_peak_within_prediction(small_llama, tiny_parts):
     model, model_config = small_llama
     tokenizer = tiny_parts[1]
     rng = random.Random(0)
-    checked = 0
+    checked = pipelined = 0
     for trial in range(4):
         chunk = rng.choice([128, 256, 512])
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk, max_num_batched_tokens=chunk * 2,
@@ -51,7 +51,9 @@ def test_measured_step_peak_within_prediction(small_llama, tiny_parts):
             engine.step()
             step = engine.last_step_memory
             assert step.measured_bytes <= step.predicted_bytes, step
-            assert step.predicted_bytes <= 1.5 * step.measured_bytes, step
+            if not step.pipelined:  # a pipelined step's window holds parts of two decodes: no tight check
+                assert step.predicted_bytes <= 1.5 * step.measured_bytes, step
             assert step.predicted_bytes <= engine.scheduler.transient_bound_bytes
             checked += 1
-    assert checked > 20
+            pipelined += step.pipelined
+    assert checked > 20 and pipelined > 5

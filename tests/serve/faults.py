@@ -53,13 +53,13 @@ class FaultyEngineFactory:
                 marked[work.request_id] = 0
             return prefill(work)
 
-        def faulty_decode(works: list) -> Any:
+        def faulty_decode(works: list, *args: Any) -> Any:
             for w in works:
                 if w.request_id in marked:
                     marked[w.request_id] += 1
                     if marked[w.request_id] > self.decodes_before_fault:
                         del marked[w.request_id]
                         raise InjectedFault(f"injected decode fault for {w.request_id}")
-            return decode(works)
+            return decode(works, *args)
 
         runner.prefill, runner.decode = faulty_prefill, faulty_decode
