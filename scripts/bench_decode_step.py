@@ -67,7 +67,7 @@ class OpCounter:
         return hidden
 
 
-def make_engine(lm, batch: int, max_len: int) -> Engine:
+def make_engine(lm, batch: int, max_len: int, async_decode: bool = True) -> Engine:
     """The default engine config sized for B rows of `max_len` tokens, with room for them."""
     memory = memory_model_for(lm)
     seqs, chunk = max(batch, 1), 512
@@ -76,13 +76,13 @@ def make_engine(lm, batch: int, max_len: int) -> Engine:
     limit = int(1.5 * (lm.weights_bytes + bound + kv)) + (256 << 20)
     cfg = EngineConfig(model=lm.name, dtype=lm.dtype, max_num_seqs=seqs, prefill_chunk_size=chunk,
                        max_num_batched_tokens=max(2048, seqs), memory_limit_bytes=limit,
-                       max_model_len=max_len, prefix_cache_fraction=0.0)
+                       max_model_len=max_len, prefix_cache_fraction=0.0, async_decode=async_decode)
     return Engine(lm.model, lm.tokenizer, cfg, lm.config)
 
 
-def bench_one(lm, batch: int, args) -> dict:
+def bench_one(lm, batch: int, args, async_decode: bool = True) -> dict:
     total_steps = args.warmup + args.steps + 2
-    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4)
+    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode)
     rng = random.Random(0)
     vocab = engine.memory.shape.vocab_size
     for i in range(batch):
@@ -106,7 +106,8 @@ def bench_one(lm, batch: int, args) -> dict:
     num_layers = engine.memory.shape.num_layers
     times.sort()
     return {
-        "model": lm.name, "dtype": lm.dtype, "batch": batch, "num_layers": num_layers,
+        "model": lm.name, "dtype": lm.dtype, "batch": batch, "async_decode": async_decode,
+        "num_layers": num_layers,
         "context_tokens": args.prompt_tokens + args.warmup + 1,
         "step_ms_mean": round(1000 * sum(times) / len(times), 3),
         "step_ms_median": round(1000 * times[len(times) // 2], 3),
@@ -124,13 +125,15 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--async-decode", default="1,0",
+                   help="1: pipelined decode (the default engine), 0: synchronous steps; both by default")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     results = []
     for name in args.models.split(","):
         lm = load_bench_model(name, args.dtype)
-        for batch in (int(b) for b in args.batches.split(",")):
-            results.append(bench_one(lm, batch, args))
+        for batch, mode in [(int(b), m) for m in args.async_decode.split(",") for b in args.batches.split(",")]:
+            results.append(bench_one(lm, batch, args, mode == "1"))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
             free_memory()
         del lm
@@ -139,6 +142,10 @@ def main() -> None:
     by_model = {}
     for r in results:
         by_model.setdefault(r["model"], []).append(r)
+    for key, rows in list(by_model.items()):  # per model and mode
+        del by_model[key]
+        for r in rows:
+            by_model.setdefault((key, r["async_decode"]), []).append(r)
     for rows in by_model.values():
         base = rows[0]
         for r in rows:

@@ -131,11 +131,12 @@ class LoopDriver:
         return records, time.perf_counter() - t0
 
 
-def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True) -> dict:
-    """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest)."""
+def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overrides) -> dict:
+    """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
+    `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False)."""
     from engine.request import SamplingParams
 
-    engine = make_engine(lm, prompts, args)
+    engine = make_engine(lm, prompts, args, **overrides)
     timers = {"schedule": 0.0, "decode": 0.0, "prefill": 0.0, "forward_build": 0.0}
     decode_steps: list[tuple] = []  # (rows, step_s, runner.decode_s, graph build_s, schedule_s)
     if breakdown:
@@ -297,7 +298,7 @@ class MemoryWindow:
         return {"peak_over_weights_bytes": self.peak - self.baseline}
 
 
-def make_engine(lm, prompts, args):
+def make_engine(lm, prompts, args, **overrides):
     """This engine at its default config (max_num_seqs raised to the concurrency if that is larger),
     with a memory limit that admits every request."""
     from engine.config import EngineConfig
@@ -319,6 +320,7 @@ def make_engine(lm, prompts, args):
         fields.update(max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs))
     if args.engine_config:
         fields.update(json.loads(args.engine_config))
+    fields.update(overrides)
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
 
 
@@ -328,7 +330,8 @@ def engine_only(args) -> dict:
                   prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
                   weights_bytes=lm.weights_bytes, environment=environment(), runs={})
     backends = [b for b in args.backends.split(",") if b]
-    runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm}
+    runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
+               "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False))}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
     # and on CUDA the attention graphs of every shape the timed run meets, are built here).
@@ -341,7 +344,7 @@ def engine_only(args) -> dict:
                 args.output_tokens = min(8, saved)
             t = time.perf_counter()
             fn = runners[backend]
-            w = fn(lm, wp, [0.0] * conc, args) if backend != "engine_sync" else fn(lm, wp, [0.0] * conc, args, False)
+            w = fn(lm, wp, [0.0] * conc, args) if not backend.startswith("engine_sync") else fn(lm, wp, [0.0] * conc, args, False)
             args.output_tokens = saved
             free_memory()
             result.setdefault("warmup_runs", {})[f"{backend}@{conc}"] = {
@@ -396,7 +399,8 @@ def parse_args(argv=None):
     p.add_argument("--mlx-lm-port", type=int, default=8089)
     p.add_argument("--engine-only", action="store_true", help="in-process, no HTTP")
     p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
-                   help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), mlx_lm")
+                   help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
+                   "(the same without pipelined decode, async_decode=false), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)
