@@ -24,6 +24,10 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   after the weights so that budget + max(forward bound, growth of a full pool) fits in it.
 - z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
   when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
+- On CUDA, MLX frees a kernel's temporaries only when its committed batch of ops has run, so several
+  layers' intermediates coexist: every per-layer term above (all but the logits / sampling ones) is
+  counted m = min(L, layers_in_flight) times, and a constant `step_overhead_bytes` is added to every
+  forward; on the CPU m = 1 and the constant is 0 (`coefficients_for_backend`).
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
 MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
 no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
@@ -85,12 +89,37 @@ class TransientCoefficients:
     decode_hidden: float
     sampling: float = 11.0  # x 4*V: temperature / top-k / top-p of one row (rows are sampled in turn)
     prefill_gather: float = 1.0  # x n*H_kv*(2*d*s + 4): one layer's KV of the row, gathered from the pool
+    # The per-layer terms count min(L, layers_in_flight) layers: 1 where MLX frees a layer's
+    # intermediates before the next layer runs (CPU); more on CUDA, which frees them per committed batch.
+    layers_in_flight: int = 1
+    step_overhead_bytes: int = 0  # added to every forward (0 on CPU)
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
     prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
     decode_gather=1.0, decode_scores=2.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=16.0,
 )
+
+# Fitted on an H200 (MLX 0.32.4 CUDA, default MLX settings, KV-pool engine; 8B and three 2-layer
+# shapes) from scripts/data/h200_pool_grid.json, scaled up until no grid point is under-predicted:
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
+# Not valid under MLX_MAX_OPS_PER_BUFFER=8 (5.6-5.8x over there): refit on a grid measured with it.
+# `sampling` is not in the grid (greedy rows): the CPU value.
+CUDA_COEFFICIENTS = TransientCoefficients(
+    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=1.939, prefill_hidden=6.829, prefill_logits=123.0,
+    decode_gather=1.034, decode_scores=2.817, decode_logits=7.205, decode_mlp=0.0, decode_hidden=0.0,
+    sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1130000,
+)
+
+
+def coefficients_for_backend(name: str) -> TransientCoefficients:
+    """The coefficient set of an MLX backend: "cpu", "cuda", or "metal" (no Metal data yet: the CPU
+    set, whose one-layer-at-a-time freeing Metal's per-command-buffer release may not match)."""
+    table = {"cpu": CPU_COEFFICIENTS, "cuda": CUDA_COEFFICIENTS, "metal": CPU_COEFFICIENTS}
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in table:
+        raise ValueError(f"unknown MLX backend {name!r}: expected one of {sorted(table)}")
+    return table[key]
 
 
 @dataclass(frozen=True)
@@ -119,9 +148,13 @@ class MemoryModel:
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS):
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
+        if coefficients.layers_in_flight < 1:
+            raise ValueError(f"layers_in_flight={coefficients.layers_in_flight} must be >= 1")
         self.shape = shape
         self.kv_step = kv_step
         self.coefficients = coefficients
+        # layers whose per-layer intermediates are alive together (1 on CPU)
+        self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
     # --- KV ---------------------------------------------------------------------------------------
     @property
@@ -161,14 +194,14 @@ class MemoryModel:
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
         gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
-        total = (
+        per_layer = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
             + k.prefill_gather * gather
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
-            + (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         )
-        return int(total)
+        head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
+        return int(self.layer_factor * per_layer + head + k.step_overhead_bytes)
 
     def decode_bytes(self, context_lens: Sequence[int], samples: bool = False) -> int:
         """Hidden states, plus the larger of the layers' phase (gathered KV, scores, MLP) and the
@@ -177,10 +210,12 @@ class MemoryModel:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
         gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
-        layers = (k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
-                  + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
+        m = self.layer_factor
+        layers = m * (k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+                      + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
-        return int(k.decode_hidden * b * s.hidden_size * s.dtype_bytes + max(layers, logits))
+        hidden = m * k.decode_hidden * b * s.hidden_size * s.dtype_bytes
+        return int(hidden + max(layers, logits) + k.step_overhead_bytes)
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""

@@ -13,6 +13,13 @@ values of engine/memory.py's formulas, so fitting is a linear problem.
 
 Fit mode: non-negative least squares of measured bytes on the terms, then scaled up so that no
 point is under-predicted (the engine needs an upper bound), printed as a TransientCoefficients.
+With --backend NAME: a whole coefficient set for that backend, with engine/memory.py's
+layers_in_flight (scanned) and step_overhead_bytes, checked point by point with MemoryModel itself:
+
+    python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
+
+Replay mode (--replay-prefill a.json,b.json): the engine steps of bench_prefill_memory.py results,
+predicted again from their recorded plans with --backend's coefficients (default cuda).
 """
 
 from __future__ import annotations
@@ -295,11 +302,210 @@ def fit(path: str, variants: str = "", layer_scaled: bool = False, base: str = "
     return out
 
 
+# --------------------------------------------------------------------------- backend fit (--backend)
+# Columns of the joint fit: (coefficient, kind, term key in a point's "terms", scaled by layers in flight)
+BACKEND_COLUMNS = (
+    ("prefill_scores", "prefill", "prefill_scores", True), ("prefill_mask", "prefill", "prefill_mask", True),
+    ("prefill_gather", "prefill", "prefill_gather", True), ("prefill_mlp", "prefill", "prefill_mlp", True),
+    ("prefill_hidden", "prefill", "prefill_hidden", True), ("prefill_logits", "prefill", "prefill_logits", False),
+    ("decode_gather", "decode", "decode_gather", True), ("decode_scores", "decode", "decode_scores", True),
+    ("decode_mlp", "decode", "decode_mlp", True), ("decode_hidden", "decode", "decode_hidden", True),
+    ("decode_logits", "decode", "decode_logits", False),
+)
+
+
+def _model_of(sh: dict, coefficients):
+    from engine.memory import MemoryModel, ModelShape
+
+    shape = ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
+                       head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
+    return MemoryModel(shape, coefficients=coefficients)
+
+
+def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]:
+    """engine/memory.py's own prediction of every grid point (max(layers, logits) in decode, int
+    truncation): what the engine will use, so the no-under-prediction check is on this, not the fit."""
+    out = []
+    for p in pts:
+        m = _model_of(shapes[p["variant"]], coefficients)
+        if p["kind"] == "prefill":
+            out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"])))
+        else:
+            out.append(m.decode_bytes([p["n"]] * p["B"]))
+    return out
+
+
+def _ceil_sig(x: float, digits: int = 4) -> float:
+    """Round up to `digits` significant digits (a literal that stays an upper bound)."""
+    import math
+
+    if x <= 0:
+        return 0.0
+    e = math.floor(math.log10(x)) - digits + 1
+    return float(f"{math.ceil(x / 10 ** e) * 10 ** e:.{digits}g}")
+
+
+def _ratio_stats(pred, meas) -> dict:
+    import numpy as np
+
+    r = np.array(pred, dtype=float) / np.array(meas, dtype=float)
+    return dict(min=round(float(r.min()), 3), median=round(float(np.median(r)), 3), max=round(float(r.max()), 3),
+                num_points=int(r.size))
+
+
+def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base) -> tuple:
+    """Joint NNLS (relative error) of prefill and decode points with the per-layer terms counted
+    min(L, layers_in_flight) times and one constant per forward; then every byte coefficient scaled up
+    (and rounded up) until engine_predictions() under-predicts no point. Returns (coefficients, predictions)."""
+    import numpy as np
+
+    rows = []
+    for p in pts:
+        m = min(shapes[p["variant"]]["L"], layers_in_flight)
+        rows.append([(m if scaled else 1) * p["terms"].get(term, 0) if kind == p["kind"] else 0
+                     for _, kind, term, scaled in BACKEND_COLUMNS] + [1.0])
+    a = np.array(rows, dtype=float)
+    b = np.array([p["measured"] for p in pts], dtype=float)
+    x = nnls(a / b[:, None], np.ones_like(b))
+    names = [c[0] for c in BACKEND_COLUMNS]
+    fields = dict(zip(names, (float(v) for v in x[:-1])), layers_in_flight=layers_in_flight,
+                  step_overhead_bytes=float(x[-1]))
+    kinds = [p["kind"] for p in pts]
+    for _ in range(20):  # scale each kind's terms, round up, re-check (int truncation, decode's max)
+        coef = dataclasses.replace(base, **fields)
+        pred = np.maximum(np.array(engine_predictions(pts, shapes, coef), dtype=float), 1)
+        margins = {kind: max(float(max((bv / pv for bv, pv, kd in zip(b, pred, kinds) if kd == kind),
+                                        default=1.0)), 1.0) for kind in ("prefill", "decode")}
+        margins["both"] = max(margins.values())  # the constant is in both kinds' forwards
+        group = {c[0]: c[1] for c in BACKEND_COLUMNS}
+        fields = {k: (v if k == "layers_in_flight" else _ceil_sig(v * margins[group.get(k, "both")] * (1 + 1e-9)))
+                  for k, v in fields.items()}
+        fields["step_overhead_bytes"] = math_ceil(fields["step_overhead_bytes"])
+        coef = dataclasses.replace(base, **fields)
+        pred = engine_predictions(pts, shapes, coef)
+        if all(pv >= mv for pv, mv in zip(pred, b)):
+            return coef, pred
+    raise RuntimeError("could not scale the fit above every point")
+
+
+def math_ceil(x: float) -> int:
+    import math
+
+    return int(math.ceil(x))
+
+
+def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0) -> dict:
+    """Fit a backend's TransientCoefficients (engine/memory.py's formulas, with layers_in_flight and
+    step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
+    grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
+    measured. With one depth in the grid layers_in_flight is not identifiable (it only rescales the
+    per-layer coefficients): it is then that depth (valid for models up to that depth)."""
+    import numpy as np
+
+    from engine import memory as mem
+
+    data = json.loads(Path(path).read_text())
+    keep = set(v for v in variants.split(",") if v)
+    pts = [p for p in data["points"] if p["variant"] != "warmup" and p["measured"] > 0
+           and (not keep or p["variant"] in keep)]
+    shapes = data["shapes"]
+    depths = sorted({shapes[p["variant"]]["L"] for p in pts})
+    top = max_layers_in_flight or depths[-1]
+    candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
+    base = mem.coefficients_for_backend("cpu")  # sampling: the CPU value (no sampled rows in the grid)
+    best = None
+    scan = {}
+    for k in candidates:
+        coef, pred = fit_backend_at(pts, shapes, k, base)
+        score = float(np.exp(np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts]))))
+        scan[k] = round(score, 3)
+        if best is None or score < best[0]:
+            best = (score, coef, pred)
+    _, coef, pred = best
+    meas = [p["measured"] for p in pts]
+    out = dict(grid=path, backend=backend, variants=sorted({p["variant"] for p in pts}),
+               environment_mlx_env=data.get("environment", {}).get("mlx_env"),
+               geometric_mean_ratio_by_layers_in_flight=scan,
+               predicted_over_measured=_ratio_stats(pred, meas), by_group={})
+    for v in out["variants"]:
+        for kind in ("prefill", "decode"):
+            idx = [i for i, p in enumerate(pts) if p["variant"] == v and p["kind"] == kind]
+            if idx:
+                out["by_group"][f"{v}/{kind}"] = _ratio_stats([pred[i] for i in idx], [meas[i] for i in idx])
+    fields = dataclasses.asdict(coef)
+    out["coefficients"] = fields
+    out["python"] = (f"{backend.upper()}_COEFFICIENTS = TransientCoefficients(\n    "
+                     + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ",\n)")
+    return out
+
+
+# --------------------------------------------------------------------------- replay (--replay-prefill)
+def prefill_bench_plans(data: dict) -> list:
+    """StepPlans of the engine way of a bench_prefill_memory.py JSON, rebuilt from what each step
+    recorded (chunks as (tokens, context end), number of decoding rows) and the prompt lengths: a chunk
+    computes logits when it ends a prompt; a prompt of P tokens whose last chunk ran j steps ago decodes
+    with P + j keys; rows are greedy (the bench's SamplingParams). Checked by recomputing the recorded
+    CPU prediction of every step (`replay_prefill`)."""
+    from engine.memory import PrefillChunkPlan, StepPlan
+
+    lengths = sorted(data["lengths"])
+    finished: dict = {}  # prompt length -> step index of its last chunk
+    plans = []
+    for i, st in enumerate(data["ways"]["engine"]["steps"]):
+        ends = [end for _, end in st["chunks"]]
+        pending = [n for n in lengths if n not in finished]
+        chunks = tuple(PrefillChunkPlan(c, end, computes_logits=end in pending) for c, end in st["chunks"])
+        decoding = sorted(finished.items())
+        if len(decoding) != st["decodes"]:
+            raise ValueError(f"step {i}: {st['decodes']} decoding rows recorded, {len(decoding)} rebuilt")
+        plans.append(StepPlan(decode_context_lens=tuple(n + (i - k) for n, k in decoding), prefill_chunks=chunks))
+        for n in pending:
+            if n in ends:
+                finished[n] = i
+    return plans
+
+
+def replay_prefill(path: str, backend: str = "cuda") -> dict:
+    """Predicted / measured transient of every engine step of a prefill benchmark JSON, with the
+    recorded plans and `backend`'s coefficients (pure arithmetic on engine/memory.py)."""
+    from engine import memory as mem
+
+    data = json.loads(Path(path).read_text())
+    if data["model"] != "llama-8b":  # the JSON records the model's name, not its shape
+        raise ValueError(f"model {data['model']!r}: only llama-8b's shape is known here")
+    shape = mem.ModelShape.from_config(LLAMA_8B, DTYPES[data["dtype"]].size)
+    steps = data["ways"]["engine"]["steps"]
+    plans = prefill_bench_plans(data)
+    cpu = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend("cpu"))
+    cpu_pred = [cpu.step_transient_bytes(pl) for pl in plans]
+    if cpu_pred != [st["predicted"] for st in steps]:  # the rebuilt plans are the engine's
+        raise ValueError(f"rebuilt plans do not reproduce the recorded CPU predictions: {cpu_pred}")
+    model = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend(backend))
+    pred = [model.step_transient_bytes(pl) for pl in plans]
+    meas = [st["measured"] for st in steps]
+    peak = max(range(len(steps)), key=lambda i: meas[i])
+    ratios = [p / m for p, m in zip(pred, meas)]
+    return dict(file=path, backend=backend, mlx_env=data["environment"].get("mlx_env"),
+                cpu_predictions_reproduced=True,
+                steps=[dict(predicted=p, measured=m, ratio=round(r, 3)) for p, m, r in zip(pred, meas, ratios)],
+                peak_step=peak, ratio_at_peak_step=round(ratios[peak], 3),
+                max_predicted_over_max_measured=round(max(pred) / max(meas), 3),
+                min_step_ratio=round(min(ratios), 3), underpredicted_steps=sum(r < 1 for r in ratios),
+                max_predicted_bytes=max(pred), max_measured_bytes=max(meas))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", default=None, help="fit coefficients to a grid JSON (no measuring)")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
     p.add_argument("--layer-scaled", action="store_true", help="--fit: the layer-aware CUDA formula")
+    p.add_argument("--backend", default=None,
+                   help="--fit: fit a whole TransientCoefficients set for this backend (e.g. cuda) with "
+                        "layers_in_flight and step_overhead_bytes; prints its Python literal")
+    p.add_argument("--replay-prefill", default=None,
+                   help="bench_prefill_memory.py JSONs (comma-separated): the engine steps' predicted / "
+                        "measured with --backend's coefficients (default cuda), from the recorded plans")
+    p.add_argument("--max-layers-in-flight", type=int, default=0, help="--backend: scan 1..this (default: deepest)")
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)
@@ -314,7 +520,14 @@ def main(argv=None):
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    result = fit(args.fit, args.fit_variants, args.layer_scaled) if args.fit else measure(args)
+    if args.replay_prefill:
+        result = [replay_prefill(f, args.backend or "cuda") for f in args.replay_prefill.split(",")]
+    elif args.fit and args.backend:
+        result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight)
+        if not args.json:
+            print(result.pop("python"))
+    else:
+        result = fit(args.fit, args.fit_variants, args.layer_scaled) if args.fit else measure(args)
     emit(result, args.json, None if args.fit else args.out)
 
 

@@ -49,3 +49,84 @@ def test_kv_budget_leaves_room_for_the_pool_growth_copy():
         assert budget + max(forward, growth) >= available - m.kv_bytes_per_token  # nothing wasted
     # growth of a full pool: one layer's K (or V) of the pool and its indices
     assert m.kv_copy_bytes(1000) == 1000 * (8 * 128 * 2 + 8)
+
+
+# --- backend coefficient sets ------------------------------------------------------------------------
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine.memory import (CPU_COEFFICIENTS, CUDA_COEFFICIENTS, TransientCoefficients,  # noqa: E402
+                           coefficients_for_backend)
+
+
+def test_cpu_predictions_unchanged_by_the_cuda_terms():
+    # values of the formulas before layers_in_flight / step_overhead_bytes existed (commit 4015f80)
+    m = MemoryModel(LLAMA3_8B)
+    assert CPU_COEFFICIENTS.layers_in_flight == 1 and CPU_COEFFICIENTS.step_overhead_bytes == 0
+    assert m.prefill_chunk_bytes(512, 8192, samples=True) == 800573153
+    assert m.prefill_chunk_bytes(1, 100) == 1852563
+    assert m.prefill_chunk_bytes(128, 300, computes_logits=False) == 30732354
+    assert m.decode_bytes([8192] * 16, samples=True) == 579469312
+    assert m.decode_bytes([100, 4000]) == 35678208
+    assert m.decode_bytes([7]) == 1311027
+    assert m.transient_bound_bytes(16, 512, 8192) == 800573153
+
+
+def test_coefficients_for_backend_picks_the_set():
+    assert coefficients_for_backend("cpu") is CPU_COEFFICIENTS
+    assert coefficients_for_backend("cuda") is CUDA_COEFFICIENTS
+    assert coefficients_for_backend("metal") is CPU_COEFFICIENTS  # no Metal measurements yet
+    assert coefficients_for_backend(" CUDA ") is CUDA_COEFFICIENTS
+
+
+@pytest.mark.parametrize("name", ["rocm", "", "gpu"])
+def test_coefficients_for_backend_rejects_unknown_names(name):
+    with pytest.raises(ValueError, match=repr(name)):
+        coefficients_for_backend(name)
+
+
+def test_cuda_set_predicts_at_least_the_cpu_set():
+    # CUDA keeps several layers' intermediates alive: never below the CPU prediction on the 8B shape
+    cpu, cuda = MemoryModel(LLAMA3_8B), MemoryModel(LLAMA3_8B, coefficients=CUDA_COEFFICIENTS)
+    assert CUDA_COEFFICIENTS.layers_in_flight > 1 and CUDA_COEFFICIENTS.step_overhead_bytes > 0
+    for c in (1, 128, 512, 2048):
+        for n in (c, 4096, 8192):
+            for logits in (False, True):
+                assert cuda.prefill_chunk_bytes(c, n, logits) >= cpu.prefill_chunk_bytes(c, n, logits)
+    for b in (1, 2, 8, 16):
+        for n in (1, 1000, 8192):
+            assert cuda.decode_bytes([n] * b) >= cpu.decode_bytes([n] * b)
+    assert cuda.transient_bound_bytes(16, 512, 8192) >= cpu.transient_bound_bytes(16, 512, 8192)
+
+
+def test_layers_in_flight_counts_the_per_layer_terms_up_to_the_depth():
+    k = dataclasses.replace(CPU_COEFFICIENTS, layers_in_flight=4)
+    one, four = MemoryModel(LLAMA3_8B), MemoryModel(LLAMA3_8B, coefficients=k)
+    no_head = dict(computes_logits=False)
+    assert four.prefill_chunk_bytes(512, 4096, **no_head) == pytest.approx(
+        4 * one.prefill_chunk_bytes(512, 4096, **no_head), abs=4)
+    shallow = dataclasses.replace(LLAMA3_8B, num_layers=2)
+    assert MemoryModel(shallow, coefficients=k).layer_factor == 2  # never more layers than the model has
+    # the logits are computed once, after the layers: not multiplied
+    with_head = four.prefill_chunk_bytes(512, 4096) - four.prefill_chunk_bytes(512, 4096, **no_head)
+    assert abs(with_head - (one.prefill_chunk_bytes(512, 4096)
+                            - one.prefill_chunk_bytes(512, 4096, **no_head))) <= 2
+
+
+def test_step_overhead_is_added_to_every_forward():
+    k = dataclasses.replace(CPU_COEFFICIENTS, step_overhead_bytes=1 << 20)
+    base, over = MemoryModel(LLAMA3_8B), MemoryModel(LLAMA3_8B, coefficients=k)
+    assert over.prefill_chunk_bytes(256, 1024) == base.prefill_chunk_bytes(256, 1024) + (1 << 20)
+    assert over.decode_bytes([100, 200]) == base.decode_bytes([100, 200]) + (1 << 20)
+    assert over.step_transient_bytes(StepPlan()) == 0  # no forward, no overhead
+
+
+def test_layers_in_flight_below_one_is_rejected():
+    bad = dataclasses.replace(CPU_COEFFICIENTS, layers_in_flight=0)
+    with pytest.raises(ValueError, match="layers_in_flight=0"):
+        MemoryModel(LLAMA3_8B, coefficients=bad)
+
+
+def test_transient_coefficients_stays_frozen_with_defaults():
+    assert TransientCoefficients(*(1.0,) * 10).layers_in_flight == 1
