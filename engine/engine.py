@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
-from engine.memory import MemoryModel, ModelShape
+from engine.memory import MemoryModel, ModelShape, coefficients_for_backend
 from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
@@ -75,6 +75,15 @@ class _Inflight:
     tokens: mx.array  # [B] lazy, rows in plan.decodes order
 
 
+def mlx_backend() -> str:
+    """"cpu", "cuda" or "metal": which MLX backend runs the default device (the memory model's
+    coefficients depend on it)."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "metal"
+
+
 def resolve_dtype(name: str) -> str:
     if name != "auto":
         return name
@@ -102,7 +111,8 @@ class Engine:
         self.model_name = config.model
         dtype_bytes = next(iter(p.dtype.size for _, p in tree_flatten(model.parameters())))
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-        self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes))
+        self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
+                                  coefficients=coefficients_for_backend(mlx_backend()))
         model_max = model_config.get("max_position_embeddings") or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (

@@ -188,10 +188,13 @@ def chunk_bytes(memory, num_tokens: int, context_len: int, computes_logits: bool
 
 
 def memory_model_for(loaded: LoadedModel):
-    from engine.memory import MemoryModel, ModelShape
+    """The engine's memory model for this model on this MLX backend (as Engine builds it)."""
+    from engine.engine import mlx_backend
+    from engine.memory import MemoryModel, ModelShape, coefficients_for_backend
 
     dtype_bytes = DTYPES[loaded.dtype].size
-    return MemoryModel(ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes))
+    return MemoryModel(ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes),
+                       coefficients=coefficients_for_backend(mlx_backend()))
 
 
 # --------------------------------------------------------------------------- output

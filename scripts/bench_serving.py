@@ -303,11 +303,9 @@ def make_engine(lm, prompts, args, **overrides):
     with a memory limit that admits every request."""
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.memory import MemoryModel, ModelShape
+    from bench_common import memory_model_for
 
-    from bench_common import DTYPES
-
-    memory = MemoryModel(ModelShape.from_config(lm.config, DTYPES[lm.dtype].size, lm.weights_bytes))
+    memory = memory_model_for(lm)
     need = max(len(p) for p in prompts) + args.output_tokens
     model_max = lm.config.get("max_position_embeddings") or 4096
     kv = sum(memory.kv_bytes(len(p) + args.output_tokens) for p in prompts)

@@ -70,7 +70,9 @@ def test_cpu_predictions_unchanged_by_the_cuda_terms():
     assert m.decode_bytes([8192] * 16, samples=True) == 579469312
     assert m.decode_bytes([100, 4000]) == 35678208
     assert m.decode_bytes([7]) == 1311027
-    assert m.transient_bound_bytes(16, 512, 8192) == 800573153
+    assert m.transient_bound_bytes(16, 512, 8192, pipelined_decode=False) == 800573153
+    # pipelined decode (the engine's default): two decodes' transients together
+    assert m.transient_bound_bytes(16, 512, 8192) == 2 * 579469312
 
 
 def test_coefficients_for_backend_picks_the_set():
