@@ -53,6 +53,12 @@ class EngineConfig(BaseModel):
         description="Share of the KV budget that finished requests' KV may keep for prefix reuse "
         "(evicted LRU, and before any request has to wait for KV). 0 disables the prefix cache.",
     )
+    memory_coefficients: Optional[dict[str, float]] = Field(
+        None,
+        description="Overrides of the memory model's transient coefficients for this backend (fields of "
+        "engine.memory.TransientCoefficients), e.g. the 'coefficients' that `python scripts/"
+        "bench_memory_grid.py --fit GRID --backend cuda` prints for a grid measured on your device.",
+    )
     async_decode: bool = Field(
         True,
         description="Pipeline decode steps as mlx-lm's BatchGenerator does: dispatch the next decode "

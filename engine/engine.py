@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
-from engine.memory import MemoryModel, ModelShape, coefficients_for_backend
+from engine.memory import MemoryModel, ModelShape, coefficients_for_backend, with_overrides
 from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
@@ -112,7 +112,8 @@ class Engine:
         dtype_bytes = next(iter(p.dtype.size for _, p in tree_flatten(model.parameters())))
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
-                                  coefficients=coefficients_for_backend(mlx_backend()))
+                                  coefficients=with_overrides(coefficients_for_backend(mlx_backend()),
+                                                              config.memory_coefficients))
         model_max = model_config.get("max_position_embeddings") or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (

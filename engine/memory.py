@@ -38,8 +38,8 @@ step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
 
 FLOAT32_BYTES = 4
 
@@ -110,6 +110,24 @@ CUDA_COEFFICIENTS = TransientCoefficients(
     decode_gather=1.034, decode_scores=2.817, decode_logits=7.205, decode_mlp=0.0, decode_hidden=0.0,
     sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1130000,
 )
+
+
+def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None) -> TransientCoefficients:
+    """`base` with some coefficients replaced (EngineConfig.memory_coefficients)."""
+    if not overrides:
+        return base
+    known = {f.name for f in fields(TransientCoefficients)}
+    for name, value in overrides.items():
+        if name not in known:
+            raise ValueError(f"memory_coefficients: unknown coefficient {name!r}; known: {sorted(known)}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
+    values = dict(overrides)
+    if "layers_in_flight" in values:
+        values["layers_in_flight"] = int(values["layers_in_flight"])
+    if "step_overhead_bytes" in values:
+        values["step_overhead_bytes"] = int(values["step_overhead_bytes"])
+    return replace(base, **values)
 
 
 def coefficients_for_backend(name: str) -> TransientCoefficients:

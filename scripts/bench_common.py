@@ -187,14 +187,15 @@ def chunk_bytes(memory, num_tokens: int, context_len: int, computes_logits: bool
         return memory.prefill_chunk_bytes(num_tokens, context_len)
 
 
-def memory_model_for(loaded: LoadedModel):
-    """The engine's memory model for this model on this MLX backend (as Engine builds it)."""
+def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None):
+    """The engine's memory model for this model on this MLX backend (as Engine builds it);
+    `overrides`: EngineConfig.memory_coefficients."""
     from engine.engine import mlx_backend
-    from engine.memory import MemoryModel, ModelShape, coefficients_for_backend
+    from engine.memory import MemoryModel, ModelShape, coefficients_for_backend, with_overrides
 
     dtype_bytes = DTYPES[loaded.dtype].size
     return MemoryModel(ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes),
-                       coefficients=coefficients_for_backend(mlx_backend()))
+                       coefficients=with_overrides(coefficients_for_backend(mlx_backend()), overrides))
 
 
 # --------------------------------------------------------------------------- output

@@ -223,12 +223,15 @@ def run_mlx_lm(lm: LoadedModel, prompts: list[list[int]], memory, max_tokens: in
 
 def engine_memory_limit(lm: LoadedModel, lengths: list[int], max_tokens: int, config) -> int:
     """Weights + the configuration's transient bound + every prompt's KV, with room to spare."""
-    memory = memory_model_for(lm)
+    memory = memory_model_for(lm, config.memory_coefficients)
     model_max = lm.config.get("max_position_embeddings") or 4096
     kv = sum(memory.kv_bytes(n + max_tokens) for n in lengths)
     bound = memory.transient_bound_bytes(config.max_num_seqs, config.prefill_chunk_size,
                                          min(config.max_model_len or model_max, model_max))
     return int((lm.weights_bytes + bound + kv) * 1.25) + (1 << 30)
+
+
+ENGINE_OVERRIDES: dict = {}  # --engine-config
 
 
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
@@ -240,7 +243,7 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
     model_max = lm.config.get("max_position_embeddings") or 4096
     need = max(lengths) + max_tokens
     max_model_len = None if need <= model_max else need
-    fields = dict(model=lm.name, dtype=lm.dtype, max_model_len=max_model_len)
+    fields = dict(model=lm.name, dtype=lm.dtype, max_model_len=max_model_len, **ENGINE_OVERRIDES)
     if chunk:
         fields["prefill_chunk_size"] = chunk
     fields.update(overrides)
@@ -378,6 +381,8 @@ def parse_args(argv=None):
     p.add_argument("--init", choices=["normal", "zeros"], default="normal", help="random weights' init")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (H200 bf16: 790)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-config", default=None,
+                   help="JSON of EngineConfig fields to override (e.g. memory_coefficients from a grid fit)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--out", default=None, help="also write the result (rewritten after every way)")
     return p.parse_args(argv)
@@ -393,7 +398,8 @@ def main(argv=None) -> dict:
     if args.skip_naive:
         ways = [w for w in ways if w != "naive_padded"]
     lm = load_bench_model(args.model, args.dtype, args.layers, args.init, args.seed)
-    memory = memory_model_for(lm)
+    ENGINE_OVERRIDES.update(json.loads(args.engine_config) if args.engine_config else {})
+    memory = memory_model_for(lm, ENGINE_OVERRIDES.get("memory_coefficients"))
     prompts = random_prompts(lengths, lm.config["vocab_size"], args.seed)
     result: dict = dict(
         bench="prefill_memory", argv=sys.argv[1:] if argv is None else argv, model=args.model,

@@ -8,8 +8,9 @@
 #   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
-# SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_NAIVE=1 leave a step out; MLX_* variables pass through (the grid
-# under MLX_MAX_OPS_PER_BUFFER=8: docs/benchmarks.md).
+# SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
+# the memory model's CUDA coefficients to the grid and runs the prefill benchmark with them; MLX_* variables pass
+# through (MLX_MAX_OPS_PER_BUFFER=8 is what scripts/serve sets on CUDA).
 #
 # Wheels: /root/stash/part_aa (carried by an earlier call) + wheels_b/ (part_ab and the small wheels):
 #   call 1: carry wheels_a: mkdir -p /root/stash && cp wheels_a/part_aa /root/stash/
@@ -91,17 +92,26 @@ else
 fi
 COMMON=(--model "$MODEL" --dtype "$DTYPE")
 
-[[ -n "${SKIP_PREFILL:-}" ]] || step prefill 240 220 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --skip-naive \
-  --warmup full --peak-tflops 790 --json --out "$OUT/prefill.json"
-[[ -n "${SKIP_SERVING:-}" ]] || step serving 180 160 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
-  --backends engine_sync,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
+# The grid first: with FIT=1 its fit (scripts/bench_memory_grid.py --fit) gives the coefficients the
+# prefill benchmark's engine then uses (EngineConfig.memory_coefficients), under this run's MLX settings.
+[[ -n "${SKIP_GRID:-}" ]] || step grid 220 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
+  --json --out "$OUT/grid.json"
+PREFILL_CONFIG=()
+if [[ -n "${FIT:-}" && -s "$OUT/grid.json" ]]; then
+  python3 scripts/bench_memory_grid.py --fit "$OUT/grid.json" --backend cuda --json >"$OUT/fit.json" 2>>"$LOG"
+  CONFIG=$(python3 -c "import json,sys; print(json.dumps({'memory_coefficients': json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['coefficients']}))" "$OUT/fit.json" 2>>"$LOG")
+  log "fit: $CONFIG"
+  [[ -n "$CONFIG" ]] && PREFILL_CONFIG=(--engine-config "$CONFIG")
+fi
+[[ -n "${SKIP_PREFILL:-}" ]] || step prefill 240 200 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --skip-naive \
+  --warmup full --peak-tflops 790 "${PREFILL_CONFIG[@]}" --json --out "$OUT/prefill.json"
+[[ -n "${SKIP_SERVING:-}" ]] || step serving 200 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
+  --backends engine_sync,engine_sync_nopipe,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
-[[ -n "${SKIP_DECODE:-}" ]] || step decode 90 80 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
+[[ -n "${SKIP_DECODE:-}" ]] || step decode 100 60 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
   --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --out "$OUT/decode.json"
 [[ -n "${SKIP_KVGATHER:-}" ]] || step kv_gather 60 0 python3 scripts/bench_kv_gather.py --dtype "$DTYPE" \
   --out "$OUT/kv_gather.json"
-[[ -n "${SKIP_GRID:-}" ]] || step grid 200 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \
-  --json --out "$OUT/grid.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
   --peak-tflops 790 --json --out "$OUT/naive.json"
 env | grep '^MLX_' >>"$OUT/env.txt"

@@ -132,3 +132,16 @@ def test_layers_in_flight_below_one_is_rejected():
 
 def test_transient_coefficients_stays_frozen_with_defaults():
     assert TransientCoefficients(*(1.0,) * 10).layers_in_flight == 1
+
+
+def test_memory_coefficient_overrides():
+    from engine.memory import with_overrides
+
+    assert with_overrides(CPU_COEFFICIENTS, None) is CPU_COEFFICIENTS
+    tuned = with_overrides(CUDA_COEFFICIENTS, {"prefill_mlp": 2.5, "layers_in_flight": 3.0})
+    assert tuned.prefill_mlp == 2.5 and tuned.layers_in_flight == 3 and isinstance(tuned.layers_in_flight, int)
+    assert tuned.decode_gather == CUDA_COEFFICIENTS.decode_gather
+    with pytest.raises(ValueError, match="'prefil_mlp'"):
+        with_overrides(CPU_COEFFICIENTS, {"prefil_mlp": 1.0})
+    with pytest.raises(ValueError, match="decode_gather=-1"):
+        with_overrides(CPU_COEFFICIENTS, {"decode_gather": -1})
