@@ -5,11 +5,13 @@ the blocks of its whole reservation (the scheduler's `kv_tokens`, a multiple of 
 prefix-cache entry owns the blocks of its tokens, and the rest are free. The pool grows, never
 shrinks, and never past `max_blocks` (the KV budget): the scheduler keeps reserved + cached bytes
 within that budget, so a request it admitted always finds its blocks once the pool has grown.
+
+`allocate` hands out the lowest run of consecutive free blocks when there is one long enough: a row
+whose blocks are consecutive is read as a slice of the pool instead of a gather (engine/kv.py).
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Optional
 
 
@@ -24,7 +26,7 @@ class BlockAllocator:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.num_blocks = 0  # blocks the pool holds now
-        self._free: list[int] = []  # min-heap: the lowest blocks go first, so rows tend to be contiguous
+        self._free: list[int] = []  # sorted ascending, so runs of consecutive blocks are found in one scan
 
     @property
     def num_free(self) -> int:
@@ -49,15 +51,34 @@ class BlockAllocator:
         """The pool now holds `num_blocks` blocks (the caller resized the arrays)."""
         if num_blocks < self.num_blocks or num_blocks > self.max_blocks:
             raise ValueError(f"cannot grow {self.num_blocks} -> {num_blocks} blocks (max {self.max_blocks})")
-        for block in range(self.num_blocks, num_blocks):
-            heapq.heappush(self._free, block)
+        self._free.extend(range(self.num_blocks, num_blocks))  # all above every free block: stays sorted
         self.num_blocks = num_blocks
 
     def allocate(self, num_blocks: int) -> Optional[list[int]]:
+        """The lowest run of `num_blocks` consecutive free blocks, else the lowest free blocks; None if
+        fewer are free. One scan of the free list: O(free blocks)."""
         if num_blocks > len(self._free):
             return None
-        return [heapq.heappop(self._free) for _ in range(num_blocks)]
+        start = self._find_run(num_blocks)
+        if start is None:
+            start = 0  # fragmented: the lowest free blocks, whatever their gaps
+        taken = self._free[start:start + num_blocks]
+        del self._free[start:start + num_blocks]
+        return taken
+
+    def _find_run(self, num_blocks: int) -> Optional[int]:
+        """Index in the free list where the lowest run of `num_blocks` consecutive blocks starts."""
+        if num_blocks <= 1:
+            return 0
+        free = self._free
+        run_start = 0
+        for i in range(1, len(free)):
+            if free[i] != free[i - 1] + 1:
+                run_start = i
+            elif i - run_start + 1 == num_blocks:
+                return run_start
+        return None
 
     def free(self, blocks: list[int]) -> None:
-        for block in blocks:
-            heapq.heappush(self._free, block)
+        # Timsort merges the two sorted runs in linear time
+        self._free = sorted(self._free + list(blocks))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -227,6 +228,8 @@ class Engine:
         admitted = self._add_rows(plan.new_rows)
         if plan.is_empty:
             return []
+        plan = self._refine_prediction(plan)
+        self.last_plan = plan
         self.num_steps += 1
         if self._can_pipeline(plan):
             try:
@@ -243,6 +246,23 @@ class Engine:
         outputs = [o for o in (self._finish(i, FinishReason.ERROR, e) for i, e in failed.items())
                    if o is not None]
         return outputs + self._commit(plan, sampled)
+
+    def _slice_reads(self, decodes, prefills, ahead: int = 0) -> set[str]:
+        """Requests of a step whose KV the runner reads as a view of the pool (no gathered copy)."""
+        reqs = self.scheduler.requests
+        out = {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.start + c.num_tokens)}
+        if len(decodes) == 1 and self.runner.reads_slice(decodes[0], reqs[decodes[0]].num_tokens + ahead):
+            out.add(decodes[0])
+        return out
+
+    def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """The scheduler predicted before the rows had blocks (every read a gather); now that they do,
+        rows read as views need no gathered copy."""
+        slices = self._slice_reads(plan.decodes, plan.prefills)
+        if not slices:
+            return plan
+        return dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
+            plan.decodes, plan.prefills, slices))
 
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.error("engine step failed", exc_info=exc)
@@ -288,7 +308,8 @@ class Engine:
             inputs = prev.tokens
         else:
             inputs = prev.tokens[mx.array([index[r] for r in rows])]
-        return self._dispatch_decode(s.plan_decodes(rows, ahead=1), inputs)
+        plan = s.plan_decodes(rows, ahead=1, slice_reads=self._slice_reads(rows, (), ahead=1))
+        return self._dispatch_decode(plan, inputs)
 
     def _advance_pipeline(self) -> list[RequestOutput]:
         """Dispatch the next decode, then read back and commit the one in flight."""

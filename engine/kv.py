@@ -8,13 +8,18 @@ p % block_size`. Every forward, prefill of one row or decode of B rows, touches 
 number of operations whatever B is:
 - write: one scatter per K and V of the forward's new tokens (`[B, H_kv, T, D]` flattened, rows
   `h*num_slots + slot`) into the pool, in place (the pool array is donated to the scatter);
-- read: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the contiguous
-  `[B, H_kv, L_max, D]` that attention wants (no transposed copy); padded positions read row 0 and are
-  masked by a `[B, 1, 1, L_max]` boolean mask (none for one row).
-The indices are built once per forward (numpy, shared by all layers). Per layer and step: 2 scatters,
-2 gathers and 2 reshapes, against 2 + 4B small operations of the per-row buffers this replaces. The
-gathered copy is one layer's KV of the rows in the forward (on the CPU only one layer's is alive at a
-time), which the memory model counts for prefill and decode.
+- read, one row whose blocks are consecutive (a prefill chunk, or a decode of B = 1): head h's positions
+  [0, n) are pool rows h*num_slots + s0 ... + n, so K and V are each a strided slice view of
+  `pool.reshape(H_kv, num_slots, D)`, `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
+- read, otherwise: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the
+  contiguous `[B, H_kv, L_max, D]` that attention wants (no transposed copy); padded positions read
+  row 0 and are masked by a `[B, 1, 1, L_max]` boolean mask (none for one row).
+The choice and the indices are made once per forward (numpy, shared by all layers); `KVPool.read_slices
+= False` (or ForwardView's `read_slices`) forces the gather, so benchmarks can compare the two. Per layer
+and step: 2 scatters, 2 gathers (or 2 slices) and 2 reshapes, against 2 + 4B small operations of the
+per-row buffers this replaces. The gathered copy is one layer's KV of the rows in the forward (on the
+CPU only one layer's is alive at a time), which the memory model counts for prefill and decode; a slice
+needs no copy, so the model's prediction stays an upper bound.
 
 Why a pool rather than one `[B, H_kv, L, D]` batch tensor (mlx-lm's BatchKVCache): a batch tensor is
 padded to the longest row and must be rebuilt (a copy of all of it) when rows join or leave; blocks
@@ -58,6 +63,15 @@ class Row:
         blocks = np.asarray(self.blocks, np.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def contiguous_start(self, end: int) -> Optional[int]:
+        """First slot of positions [0, end) if they lie in consecutive blocks (so in consecutive
+        slots), else None."""
+        num = -(-end // self.block_size)
+        first = self.blocks[0] if self.blocks else 0
+        if self.blocks[:num] != list(range(first, first + num)):
+            return None
+        return first * self.block_size
+
     def advance(self) -> None:
         self.offset += self._pending
         self._pending = 0
@@ -66,7 +80,9 @@ class Row:
 class KVPool:
     """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
+                 read_slices: bool = True):
+        self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -130,7 +146,7 @@ class _ViewLayer:
         return self._view.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        return self._view.write_and_gather(self._index, keys, values)
+        return self._view.write_and_read(self._index, keys, values)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None or return_array:
@@ -143,38 +159,58 @@ class _ViewLayer:
 class ForwardView:
     """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
 
-    def __init__(self, pool: KVPool, rows: list[Row], num_new: int):
+    def __init__(self, pool: KVPool, rows: list[Row], num_new: int, read_slices: Optional[bool] = None):
+        """`read_slices`: read a consecutive row as a slice (None: the pool's `read_slices`)."""
         if num_new > 1 and len(rows) > 1:
             raise ValueError("a forward of several rows computes one token per row")
         self.pool = pool
         self.rows = rows
         lengths = [r.offset + num_new for r in rows]  # KV length after this forward
-        width = max(lengths)
-        read = np.zeros((len(rows), width), np.int64)  # padded positions read slot 0, masked
-        for b, (row, n) in enumerate(zip(rows, lengths)):
-            read[b, :n] = row.slots(0, n)
-            row._pending = num_new
         write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
-        self._read = mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_max]
         self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
+        for row in rows:
+            row._pending = num_new
+        self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
+        self._read: Optional[mx.array] = None
+        use_slices = pool.read_slices if read_slices is None else read_slices
+        start = rows[0].contiguous_start(lengths[0]) if use_slices and len(rows) == 1 else None
+        if start is not None:
+            self._slice = (start, start + lengths[0])
+        else:
+            width = max(lengths)
+            read = np.zeros((len(rows), width), np.int64)  # padded positions read slot 0, masked
+            for b, (row, n) in enumerate(zip(rows, lengths)):
+                read[b, :n] = row.slots(0, n)
+            self._read = mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_max]
         if len(rows) == 1:
             self.offset = rows[0].offset
             self.mask = None
         else:
             self.offset = mx.array([r.offset for r in rows])  # per-row RoPE offsets, [B]
             # [B, 1, 1, L_max]: True where a row has a real key
-            self.mask = mx.array(np.arange(width)[None] < np.array(lengths)[:, None])[:, None, None, :]
+            self.mask = mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
 
     def layers(self) -> list[_ViewLayer]:
         return [_ViewLayer(self, i) for i in range(self.pool.num_layers)]
 
-    def write_and_gather(self, layer: int, keys: mx.array, values: mx.array):
+    @property
+    def reads_slice(self) -> bool:
+        return self._slice is not None
+
+    def write_and_read(self, layer: int, keys: mx.array, values: mx.array):
         """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]."""
         out = []
         for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
             pool_arrays[layer][self._write] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
-            out.append(pool_arrays[layer][self._read])  # [B, H_kv, L_max, D]
+            out.append(self._read_layer(pool_arrays[layer]))
         return out[0], out[1]
+
+    def _read_layer(self, pool_array: mx.array) -> mx.array:
+        if self._slice is None:
+            return pool_array[self._read]  # [B, H_kv, L_max, D], a copy
+        start, end = self._slice
+        heads = pool_array.reshape(self.pool.num_kv_heads, self.pool.num_slots, self.pool.head_dim)
+        return heads[None, :, start:end, :]  # [1, H_kv, n, D], a view of the pool
 
     def advance(self) -> None:
         for row in self.rows:

@@ -146,6 +146,7 @@ class PrefillChunkPlan:
     context_len: int  # n: tokens of KV the chunk attends to, itself included
     computes_logits: bool = True  # only the chunk that ends a prompt reaches the LM head
     samples: bool = False  # ... and samples (not greedy) from them
+    gathers: bool = True  # False: the row's KV is read as a view of the pool (consecutive blocks)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class StepPlan:
 
     decode_context_lens: tuple[int, ...] = ()  # n per decoding row, this step's token included
     decode_samples: bool = False  # some decoding row samples (temperature > 0)
+    decode_gathers: bool = True  # False: one row in consecutive blocks, read as a view of the pool
     prefill_chunks: tuple[PrefillChunkPlan, ...] = ()
 
 
@@ -207,11 +209,11 @@ class MemoryModel:
 
     # --- transients -------------------------------------------------------------------------------
     def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
-                            samples: bool = False) -> int:
+                            samples: bool = False, gathers: bool = True) -> int:
         s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
-        gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
+        gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
         per_layer = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
             + k.prefill_gather * gather
@@ -221,13 +223,13 @@ class MemoryModel:
         head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         return int(self.layer_factor * per_layer + head + k.step_overhead_bytes)
 
-    def decode_bytes(self, context_lens: Sequence[int], samples: bool = False) -> int:
+    def decode_bytes(self, context_lens: Sequence[int], samples: bool = False, gathers: bool = True) -> int:
         """Hidden states, plus the larger of the layers' phase (gathered KV, scores, MLP) and the
         head's (logits): the runner evaluates the hidden states before the head."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
-        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and int32 slot index
+        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
         m = self.layer_factor
         layers = m * (k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
                       + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
@@ -237,8 +239,8 @@ class MemoryModel:
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
-        parts = [self.decode_bytes(plan.decode_context_lens, plan.decode_samples)]
-        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples)
+        parts = [self.decode_bytes(plan.decode_context_lens, plan.decode_samples, plan.decode_gathers)]
+        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
                   for p in plan.prefill_chunks]
         return max(parts)
 

@@ -137,6 +137,13 @@ class ModelRunner:
         """The pool's arrays: running rows, prefix-cache entries and free blocks."""
         return self.pool.nbytes
 
+    def reads_slice(self, request_id: str, end: int) -> bool:
+        """Whether a forward of this row alone, up to position `end`, reads its KV as a view of the
+        pool (consecutive blocks) instead of a gathered copy (engine/kv.py)."""
+        row = self.rows.get(request_id)
+        return bool(self.pool.read_slices and row is not None and row.blocks
+                    and row.contiguous_start(end) is not None)
+
     # --- compute --------------------------------------------------------------------------------
     def _forward(self, tokens: mx.array, cache: list) -> mx.array:
         """tokens [B, T] -> final hidden states [B, T, D] (no LM head)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional, Sequence
 
 from engine.memory import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.request import FinishReason, Request, RequestStatus
@@ -154,27 +154,32 @@ class Scheduler:
         new_rows: list[NewRow] = []
         while budget > 0 and self.waiting and self._try_admit(self.waiting[0], new_rows):
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
-        samples = {r.request_id for r in self.running if not r.sampling.greedy}
-        plan = StepPlan(
-            decode_context_lens=tuple(self.requests[i].num_tokens for i in decodes),
-            decode_samples=any(i in samples for i in decodes),
-            prefill_chunks=tuple(PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
-                                                  c.completes_prompt and c.request_id in samples)
-                                 for c in prefills),
-        )
-        return SchedulerOutput(
-            decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
-            predicted_transient_bytes=self.memory.step_transient_bytes(plan),
-        )
+        return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
+                               predicted_transient_bytes=self.predict(decodes, prefills))
 
-    def plan_decodes(self, request_ids: list[str], ahead: int = 0) -> SchedulerOutput:
-        """A decode-only step of these running requests (the engine's pipelined decode). `ahead`:
-        tokens each has sampled beyond what `update` has committed (its context is that much longer)."""
-        decode_lens = tuple(self.requests[i].num_tokens + ahead for i in request_ids)
-        samples = any(not self.requests[i].sampling.greedy for i in request_ids)
-        plan = StepPlan(decode_context_lens=decode_lens, decode_samples=samples)
+    def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
+                slice_reads: Collection[str] = (), ahead: int = 0) -> int:
+        """The memory model's transient of a step. `slice_reads`: requests whose KV the runner reads
+        as a view (no gathered copy; the engine knows once their blocks are allocated, `schedule`
+        assumes none); `ahead`: tokens each decoding row has beyond what `update` committed."""
+        requests = self.requests
+        plan = StepPlan(
+            decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
+            decode_samples=any(not requests[i].sampling.greedy for i in decodes),
+            decode_gathers=not (len(decodes) == 1 and decodes[0] in slice_reads),
+            prefill_chunks=tuple(
+                PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
+                                 c.completes_prompt and not requests[c.request_id].sampling.greedy,
+                                 gathers=c.request_id not in slice_reads)
+                for c in prefills),
+        )
+        return self.memory.step_transient_bytes(plan)
+
+    def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0,
+                     slice_reads: Collection[str] = ()) -> SchedulerOutput:
+        """A decode-only step of these running requests (the engine's pipelined decode)."""
         return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
-                               predicted_transient_bytes=self.memory.step_transient_bytes(plan))
+                               predicted_transient_bytes=self.predict(request_ids, (), slice_reads, ahead))
 
     def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk]) -> int:
         remaining = request.num_prompt_tokens - request.num_computed_tokens

@@ -3,14 +3,19 @@ contiguous layout mlx-lm's BatchKVCache uses. Prints one JSON object.
 
     python scripts/bench_kv_gather.py                       # Llama-3-8B shape, bf16, B = 1, 4, 8
     python scripts/bench_kv_gather.py --dtype float32 --layers 4 --steps 5      # a quick CPU check
+    python scripts/bench_kv_gather.py --batches 1 --chunk 512 --context 4096    # a prefill chunk
 
 Per step, for every layer, like engine/kv.py's ForwardView:
 - `pool`: scatter the B new keys and values into the `[H_kv * slots, D]` pool arrays, gather all rows'
   KV with a `[B, H_kv, L]` row index;
+- `pool_slice` (B = 1 only): the same scatter, then read the row, whose blocks are consecutive, as a
+  slice view `pool.reshape(H_kv, slots, D)[None, :, s0:s0 + L]` (ForwardView's read for one row in
+  consecutive blocks: a prefill chunk, or a decode of one row);
 - `contiguous`: write the new token into `[B, H_kv, L_cap, D]` with a slice update and read `[:, :, :L]`
   (mlx-lm's layout);
 - `*_sdpa`: the same, then `mx.fast.scaled_dot_product_attention` of B single-token queries over it
-  (with the `[B, 1, 1, L]` mask for the pool, as the engine passes it for B >= 2).
+  (with the `[B, 1, 1, L]` mask for the pool, as the engine passes it for B >= 2; causal for a chunk).
+`--chunk T` writes T new tokens per step instead of one (a prefill chunk ending at the context; B = 1).
 No weights: the differences are the KV layout's own cost per decode step.
 """
 
@@ -34,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=1, help="new tokens per step (> 1: a prefill chunk, B = 1 only)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="also write the JSON to this file")
@@ -63,15 +69,20 @@ def main() -> None:
         read_slots = order[:, pos // a.block] * a.block + pos % a.block  # [B, L]
         heads = np.arange(h)[:, None, None]
         read = mx.array((heads * slots + read_slots[None]).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L]
-        write = mx.array((heads * slots + read_slots[None, :, -1:]).transpose(1, 0, 2).reshape(-1), mx.int32)
+        T = a.chunk
+        if T > 1 and B > 1:
+            raise SystemExit("--chunk > 1 needs --batches 1: the engine prefills one row per forward")
+        write = mx.array((heads * slots + read_slots[None, :, -T:]).transpose(1, 0, 2).reshape(-1), mx.int32)
+        # B = 1 in consecutive blocks (slots 0 .. L): written by the same scatter, read as a slice
+        slice_write = mx.array((heads[:, 0] * slots + np.arange(L - T, L)[None]).reshape(-1), mx.int32)
         keys = [mx.random.normal((h * slots, d)).astype(dtype) for _ in range(a.layers)]
         values = [mx.random.normal((h * slots, d)).astype(dtype) for _ in range(a.layers)]
         cap = blocks_per_row * a.block
         ck = [mx.random.normal((B, h, cap, d)).astype(dtype) for _ in range(a.layers)]
         cv = [mx.random.normal((B, h, cap, d)).astype(dtype) for _ in range(a.layers)]
-        new = mx.random.normal((B, h, 1, d)).astype(dtype)
-        q = mx.random.normal((B, a.heads, 1, d)).astype(dtype)
-        mask = mx.array(np.ones((B, 1, 1, L), bool)) if B > 1 else None
+        new = mx.random.normal((B, h, T, d)).astype(dtype)
+        q = mx.random.normal((B, a.heads, T, d)).astype(dtype)
+        mask = mx.array(np.ones((B, 1, 1, L), bool)) if B > 1 else ("causal" if T > 1 else None)
         mx.eval(keys, values, ck, cv, new, q)
         scale = d ** -0.5
 
@@ -85,19 +96,33 @@ def main() -> None:
                             if attend else k + v)
             return outs
 
-        def contiguous(attend: bool):
+        def pool_slice(attend: bool):
             outs = []
             for i in range(a.layers):
-                ck[i][:, :, L - 1:L, :] = new
-                cv[i][:, :, L - 1:L, :] = new
-                k, v = ck[i][:, :, :L, :], cv[i][:, :, :L, :]
-                outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+                keys[i][slice_write] = new.reshape(-1, d)
+                values[i][slice_write] = new.reshape(-1, d)
+                k = keys[i].reshape(h, slots, d)[None, :, :L, :]  # [1, H_kv, L, D], a view
+                v = values[i].reshape(h, slots, d)[None, :, :L, :]
+                outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
                             if attend else k + v)
             return outs
 
-        row = {"batch": B, "context": L, "layers": a.layers}
-        for name, fn, attend in (("pool", pool, False), ("contiguous", contiguous, False),
-                                 ("pool_sdpa", pool, True), ("contiguous_sdpa", contiguous, True)):
+        def contiguous(attend: bool):
+            outs = []
+            for i in range(a.layers):
+                ck[i][:, :, L - T:L, :] = new
+                cv[i][:, :, L - T:L, :] = new
+                k, v = ck[i][:, :, :L, :], cv[i][:, :, :L, :]
+                outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask if T > 1 else None)
+                            if attend else k + v)
+            return outs
+
+        row = {"batch": B, "context": L, "chunk": T, "layers": a.layers}
+        variants = [("pool", pool, False), ("contiguous", contiguous, False),
+                    ("pool_sdpa", pool, True), ("contiguous_sdpa", contiguous, True)]
+        if B == 1:
+            variants += [("pool_slice", pool_slice, False), ("pool_slice_sdpa", pool_slice, True)]
+        for name, fn, attend in variants:
             row[f"{name}_ms"] = round(timed(lambda: fn(attend), a.steps, a.warmup), 3)
         results.append(row)
         print(row, flush=True)

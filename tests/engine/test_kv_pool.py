@@ -66,3 +66,73 @@ def test_decode_graph_does_not_grow_with_the_batch(make_engine):
         sizes[batch] = graphs
     assert len(sizes[2]) == len(sizes[6]) == 2
     assert sizes[2] == sizes[6]  # per-row KV buffers added 4 ops per row and layer
+
+
+def forward_logits(runner, row, chunks, read_slices):
+    """Each chunk's logits [1, T, V] through a ForwardView of the row, and whether it read a slice."""
+    from engine.kv import ForwardView
+
+    logits, slices = [], []
+    for chunk in chunks:
+        view = ForwardView(runner.pool, [row], len(chunk), read_slices=read_slices)
+        logits.append(runner._head(runner._forward(mx.array(chunk)[None], view.layers())))
+        mx.eval(logits[-1])
+        view.advance()
+        slices.append(view.reads_slice)
+    return logits, slices
+
+
+def test_contiguous_and_fragmented_rows_give_mlx_lm_logits(tiny_parts):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kv import Row
+    from engine.runner import ModelRunner
+
+    model = tiny_parts[0]
+    runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
+    runner.grow_pool(10)
+    singles = [runner.blocks.allocate(1) for _ in range(10)]
+    for s in singles[1::2]:
+        runner.blocks.free(s)  # free: 1 3 5 7 9
+    fragmented = runner.blocks.allocate(5)
+    runner.grow_pool(16)
+    contiguous = runner.blocks.allocate(5)
+    assert fragmented == [1, 3, 5, 7, 9] and contiguous == [10, 11, 12, 13, 14]
+
+    prompt = random_prompts([13], 49152, seed=3)[0]
+    chunks = [prompt[:5], prompt[5:10], prompt[10:], [7], [8], [9]]  # chunked prefill, then 3 decodes
+    cache = make_prompt_cache(model)
+    expected = [model(mx.array(c)[None], cache=cache) for c in chunks]
+    for blocks, read_slices, want_slices in ((contiguous, True, True), (contiguous, False, False),
+                                             (fragmented, True, False)):
+        row = Row(list(blocks), 4, runner.pool.block_bytes)
+        logits, slices = forward_logits(runner, row, chunks, read_slices)
+        assert slices == [want_slices] * len(chunks)
+        for got, want in zip(logits, expected):
+            assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def test_engine_output_is_exact_with_contiguous_and_fragmented_rows(make_engine, tiny_parts, reference_greedy):
+    engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0)
+    runner = engine.runner
+    runner.grow_pool(4)
+    held = [runner.blocks.allocate(1) for _ in range(4)]
+    runner.blocks.free(held[0])
+    runner.blocks.free(held[2])  # free: 0 2, no run of two
+    prompts = random_prompts([300, 280], engine.memory.shape.vocab_size, seed=11)  # 2 blocks of 256 each
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = {"0": [], "1": []}
+    blocks = {}
+    for i, p in enumerate(prompts):  # one request a step: the first takes the free blocks 0 and 2
+        engine.add_request(str(i), p, sampling)
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        blocks.update({i: list(r.blocks) for i, r in runner.rows.items()})
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        blocks.update({i: list(r.blocks) for i, r in runner.rows.items()})
+    assert blocks["0"] == [0, 2]  # fragmented: read by a gather
+    assert blocks["1"] == [4, 5]  # the pool grew: consecutive, read by slices
+    for i, p in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], p, 6)

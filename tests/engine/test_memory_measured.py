@@ -3,10 +3,15 @@
 The model is small but not degenerate (head_dim 64, hidden 256, vocab 32000) and the chunks are
 128-512 tokens, so every step's transient is hundreds of KB or more: with 16-wide heads and 16-token
 chunks every array is a few KB and the CPU allocator's rounding, not the formula, decides the peak.
+
+The model counts a gathered copy of each forward's KV. With the pool's gather forced, the prediction is
+also checked to be tight (within 1.5x); with slice reads (a row in consecutive blocks is read as a view,
+no copy) it must stay an upper bound, and is looser by the gather it counts.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 
 import mlx.core as mx
@@ -33,7 +38,8 @@ def small_llama():
     return model, config
 
 
-def test_measured_step_peak_within_prediction(small_llama, tiny_parts):
+@pytest.mark.parametrize("read_slices", [False, True], ids=["gather", "slices"])
+def test_measured_step_peak_within_prediction(small_llama, tiny_parts, read_slices):
     model, model_config = small_llama
     tokenizer = tiny_parts[1]
     rng = random.Random(0)
@@ -43,6 +49,10 @@ def test_measured_step_peak_within_prediction(small_llama, tiny_parts):
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk, max_num_batched_tokens=chunk * 2,
                            max_num_seqs=rng.randint(2, 8), memory_limit_bytes=2 << 30)
         engine = Engine(model, tokenizer, cfg, model_config)
+        engine.runner.pool.read_slices = read_slices
+        # Earlier engines (reference cycles) must not be collected mid-step: their freed pool would
+        # lower MLX's active memory under the step's peak and hide the step's transient.
+        gc.collect()
         for i in range(rng.randint(2, 6)):
             prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(200, 1500))]
             engine.add_request(f"{trial}-{i}", prompt,
