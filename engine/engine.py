@@ -251,8 +251,9 @@ class Engine:
         """Requests of a step whose KV the runner reads as a view of the pool (no gathered copy)."""
         reqs = self.scheduler.requests
         out = {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.start + c.num_tokens)}
-        if len(decodes) == 1 and self.runner.reads_slice(decodes[0], reqs[decodes[0]].num_tokens + ahead):
-            out.add(decodes[0])
+        one = reqs.get(decodes[0]) if len(decodes) == 1 else None
+        if one is not None and self.runner.reads_slice(one.request_id, one.num_tokens + ahead):
+            out.add(one.request_id)
         return out
 
     def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:

@@ -92,11 +92,13 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
                 raise RuntimeError(f"{o.request_id}: {o.error}")
         own = getattr(engine, "last_step_memory", None)
         plan = recorder.plans[-1]
+        # rows whose KV was read as a view of the pool (no gathered copy; engine/kv.py)
+        slices = sorted(engine._slice_reads(plan.decodes, plan.prefills)) if hasattr(engine, "_slice_reads") else []
         out.append(dict(step_s=dt, measured=own.measured_bytes if own is not None else whole,
                         whole_step_measured=whole, predicted=plan.predicted_transient_bytes,
                         decodes=len(plan.decodes), context_lens=None,
                         chunks=[(c.num_tokens, c.start + c.num_tokens, c.completes_prompt) for c in plan.prefills],
-                        outputs=len(outputs)))
+                        outputs=len(outputs), slice_reads=slices))
     return out
 
 
@@ -118,10 +120,12 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
             if st["decodes"] or len(st["chunks"]) != 1:
                 continue
             cc, n, logits = st["chunks"][0]
-            points.append(dict(kind="prefill", variant=label, c=cc, n=n, logits=logits, B=1,
+            gathers = "g" not in st["slice_reads"]
+            terms = prefill_terms(shape, cc, n, logits)
+            terms["prefill_gather"] *= gathers
+            points.append(dict(kind="prefill", variant=label, c=cc, n=n, logits=logits, B=1, gathers=gathers,
                                measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
-                               whole_step_measured=st["whole_step_measured"],
-                               terms=prefill_terms(shape, cc, n, logits)))
+                               whole_step_measured=st["whole_step_measured"], terms=terms))
         engine.abort("g")
         engine = recorder = None  # the next engine starts from nothing alive but the weights
         free_memory()
@@ -139,7 +143,9 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         prompts = random_prompts([n] * b_max, lm.config["vocab_size"], seed=n)
         # Rows that finish their prompt first decode while the others prefill: room for those tokens.
         max_tokens = steps_per_point * (len(rows) + 1) + (n * b_max) // 256 + 8
-        engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max))
+        # Synchronous decode steps: one forward's transient per point (a pipelined step's window
+        # holds parts of two decodes; the engine predicts those as two decodes together).
+        engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=False)
         recorder = StepRecorder(engine)
         meter = Meter()
         ids = [f"d{i}" for i in range(b_max)]
@@ -165,10 +171,12 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 if st["chunks"] or st["decodes"] != b:
                     continue
                 ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True,
+                gathers = not (b == 1 and alive[0] in st["slice_reads"])
+                terms = decode_terms(shape, b, ctx)
+                terms["decode_gather"] *= gathers
+                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=gathers,
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
-                                   whole_step_measured=st["whole_step_measured"],
-                                   terms=decode_terms(shape, b, ctx)))
+                                   whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)
         for rid in alive:
             engine.abort(rid)
@@ -328,10 +336,11 @@ def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]
     out = []
     for p in pts:
         m = _model_of(shapes[p["variant"]], coefficients)
+        gathers = p.get("gathers", True)  # False: the row was read as a view of the pool
         if p["kind"] == "prefill":
-            out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"])))
+            out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"]), gathers=gathers))
         else:
-            out.append(m.decode_bytes([p["n"]] * p["B"]))
+            out.append(m.decode_bytes([p["n"]] * p["B"], gathers=gathers))
     return out
 
 
