@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
-from engine.runner import DecodeWork, ModelRunner, PrefillWork
+from engine.runner import DecodeForward, DecodeWork, ModelRunner, PrefillWork, finish
 from engine.sampling import RequestSampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -36,9 +37,7 @@ class StepMemory:
 
     predicted_bytes: int
     measured_bytes: int
-    # A pipelined decode step: measured from the last read-back to this one, while the next decode
-    # was already dispatched; predicted as both decodes' transients together.
-    pipelined: bool = False
+    pipelined: bool = False  # a decode launched by the pipeline (measured from its launch to its end)
 
 
 @dataclass(frozen=True)
@@ -70,10 +69,10 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class _Inflight:
-    """A decode dispatched to the device whose sampled tokens have not been read back."""
+    """A decode built (and then launched) whose sampled tokens have not been read back."""
 
     plan: SchedulerOutput
-    tokens: mx.array  # [B] lazy, rows in plan.decodes order
+    forward: DecodeForward  # its tokens: [B], rows in plan.decodes order
 
 
 def mlx_backend() -> str:
@@ -83,6 +82,12 @@ def mlx_backend() -> str:
         return "cpu"
     cuda = getattr(mx, "cuda", None)
     return "cuda" if cuda is not None and cuda.is_available() else "metal"
+
+
+def backend_coefficients():
+    """The memory model's coefficients for this process's MLX backend and settings."""
+    ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "")
+    return coefficients_for_backend(mlx_backend(), int(ops) if ops.isdigit() else None)
 
 
 def resolve_dtype(name: str) -> str:
@@ -113,8 +118,7 @@ class Engine:
         dtype_bytes = next(iter(p.dtype.size for _, p in tree_flatten(model.parameters())))
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
-                                  coefficients=with_overrides(coefficients_for_backend(mlx_backend()),
-                                                              config.memory_coefficients))
+                                  coefficients=with_overrides(backend_coefficients(), config.memory_coefficients))
         model_max = model_config.get("max_position_embeddings") or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (
@@ -122,7 +126,7 @@ class Engine:
             if config.memory_limit_bytes == "auto" else config.memory_limit_bytes
         )
         bound = self.memory.transient_bound_bytes(
-            config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, config.async_decode
+            config.max_num_seqs, config.prefill_chunk_size, self.max_model_len
         )
         kv_budget = self.memory.kv_budget_bytes(self.memory_limit_bytes - weights_bytes, bound)
         if kv_budget < self.memory.kv_bytes(1):
@@ -137,8 +141,7 @@ class Engine:
                                         on_evict=self.runner.release)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.prefill_chunk_size, self.max_model_len, kv_budget,
-                            config.async_decode),
+                            config.prefill_chunk_size, self.max_model_len, kv_budget),
             self.memory,
             cached_bytes=lambda: self.prefix_cache.nbytes,
             reclaim=self.prefix_cache.evict,
@@ -151,8 +154,8 @@ class Engine:
         self._max_measured = 0
         self.last_step_memory: Optional[StepMemory] = None
         self.last_plan: Optional[SchedulerOutput] = None
-        self._inflight: Optional[_Inflight] = None  # a dispatched decode whose tokens are not read back
-        self._base_other_bytes = mx.get_active_memory()  # see _pipeline_base_bytes
+        self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back
+        self._launch_base_bytes = 0  # MLX active memory when it was launched
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -212,15 +215,17 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, dispatch the forwards, read back their tokens, return the increments.
+        """One step: schedule, run the forwards, read back their tokens, return the increments.
 
-        Decode-only steps are pipelined like mlx-lm's BatchGenerator (`EngineConfig.async_decode`):
-        the next decode is dispatched, fed with this one's tokens as a lazy array, before this one's
-        tokens are read back, so the device never waits for Python (graph building, scheduling,
-        detokenizing). Outputs then come one step after their forward was dispatched. A row that
-        stops on EOS or a stop string has had one more token computed, which is dropped; rows
-        reaching max_tokens are left out of the next decode. Anything new for the scheduler (a
-        waiting request, a prompt chunk) ends the pipeline for one step."""
+        Forwards that write the KV pool never overlap on the device (runner.finish says why). Decode-
+        only steps are pipelined on the host (`EngineConfig.async_decode`), like mlx-lm's
+        BatchGenerator but without overlapping two forwards: while decode k runs, the engine builds
+        decode k+1's graph (fed with k's tokens as a lazy array); once k is done it launches k+1
+        and, while k+1 runs, reads back and commits k (scheduler update, detokenizing, stops). So
+        outputs come one step after their forward was launched. A row that stops on EOS or a stop
+        string has had one more token computed, which is dropped; rows reaching max_tokens are left
+        out of the next decode. Anything new for the scheduler (a waiting request, a prompt chunk)
+        ends the pipeline for one step."""
         if self._inflight is not None:
             return self._advance_pipeline()
         plan = self.scheduler.schedule()
@@ -233,8 +238,10 @@ class Engine:
         self.num_steps += 1
         if self._can_pipeline(plan):
             try:
-                self._inflight = self._dispatch_decode(plan, None)
+                self._inflight = self._build_decode(plan, None)
+                self._launch(self._inflight)
             except Exception as exc:
+                self._inflight = None
                 return self._fail_step(plan, exc)
             return self._advance_pipeline()
         failed: dict[str, str] = {}  # request_id -> error of its own prefill chunk
@@ -285,18 +292,24 @@ class Engine:
         return (self.config.async_decode and bool(plan.decodes) and not plan.prefills
                 and not plan.new_rows and self.scheduler.num_waiting == 0)
 
-    def _dispatch_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
-        """Dispatch the decode of `plan` (inputs: the lazy tokens that feed it, else the rows' last
-        tokens); nothing waits for the device."""
+    def _build_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
+        """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
+        last tokens."""
         requests = self.scheduler.requests
         work = [DecodeWork(i, requests[i].output_token_ids[-1] if inputs is None else -1)
                 for i in plan.decodes]
         return _Inflight(plan, self.runner.decode(work, inputs))
 
+    def _launch(self, decode: _Inflight) -> None:
+        """Start a built decode; the device is idle (its transient is measured from here)."""
+        self._launch_base_bytes = mx.get_active_memory()
+        mx.reset_peak_memory()
+        self.runner.launch(decode.forward)
+
     def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
-        """The decode that follows `prev` before `prev`'s tokens are known: its rows that are still
-        running and will not reach max_tokens with `prev`'s token; None if the scheduler has other
-        work (a waiting request, a prompt chunk) or no row goes on."""
+        """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are
+        still running and will not reach max_tokens with `prev`'s token; None if the scheduler has
+        other work (a waiting request, a prompt chunk) or no row goes on."""
         s = self.scheduler
         if s.num_waiting or any(r.is_prefilling for r in s.running):
             return None
@@ -305,15 +318,14 @@ class Engine:
                 and r.num_output_tokens + 1 < r.sampling.max_tokens]
         if not rows:
             return None
-        if len(rows) == len(prev.plan.decodes):
-            inputs = prev.tokens
-        else:
-            inputs = prev.tokens[mx.array([index[r] for r in rows])]
+        tokens = prev.forward.tokens
+        inputs = tokens if len(rows) == len(index) else tokens[mx.array([index[r] for r in rows])]
         plan = s.plan_decodes(rows, ahead=1, slice_reads=self._slice_reads(rows, (), ahead=1))
-        return self._dispatch_decode(plan, inputs)
+        return self._build_decode(plan, inputs)
 
     def _advance_pipeline(self) -> list[RequestOutput]:
-        """Dispatch the next decode, then read back and commit the one in flight."""
+        """Build the next decode while the running one computes, wait for it, launch the next, then
+        read back and commit the finished one."""
         prev, self._inflight = self._inflight, None
         self.last_plan = prev.plan
         try:
@@ -322,26 +334,24 @@ class Engine:
             nxt, next_error = None, exc
         else:
             next_error = None
+        try:
+            finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
+            tokens = prev.forward.tokens.tolist()
+        except Exception as exc:
+            return self._fail_step(prev.plan, exc)
+        self._record_memory(prev.plan.predicted_transient_bytes, 0, self._launch_base_bytes, pipelined=True)
         if nxt is not None:
             self.num_steps += 1
-        try:
-            tokens = prev.tokens.tolist()
-        except Exception as exc:
-            self._inflight = None
-            return self._fail_step(prev.plan, exc) + ([] if nxt is None else self._fail_step(nxt.plan, exc))
-        predicted = prev.plan.predicted_transient_bytes + (nxt.plan.predicted_transient_bytes if nxt else 0)
-        self._record_memory(predicted, 0, self._pipeline_base_bytes(), pipelined=True)
-        self._inflight = nxt
+            try:
+                self._launch(nxt)
+                self._inflight = nxt
+            except Exception as exc:
+                nxt, next_error = None, exc
         outputs = self._commit(prev.plan, dict(zip(prev.plan.decodes, tokens)))
         if next_error is not None:
             rows = [r.request_id for r in self.scheduler.running if not r.is_prefilling]
             outputs += self._fail_step(self.scheduler.plan_decodes(rows), next_error)
         return outputs
-
-    def _pipeline_base_bytes(self) -> int:
-        """Memory that is not a step's transient while forwards are in flight: what was alive at the
-        last step run without pipelining (weights, small state) beside the KV pool, plus the pool now."""
-        return self._base_other_bytes + self.runner.kv_allocated_bytes
 
     def _release(self, request: Optional[Request], reason: FinishReason) -> None:
         """Between forwards: the KV goes at once, into the prefix cache when it is worth keeping."""
@@ -383,21 +393,21 @@ class Engine:
         return StepMemory(predicted, measured)
 
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
-        """Dispatch the decode forward, then each prefill chunk, then read back every sampled token
-        at once: the device runs the forwards back to back while Python builds the next one. A prefill
-        chunk that raises while its graph is built touches its own row only: its request goes into
-        `failed`, the others go on. The step's transient is MLX's peak over what was alive before,
+        """Run the decode forward, then each prefill chunk, each finished before the next is built
+        (runner.finish), then read back the sampled tokens. A prefill chunk that raises touches its
+        own row only: its request goes into `failed`, the others go on. The step's transient is MLX's peak over what was alive before,
         less KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`)."""
         requests = self.scheduler.requests
         active_before = mx.get_active_memory()
         kv_before = self.runner.kv_allocated_bytes
-        self._base_other_bytes = active_before - kv_before
         mx.reset_peak_memory()
         lazy: dict[str, mx.array] = {}
         if plan.decodes:
             decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-            tokens = self.runner.decode(decode)
-            lazy.update((rid, tokens[j]) for j, rid in enumerate(plan.decodes))
+            forward = self.runner.decode(decode)
+            self.runner.launch(forward)
+            finish(forward.tokens)
+            lazy.update((rid, forward.tokens[j]) for j, rid in enumerate(plan.decodes))
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
@@ -410,7 +420,6 @@ class Engine:
             if token is not None:
                 lazy[chunk.request_id] = token[0]
         values = mx.stack(list(lazy.values())).tolist() if lazy else []
-        mx.synchronize()  # chunks that sample nothing: their KV writes are part of the step
         new_kv = self.runner.kv_allocated_bytes - kv_before
         self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes,
                             active_before + new_kv, admitted.predicted_bytes)

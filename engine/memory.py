@@ -97,18 +97,26 @@ class TransientCoefficients:
 
 CPU_COEFFICIENTS = TransientCoefficients(
     prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
-    decode_gather=1.0, decode_scores=2.0, decode_logits=2.3, decode_mlp=6.0, decode_hidden=16.0,
+    decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
 )
 
-# Fitted on an H200 (MLX 0.32.4 CUDA, default MLX settings, KV-pool engine; 8B and three 2-layer
-# shapes) from scripts/data/h200_pool_grid.json, scaled up until no grid point is under-predicted:
+# Fitted on an H200 (MLX 0.32.4 CUDA, default MLX settings, KV-pool engine before slice reads and the
+# summed decode phases; 8B and three 2-layer shapes) from scripts/data/h200_pool_grid.json, scaled up
+# until no grid point is under-predicted:
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
-# Not valid under MLX_MAX_OPS_PER_BUFFER=8 (5.6-5.8x over there): refit on a grid measured with it.
-# `sampling` is not in the grid (greedy rows): the CPU value.
+# `sampling` is not in the grids (greedy rows): the CPU value.
 CUDA_COEFFICIENTS = TransientCoefficients(
     prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=1.939, prefill_hidden=6.829, prefill_logits=123.0,
-    decode_gather=1.034, decode_scores=2.817, decode_logits=7.205, decode_mlp=0.0, decode_hidden=0.0,
-    sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1130000,
+    decode_gather=0.9141, decode_scores=2.491, decode_logits=6.371, decode_mlp=0.0, decode_hidden=0.0,
+    sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1064000,
+)
+# The same under MLX_MAX_OPS_PER_BUFFER=8 (what scripts/serve sets on CUDA: MLX commits every 8 ops,
+# so fewer layers' temporaries coexist), this engine (slice reads), from the grid of 2026-11-30:
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_ops8_grid.json --backend cuda
+CUDA_OPS8_COEFFICIENTS = TransientCoefficients(
+    prefill_scores=0.008558, prefill_mask=0.0, prefill_mlp=2.311, prefill_hidden=4.697, prefill_logits=6.45,
+    decode_gather=1.041, decode_scores=0.01342, decode_logits=1.546, decode_mlp=0.0, decode_hidden=0.0,
+    sampling=11.0, prefill_gather=0.0, layers_in_flight=9, step_overhead_bytes=2248000,
 )
 
 
@@ -130,13 +138,16 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
     return replace(base, **values)
 
 
-def coefficients_for_backend(name: str) -> TransientCoefficients:
+def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None) -> TransientCoefficients:
     """The coefficient set of an MLX backend: "cpu", "cuda", or "metal" (no Metal data yet: the CPU
-    set, whose one-layer-at-a-time freeing Metal's per-command-buffer release may not match)."""
+    set, whose one-layer-at-a-time freeing Metal's per-command-buffer release may not match).
+    `max_ops_per_buffer`: MLX_MAX_OPS_PER_BUFFER if set; on CUDA at most 8 picks the set fitted so."""
     table = {"cpu": CPU_COEFFICIENTS, "cuda": CUDA_COEFFICIENTS, "metal": CPU_COEFFICIENTS}
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in table:
         raise ValueError(f"unknown MLX backend {name!r}: expected one of {sorted(table)}")
+    if key == "cuda" and max_ops_per_buffer is not None and 0 < max_ops_per_buffer <= 8:
+        return CUDA_OPS8_COEFFICIENTS
     return table[key]
 
 
@@ -235,7 +246,9 @@ class MemoryModel:
                       + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         hidden = m * k.decode_hidden * b * s.hidden_size * s.dtype_bytes
-        return int(hidden + max(layers, logits) + k.step_overhead_bytes)
+        # A sum, not the larger of the two phases: the head's graph is launched while the layers' still
+        # runs (runner.launch), so the last layer's gathered KV and the logits can be alive together.
+        return int(hidden + layers + logits + k.step_overhead_bytes)
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
@@ -244,18 +257,15 @@ class MemoryModel:
                   for p in plan.prefill_chunks]
         return max(parts)
 
-    def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int,
-                              pipelined_decode: bool = True) -> int:
+    def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:
         """Largest transient of any step the scheduler can produce under this configuration.
 
         Both formulas grow with every argument; a chunk attends to at most max_model_len keys and a
-        decode step has at most max_num_seqs rows of at most max_model_len keys each. With pipelined
-        decode (the engine's `async_decode`) the next decode is dispatched before the current one
-        ends, so two decodes' transients are counted together.
+        decode step has at most max_num_seqs rows of at most max_model_len keys each. Forwards never
+        overlap on the device (runner.finish), pipelined decode included.
         """
         chunk = min(prefill_chunk_size, max_model_len)
-        decode = self.decode_bytes([max_model_len] * max_num_seqs, samples=True)
         return max(
             self.prefill_chunk_bytes(chunk, max_model_len, samples=True),
-            (2 if pipelined_decode else 1) * decode,
+            self.decode_bytes([max_model_len] * max_num_seqs, samples=True),
         )

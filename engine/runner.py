@@ -152,8 +152,8 @@ class ModelRunner:
         return self._backbone(tokens, cache=cache)
 
     def prefill(self, work: PrefillWork) -> Optional[mx.array]:
-        """Dispatch one chunk (`mx.async_eval`: nothing waits for the device). Returns the sampled
-        token as a lazy `[1]` array when the chunk ends the prompt, else None."""
+        """Build one chunk's graph and run it to completion (`finish`). Returns the sampled token as
+        an evaluated `[1]` array when the chunk ends the prompt, else None."""
         row = self.rows[work.request_id]
         if row.offset != work.start:
             raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
@@ -161,28 +161,53 @@ class ModelRunner:
         hidden = self._forward(mx.array(work.token_ids)[None], view.layers())  # [1, T, D]
         view.advance()
         if not work.sample:
-            mx.async_eval(self.pool.keys, self.pool.values)
+            finish(self.pool.keys, self.pool.values)
             return None
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])
-        mx.async_eval(token, self.pool.keys, self.pool.values)
+        finish(token, self.pool.keys, self.pool.values)
         return token
 
-    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None) -> mx.array:
-        """Dispatch one batched decode forward of `work`'s rows and return the sampled token ids [B] as
-        a lazy array (`mx.async_eval`: nothing waits for the device). `tokens` ([B], possibly the lazy
-        output of the previous decode) replaces the rows' `token_id`s as inputs: the engine builds the
-        next step while the device still computes the one whose tokens it feeds."""
+    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None) -> "DecodeForward":
+        """Build (only: nothing runs) one batched decode forward of `work`'s rows; `launch` runs it.
+        `tokens` ([B], possibly the lazy output of the previous decode) replaces the rows' `token_id`s
+        as inputs, so the engine can build the next step while the device computes the current one."""
         view = ForwardView(self.pool, [self.rows[w.request_id] for w in work], 1)
-        pipelined = tokens is not None
         if tokens is None:
             tokens = mx.array([w.token_id for w in work])
         hidden = self._forward(tokens[:, None], view.layers())  # [B, 1, D]
-        # Its own batch, so the last layer's gathered KV is freed before the logits exist. Waited for
-        # when not pipelined: on MLX's CPU backend an asynchronous one peaks about 10% higher.
-        (mx.async_eval if pipelined else mx.eval)(hidden)
         logits = self._head(hidden)[:, 0, :]  # [B, V]
         sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
-        mx.async_eval(sampled, self.pool.keys, self.pool.values)
         view.advance()
-        return sampled
+        return DecodeForward(hidden, sampled)
+
+    @staticmethod
+    def launch(forward: "DecodeForward") -> None:
+        """Start a built decode on the device without waiting. The hidden states are their own batch,
+        so the last layer's gathered KV is freed before the logits exist. The caller must `finish`
+        (wait for) this forward before launching another that writes the KV pool: see `finish`."""
+        mx.async_eval(forward.hidden)
+        mx.async_eval(forward.tokens)  # every layer's KV write is in its graph (attention reads it)
+
+
+@dataclass
+class DecodeForward:
+    """A built decode. It holds no pool array: the next forward's KV writes must be their only
+    holder to update them in place (see `finish`)."""
+
+    hidden: mx.array  # [B, 1, D]
+    tokens: mx.array  # [B] sampled token ids
+
+
+def finish(*arrays) -> None:
+    """Evaluate and wait until the device is idle, its finished kernels' buffers released.
+
+    Every forward writes the KV pool in place: MLX can update an array in place (donate it) only when
+    nothing else holds its buffer, and MLX's GPU backends hold a kernel's inputs until a completion
+    handler runs after the kernel. A forward encoded while the previous one is still in flight would
+    therefore copy whole pool arrays (slow, and a transient as large as the pool). So forwards that
+    write the pool never overlap on the device; only Python work (building the next graph, reading
+    outputs) overlaps a running forward."""
+    if arrays:
+        mx.eval(*arrays)
+    mx.synchronize()

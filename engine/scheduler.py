@@ -32,7 +32,6 @@ class SchedulerConfig:
     prefill_chunk_size: int
     max_model_len: int
     kv_budget_bytes: int
-    async_decode: bool = True  # the engine pipelines decode steps: two decodes' transients may meet
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class Scheduler:
         # Forwards, and the KV pool's growth / prefix copies between them (never at the same time).
         self.transient_bound_bytes = max(
             memory.transient_bound_bytes(config.max_num_seqs, config.prefill_chunk_size,
-                                         config.max_model_len, config.async_decode),
+                                         config.max_model_len),
             memory.kv_growth_bound_bytes(config.kv_budget_bytes),
         )
 

@@ -190,12 +190,12 @@ def chunk_bytes(memory, num_tokens: int, context_len: int, computes_logits: bool
 def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None):
     """The engine's memory model for this model on this MLX backend (as Engine builds it);
     `overrides`: EngineConfig.memory_coefficients."""
-    from engine.engine import mlx_backend
-    from engine.memory import MemoryModel, ModelShape, coefficients_for_backend, with_overrides
+    from engine.engine import backend_coefficients
+    from engine.memory import MemoryModel, ModelShape, with_overrides
 
     dtype_bytes = DTYPES[loaded.dtype].size
     return MemoryModel(ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes),
-                       coefficients=with_overrides(coefficients_for_backend(mlx_backend()), overrides))
+                       coefficients=with_overrides(backend_coefficients(), overrides))
 
 
 # --------------------------------------------------------------------------- output

@@ -56,23 +56,23 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine.memory import (CPU_COEFFICIENTS, CUDA_COEFFICIENTS, TransientCoefficients,  # noqa: E402
+from engine.memory import (CPU_COEFFICIENTS, CUDA_COEFFICIENTS, CUDA_OPS8_COEFFICIENTS, TransientCoefficients,  # noqa: E402
                            coefficients_for_backend)
 
 
 def test_cpu_predictions_unchanged_by_the_cuda_terms():
-    # values of the formulas before layers_in_flight / step_overhead_bytes existed (commit 4015f80)
+    # prefill values of the formulas before layers_in_flight / step_overhead_bytes existed (commit
+    # 4015f80); decode values since the decode phases are summed (the head is launched while the
+    # layers run) and decode_logits was refitted to 1.3
     m = MemoryModel(LLAMA3_8B)
     assert CPU_COEFFICIENTS.layers_in_flight == 1 and CPU_COEFFICIENTS.step_overhead_bytes == 0
     assert m.prefill_chunk_bytes(512, 8192, samples=True) == 800573153
     assert m.prefill_chunk_bytes(1, 100) == 1852563
     assert m.prefill_chunk_bytes(128, 300, computes_logits=False) == 30732354
-    assert m.decode_bytes([8192] * 16, samples=True) == 579469312
-    assert m.decode_bytes([100, 4000]) == 35678208
-    assert m.decode_bytes([7]) == 1311027
-    assert m.transient_bound_bytes(16, 512, 8192, pipelined_decode=False) == 800573153
-    # pipelined decode (the engine's default): two decodes' transients together
-    assert m.transient_bound_bytes(16, 512, 8192) == 2 * 579469312
+    assert m.decode_bytes([8192] * 16, samples=True) == 595783475
+    assert m.decode_bytes([100, 4000]) == 37012070
+    assert m.decode_bytes([7]) == 1000723
+    assert m.transient_bound_bytes(16, 512, 8192) == 800573153
 
 
 def test_coefficients_for_backend_picks_the_set():
@@ -80,6 +80,9 @@ def test_coefficients_for_backend_picks_the_set():
     assert coefficients_for_backend("cuda") is CUDA_COEFFICIENTS
     assert coefficients_for_backend("metal") is CPU_COEFFICIENTS  # no Metal measurements yet
     assert coefficients_for_backend(" CUDA ") is CUDA_COEFFICIENTS
+    assert coefficients_for_backend("cuda", 8) is CUDA_OPS8_COEFFICIENTS
+    assert coefficients_for_backend("cuda", 64) is CUDA_COEFFICIENTS
+    assert coefficients_for_backend("cpu", 8) is CPU_COEFFICIENTS
 
 
 @pytest.mark.parametrize("name", ["rocm", "", "gpu"])
