@@ -255,13 +255,10 @@ class Engine:
         return outputs + self._commit(plan, sampled)
 
     def _slice_reads(self, decodes, prefills, ahead: int = 0) -> set[str]:
-        """Requests of a step whose KV the runner reads as a view of the pool (no gathered copy)."""
-        reqs = self.scheduler.requests
-        out = {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.start + c.num_tokens)}
-        one = reqs.get(decodes[0]) if len(decodes) == 1 else None
-        if one is not None and self.runner.reads_slice(one.request_id, one.num_tokens + ahead):
-            out.add(one.request_id)
-        return out
+        """Requests of a step whose KV the runner reads as a view of the pool (no gathered copy):
+        prompt chunks of rows in consecutive blocks (decode always gathers, engine/kv.py)."""
+        return {c.request_id for c in prefills
+                if self.runner.reads_slice(c.request_id, c.start + c.num_tokens, c.num_tokens)}
 
     def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The scheduler predicted before the rows had blocks (every read a gather); now that they do,

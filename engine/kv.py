@@ -8,7 +8,7 @@ p % block_size`. Every forward, prefill of one row or decode of B rows, touches 
 number of operations whatever B is:
 - write: one scatter per K and V of the forward's new tokens (`[B, H_kv, T, D]` flattened, rows
   `h*num_slots + slot`) into the pool, in place (the pool array is donated to the scatter);
-- read, one row whose blocks are consecutive (a prefill chunk, or a decode of B = 1): head h's positions
+- read, a prompt chunk (T > 1) of a row whose blocks are consecutive: head h's positions
   [0, n) are pool rows h*num_slots + s0 ... + n, so K and V are each a strided slice view of
   `pool.reshape(H_kv, num_slots, D)`, `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
 - read, otherwise: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the
@@ -173,7 +173,12 @@ class ForwardView:
         self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
         self._read: Optional[mx.array] = None
         use_slices = pool.read_slices if read_slices is None else read_slices
-        start = rows[0].contiguous_start(lengths[0]) if use_slices and len(rows) == 1 else None
+        # Only prompt chunks (T > 1): for one query (decode, or a 1-token chunk) MLX's CUDA attention
+        # takes a K/V view whose buffer is a whole cache of 256-multiple length for mlx-lm's
+        # `keys[..., :n, :]` and reads from the buffer's start, which is not our row's (seen on an
+        # H200: an illegal memory access). Those forwards gather.
+        start = (rows[0].contiguous_start(lengths[0]) if use_slices and len(rows) == 1 and num_new > 1
+                 else None)
         if start is not None:
             self._slice = (start, start + lengths[0])
         else:

@@ -137,11 +137,12 @@ class ModelRunner:
         """The pool's arrays: running rows, prefix-cache entries and free blocks."""
         return self.pool.nbytes
 
-    def reads_slice(self, request_id: str, end: int) -> bool:
-        """Whether a forward of this row alone, up to position `end`, reads its KV as a view of the
-        pool (consecutive blocks) instead of a gathered copy (engine/kv.py)."""
+    def reads_slice(self, request_id: str, end: int, num_new: int = 2) -> bool:
+        """Whether a forward of this row alone computing `num_new` tokens up to position `end` reads
+        its KV as a view of the pool (consecutive blocks, a prompt chunk) instead of a gathered copy
+        (engine/kv.py)."""
         row = self.rows.get(request_id)
-        return bool(self.pool.read_slices and row is not None and row.blocks
+        return bool(self.pool.read_slices and num_new > 1 and row is not None and row.blocks
                     and row.contiguous_start(end) is not None)
 
     # --- compute --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #   prefill.json   scripts/bench_prefill_memory.py  8B, 8192/6144/4096/2048 (sequential, engine, mlx_lm)
 #   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
 #   decode.json    scripts/bench_decode_step.py  decode step time and graph ops at B = 1, 4, 8 (512-token context)
+#   greedy.json    scripts/check_greedy.py  the engine's greedy tokens vs mlx-lm's (slice reads and gathers)
 #   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
 #   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
@@ -84,14 +85,16 @@ EOF
 log "import check rc=$? ($(tail -1 "$OUT/env.txt"))"
 
 if [[ -n "${BENCH_SMALL:-}" ]]; then  # CPU rehearsal sizes
-  LENGTHS=1024,768,512,256; CONC=2,4; PT=64; NT=8
+  LENGTHS=1024,768,512,256; CONC=2,4; PT=64; NT=8; CHECK_LENGTHS=30,70,150,210
   GRID=(--chunks 128,256 --prefill-length 1024 --decode-rows 4,1 --decode-contexts 256,1024)
 else
-  LENGTHS=8192,6144,4096,2048; CONC=4,8; PT=512; NT=128
+  LENGTHS=8192,6144,4096,2048; CONC=4,8; PT=512; NT=128; CHECK_LENGTHS=300,700,1500,2100
   GRID=(--chunks 128,256,512,1024,2048 --prefill-length 8192 --decode-rows 16,8,4,2,1 --decode-contexts 1024,4096,8192)
 fi
 COMMON=(--model "$MODEL" --dtype "$DTYPE")
 
+[[ -n "${SKIP_CHECK:-}" ]] || step check 120 200 python3 scripts/check_greedy.py "${COMMON[@]}" --lengths $CHECK_LENGTHS \
+  --out "$OUT/greedy.json"
 # The grid first: with FIT=1 its fit (scripts/bench_memory_grid.py --fit) gives the coefficients the
 # prefill benchmark's engine then uses (EngineConfig.memory_coefficients), under this run's MLX settings.
 [[ -n "${SKIP_GRID:-}" ]] || step grid 220 60 python3 scripts/bench_memory_grid.py "${COMMON[@]}" --variants "${GRID[@]}" --repeat 2 \

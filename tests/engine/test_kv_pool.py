@@ -108,7 +108,8 @@ def test_contiguous_and_fragmented_rows_give_mlx_lm_logits(tiny_parts):
                                              (fragmented, True, False)):
         row = Row(list(blocks), 4, runner.pool.block_bytes)
         logits, slices = forward_logits(runner, row, chunks, read_slices)
-        assert slices == [want_slices] * len(chunks)
+        # prompt chunks only: one-token forwards (the decodes) always gather (engine/kv.py)
+        assert slices == [want_slices and len(c) > 1 for c in chunks]
         for got, want in zip(logits, expected):
             assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
