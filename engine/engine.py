@@ -21,7 +21,7 @@ from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
-from engine.runner import DecodeForward, DecodeWork, ModelRunner, PrefillWork, finish
+from engine.runner import DecodeWork, Forward, ModelRunner, PrefillWork, finish
 from engine.sampling import RequestSampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -72,7 +72,7 @@ class _Inflight:
     """A decode built (and then launched) whose sampled tokens have not been read back."""
 
     plan: SchedulerOutput
-    forward: DecodeForward  # its tokens: [B], rows in plan.decodes order
+    forward: Forward  # its tokens: [B], rows in plan.decodes order
 
 
 def mlx_backend() -> str:
@@ -390,37 +390,57 @@ class Engine:
         return StepMemory(predicted, measured)
 
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
-        """Run the decode forward, then each prefill chunk, each finished before the next is built
-        (runner.finish), then read back the sampled tokens. A prefill chunk that raises touches its
-        own row only: its request goes into `failed`, the others go on. The step's transient is MLX's peak over what was alive before,
-        less KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`)."""
+        """Run the decode forward, then each prefill chunk, one at a time on the device (runner.finish)
+        but each built while the previous one runs. A prefill chunk whose graph cannot be built touches
+        its own row only: its request goes into `failed`, the others go on. The step's transient is
+        MLX's peak over what was alive before, less KV the step allocated. `admitted`: this step's
+        pool growth and prefix copies (`_add_rows`)."""
         requests = self.scheduler.requests
         active_before = mx.get_active_memory()
         kv_before = self.runner.kv_allocated_bytes
         mx.reset_peak_memory()
-        lazy: dict[str, mx.array] = {}
+        builds = []  # (request ids whose tokens the forward samples, a function that builds it)
         if plan.decodes:
-            decode = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-            forward = self.runner.decode(decode)
-            self.runner.launch(forward)
-            finish(forward.tokens)
-            lazy.update((rid, forward.tokens[j]) for j, rid in enumerate(plan.decodes))
+            work = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
+            builds.append((plan.decodes, None, lambda work=work: self.runner.decode(work)))
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
+            builds.append(((chunk.request_id,), chunk.request_id, lambda work=work: self.runner.prefill(work)))
+        sampled: dict[str, mx.array] = {}
+        running = None  # (request ids, Forward) on the device
+        for ids, chunk_id, build in builds:
             try:
-                token = self.runner.prefill(work)
+                forward = build()
             except Exception as exc:
-                logger.exception("prefill of %s failed", chunk.request_id)
-                failed[chunk.request_id] = f"{type(exc).__name__}: {exc}"
+                if chunk_id is None:
+                    raise  # the decode: the step fails
+                logger.exception("prefill of %s failed", chunk_id)
+                failed[chunk_id] = f"{type(exc).__name__}: {exc}"
                 continue
-            if token is not None:
-                lazy[chunk.request_id] = token[0]
-        values = mx.stack(list(lazy.values())).tolist() if lazy else []
+            if running is not None:
+                self._retire(running, sampled)
+                running = None  # dropped before the next forward is launched (runner.Forward)
+            self.runner.launch(forward)
+            running = (ids, forward)
+            del forward
+        if running is not None:
+            self._retire(running, sampled)
+        values = mx.concatenate(list(sampled.values())).tolist() if sampled else []
         new_kv = self.runner.kv_allocated_bytes - kv_before
         self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes,
                             active_before + new_kv, admitted.predicted_bytes)
-        return dict(zip(lazy, values))
+        return dict(zip(sampled, values))
+
+    @staticmethod
+    def _retire(running, sampled: dict[str, mx.array]) -> None:
+        """Wait for a launched forward and keep its sampled tokens (the Forward itself is dropped:
+        its KV pool arrays must not outlive it, runner.Forward)."""
+        ids, forward = running
+        forward.finish()
+        if forward.tokens is not None:
+            for j, rid in enumerate(ids):
+                sampled[rid] = forward.tokens[j : j + 1]
 
     def _record_memory(self, predicted: int, measured: int, base_bytes: int, predicted_other: int = 0,
                        pipelined: bool = False) -> None:

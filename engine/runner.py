@@ -152,24 +152,22 @@ class ModelRunner:
         self.num_tokens_computed += tokens.size
         return self._backbone(tokens, cache=cache)
 
-    def prefill(self, work: PrefillWork) -> Optional[mx.array]:
-        """Build one chunk's graph and run it to completion (`finish`). Returns the sampled token as
-        an evaluated `[1]` array when the chunk ends the prompt, else None."""
+    def prefill(self, work: PrefillWork) -> "Forward":
+        """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
+        the sampled token ([1]) when the chunk ends the prompt, else None."""
         row = self.rows[work.request_id]
         if row.offset != work.start:
             raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
         view = ForwardView(self.pool, [row], len(work.token_ids))
         hidden = self._forward(mx.array(work.token_ids)[None], view.layers())  # [1, T, D]
         view.advance()
-        if not work.sample:
-            finish(self.pool.keys, self.pool.values)
-            return None
+        if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
+            return Forward([self.pool.keys + self.pool.values], None)
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])
-        finish(token, self.pool.keys, self.pool.values)
-        return token
+        return Forward([[token]], token)  # every layer's KV write is in its graph (attention reads it)
 
-    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None) -> "DecodeForward":
+    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None) -> "Forward":
         """Build (only: nothing runs) one batched decode forward of `work`'s rows; `launch` runs it.
         `tokens` ([B], possibly the lazy output of the previous decode) replaces the rows' `token_id`s
         as inputs, so the engine can build the next step while the device computes the current one."""
@@ -180,24 +178,30 @@ class ModelRunner:
         logits = self._head(hidden)[:, 0, :]  # [B, V]
         sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
         view.advance()
-        return DecodeForward(hidden, sampled)
+        # The hidden states are their own batch, so the last layer's gathered KV is freed before the
+        # logits exist.
+        return Forward([[hidden], [sampled]], sampled)
 
     @staticmethod
-    def launch(forward: "DecodeForward") -> None:
-        """Start a built decode on the device without waiting. The hidden states are their own batch,
-        so the last layer's gathered KV is freed before the logits exist. The caller must `finish`
-        (wait for) this forward before launching another that writes the KV pool: see `finish`."""
-        mx.async_eval(forward.hidden)
-        mx.async_eval(forward.tokens)  # every layer's KV write is in its graph (attention reads it)
+    def launch(forward: "Forward") -> None:
+        """Start a built forward on the device without waiting. The caller must `finish` it (and drop
+        it) before launching another forward: see `finish`."""
+        for stage in forward.stages:
+            mx.async_eval(*stage)
 
 
 @dataclass
-class DecodeForward:
-    """A built decode. It holds no pool array: the next forward's KV writes must be their only
-    holder to update them in place (see `finish`)."""
+class Forward:
+    """A built forward: `stages` are evaluated one after another by `launch`; `tokens` are its sampled
+    token ids (None for a prompt chunk that samples nothing). A prompt chunk's stages hold KV pool
+    arrays: drop the Forward once it is finished, since the next forward's KV writes must be their
+    only holder to update them in place (see `finish`)."""
 
-    hidden: mx.array  # [B, 1, D]
-    tokens: mx.array  # [B] sampled token ids
+    stages: list
+    tokens: Optional[mx.array]
+
+    def finish(self) -> None:
+        finish(*self.stages[-1])
 
 
 def finish(*arrays) -> None:

@@ -26,7 +26,6 @@ from engine.engine import Engine
 from engine.memory import CPU_COEFFICIENTS, MemoryModel, ModelShape, TransientCoefficients
 from engine.models import load_model, resolve_model_path
 from engine.request import SamplingParams
-from engine.runner import PrefillWork
 
 SHAPES = [  # (heads, kv heads, hidden, mlp, vocab)
     (4, 2, 256, 512, 32000), (8, 2, 512, 1536, 8000), (9, 3, 576, 1536, 49152), (16, 4, 1024, 2816, 16000),
@@ -64,24 +63,22 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk, max_num_batched_tokens=chunk * 3,
                            max_num_seqs=rng.randint(2, 12), memory_limit_bytes=8 << 30)
         engine = Engine(model, tokenizer, cfg, model_config)
-        measured = engine._measured
-
-        def record(fn, work, measured=measured, engine=engine):
-            result, peak = measured(fn, work)
-            if isinstance(work, PrefillWork):
-                c = len(work.token_ids)
-                prefill.append((("prefill", shape, (c, work.start + c, work.sample)), peak))
-            elif isinstance(work, list) and work:  # decode (pool growth and prefix copies: not fitted)
-                lens = [engine.runner.rows[w.request_id].offset for w in work]  # after the step
-                decode.append((("decode", shape, lens), peak))
-            return result, peak
-
-        engine._measured = record
+        engine.runner.pool.read_slices = False  # every read a gather: the formulas' full form
         for i in range(rng.randint(2, 10)):
             prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(4, 1500))]
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=rng.randint(2, 16), ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
+            # The engine measures a step as a whole: keep the steps of one part (one prompt chunk, or
+            # the decode alone).
+            plan, peak = engine.last_plan, engine.last_step_memory.measured_bytes
+            reqs = engine.scheduler.requests
+            if len(plan.prefills) == 1 and not plan.decodes:
+                c = plan.prefills[0]
+                prefill.append((("prefill", shape, (c.num_tokens, c.start + c.num_tokens, c.completes_prompt)), peak))
+            elif plan.decodes and not plan.prefills and all(i in reqs for i in plan.decodes):
+                lens = [reqs[i].num_tokens - 1 for i in plan.decodes]  # KV after the forward
+                decode.append((("decode", shape, lens), peak))
     return prefill, decode
 
 

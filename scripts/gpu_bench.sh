@@ -108,6 +108,10 @@ if [[ -n "${FIT:-}" && -s "$OUT/grid.json" ]]; then
 fi
 [[ -n "${SKIP_PREFILL:-}" ]] || step prefill 240 200 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --skip-naive \
   --warmup full --peak-tflops 790 "${PREFILL_CONFIG[@]}" --json --out "$OUT/prefill.json"
+# The engine's prompts stop at their first token (--max-tokens 1): prefill alone, as the sequential way
+# (with the default 32, prompts that finished decode while the others still prefill).
+[[ -z "${PREFILL_ONLY:-}" ]] || step prefill_only 120 160 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS \
+  --ways sequential,engine --max-tokens 1 --warmup full --peak-tflops 790 --json --out "$OUT/prefill_only.json"
 [[ -n "${SKIP_SERVING:-}" ]] || step serving 200 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
   --backends engine_sync,engine_sync_nopipe,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
