@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.memory import CPU_COEFFICIENTS, with_overrides
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -69,6 +71,12 @@ class EngineConfig(BaseModel):
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",
     )
+
+    @field_validator("memory_coefficients")
+    @classmethod
+    def _known_coefficients(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        with_overrides(CPU_COEFFICIENTS, value)  # ValueError naming an unknown or negative coefficient
+        return value
 
     @model_validator(mode="after")
     def _cross_field(self) -> "EngineConfig":

@@ -148,3 +148,13 @@ def test_memory_coefficient_overrides():
         with_overrides(CPU_COEFFICIENTS, {"prefil_mlp": 1.0})
     with pytest.raises(ValueError, match="decode_gather=-1"):
         with_overrides(CPU_COEFFICIENTS, {"decode_gather": -1})
+
+
+def test_engine_config_checks_memory_coefficients():
+    from engine.config import EngineConfig
+
+    assert EngineConfig(memory_coefficients={"decode_logits": 2.0}).memory_coefficients == {"decode_logits": 2.0}
+    with pytest.raises(ValueError, match="memory_coefficients.*'decode_logit'"):
+        EngineConfig(memory_coefficients={"decode_logit": 2.0})
+    with pytest.raises(ValueError, match="memory_coefficients"):
+        EngineConfig(memory_coefficients={"decode_logits": -1.0})
