@@ -236,6 +236,11 @@ class OpenAIIngress:
     # ------------------------------------------------------------------ handle API
 
     async def models(self) -> ModelList:
+        if self._info is None:  # before any request: ask a replica, briefly (the card can do without)
+            try:
+                self._info = await self._replicas.call("info", 2.0)
+            except Exception:  # noqa: BLE001 - no replica answered yet: max_model_len stays null
+                logger.debug("no replica info for /v1/models yet", exc_info=True)
         return ModelList(data=[self._model_card()])
 
     async def chat(self, request: ChatCompletionRequest | dict) -> Any:

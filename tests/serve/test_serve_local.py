@@ -62,6 +62,7 @@ def test_models(setup):
     r = client.get("/v1/models")
     assert r.status_code == 200
     assert r.json()["data"][0]["id"] == "tiny" and r.json()["object"] == "list"
+    assert r.json()["data"][0]["max_model_len"] > 0  # asked of a replica, before any request
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     assert client.get("/v1/models/nope").status_code == 404
 
