@@ -1,8 +1,10 @@
-"""Engine: the synchronous step loop (scheduler -> runner -> outputs). AsyncEngine: async_engine.py."""
+"""Engine: the synchronous step loop (scheduler -> runner -> outputs).
+
+How a step's forwards run on the device: forwards.py. AsyncEngine: async_engine.py.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -16,12 +18,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
+from engine.forwards import ForwardsMixin, StepMemory, _Inflight
 from engine.memory import MemoryModel, ModelShape, coefficients_for_backend, with_overrides
 from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
-from engine.runner import DecodeWork, Forward, ModelRunner, PrefillWork, finish
+from engine.runner import ModelRunner
 from engine.sampling import RequestSampler
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -29,15 +32,6 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-@dataclass(frozen=True)
-class StepMemory:
-    """Predicted (memory model) and measured (MLX peak) transient bytes of one step."""
-
-    predicted_bytes: int
-    measured_bytes: int
-    pipelined: bool = False  # a decode launched by the pipeline (measured from its launch to its end)
 
 
 @dataclass(frozen=True)
@@ -65,14 +59,6 @@ class EngineStats:
     mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
     mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
     kv_allocated_bytes: int = 0  # the KV pool's arrays (running rows, prefix cache, free blocks)
-
-
-@dataclass(frozen=True)
-class _Inflight:
-    """A decode built (and then launched) whose sampled tokens have not been read back."""
-
-    plan: SchedulerOutput
-    forward: Forward  # its tokens: [B], rows in plan.decodes order
 
 
 def mlx_backend() -> str:
@@ -107,7 +93,7 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class Engine:
+class Engine(ForwardsMixin):
     """One model on one MLX device; `step()` runs one scheduler step and returns output increments."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict):
@@ -254,21 +240,6 @@ class Engine:
                    if o is not None]
         return outputs + self._commit(plan, sampled)
 
-    def _slice_reads(self, decodes, prefills, ahead: int = 0) -> set[str]:
-        """Requests of a step whose KV the runner reads as a view of the pool (no gathered copy):
-        prompt chunks of rows in consecutive blocks (decode always gathers, engine/kv.py)."""
-        return {c.request_id for c in prefills
-                if self.runner.reads_slice(c.request_id, c.start + c.num_tokens, c.num_tokens)}
-
-    def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:
-        """The scheduler predicted before the rows had blocks (every read a gather); now that they do,
-        rows read as views need no gathered copy."""
-        slices = self._slice_reads(plan.decodes, plan.prefills)
-        if not slices:
-            return plan
-        return dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
-            plan.decodes, plan.prefills, slices))
-
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.error("engine step failed", exc_info=exc)
         ids = list(plan.decodes) + [c.request_id for c in plan.prefills]
@@ -282,72 +253,6 @@ class Engine:
             if out.finished:
                 self._release(self.scheduler.finish(request.request_id, out.finish_reason), out.finish_reason)
             outputs.append(out)
-        return outputs
-
-    # --- pipelined decode -----------------------------------------------------------------------
-    def _can_pipeline(self, plan: SchedulerOutput) -> bool:
-        return (self.config.async_decode and bool(plan.decodes) and not plan.prefills
-                and not plan.new_rows and self.scheduler.num_waiting == 0)
-
-    def _build_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
-        """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
-        last tokens."""
-        requests = self.scheduler.requests
-        work = [DecodeWork(i, requests[i].output_token_ids[-1] if inputs is None else -1)
-                for i in plan.decodes]
-        return _Inflight(plan, self.runner.decode(work, inputs))
-
-    def _launch(self, decode: _Inflight) -> None:
-        """Start a built decode; the device is idle (its transient is measured from here)."""
-        self._launch_base_bytes = mx.get_active_memory()
-        mx.reset_peak_memory()
-        self.runner.launch(decode.forward)
-
-    def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
-        """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are
-        still running and will not reach max_tokens with `prev`'s token; None if the scheduler has
-        other work (a waiting request, a prompt chunk) or no row goes on."""
-        s = self.scheduler
-        if s.num_waiting or any(r.is_prefilling for r in s.running):
-            return None
-        index = {rid: i for i, rid in enumerate(prev.plan.decodes)}
-        rows = [r.request_id for r in s.running if r.request_id in index
-                and r.num_output_tokens + 1 < r.sampling.max_tokens]
-        if not rows:
-            return None
-        tokens = prev.forward.tokens
-        inputs = tokens if len(rows) == len(index) else tokens[mx.array([index[r] for r in rows])]
-        plan = s.plan_decodes(rows, ahead=1, slice_reads=self._slice_reads(rows, (), ahead=1))
-        return self._build_decode(plan, inputs)
-
-    def _advance_pipeline(self) -> list[RequestOutput]:
-        """Build the next decode while the running one computes, wait for it, launch the next, then
-        read back and commit the finished one."""
-        prev, self._inflight = self._inflight, None
-        self.last_plan = prev.plan
-        try:
-            nxt = self._next_decode(prev)
-        except Exception as exc:  # the next forward's rows fail once this one's tokens are committed
-            nxt, next_error = None, exc
-        else:
-            next_error = None
-        try:
-            finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
-            tokens = prev.forward.tokens.tolist()
-        except Exception as exc:
-            return self._fail_step(prev.plan, exc)
-        self._record_memory(prev.plan.predicted_transient_bytes, 0, self._launch_base_bytes, pipelined=True)
-        if nxt is not None:
-            self.num_steps += 1
-            try:
-                self._launch(nxt)
-                self._inflight = nxt
-            except Exception as exc:
-                nxt, next_error = None, exc
-        outputs = self._commit(prev.plan, dict(zip(prev.plan.decodes, tokens)))
-        if next_error is not None:
-            rows = [r.request_id for r in self.scheduler.running if not r.is_prefilling]
-            outputs += self._fail_step(self.scheduler.plan_decodes(rows), next_error)
         return outputs
 
     def _release(self, request: Optional[Request], reason: FinishReason) -> None:
@@ -388,81 +293,6 @@ class Engine:
                 predicted = max(predicted, self.memory.kv_copy_bytes(hit.num_tokens))
                 measured = max(measured, copied)
         return StepMemory(predicted, measured)
-
-    def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
-        """Run the decode forward, then each prefill chunk, one at a time on the device (runner.finish)
-        but each built while the previous one runs. A prefill chunk whose graph cannot be built touches
-        its own row only: its request goes into `failed`, the others go on. The step's transient is
-        MLX's peak over what was alive before, less KV the step allocated. `admitted`: this step's
-        pool growth and prefix copies (`_add_rows`)."""
-        requests = self.scheduler.requests
-        active_before = mx.get_active_memory()
-        kv_before = self.runner.kv_allocated_bytes
-        mx.reset_peak_memory()
-        builds = []  # (request ids whose tokens the forward samples, a function that builds it)
-        if plan.decodes:
-            work = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-            builds.append((plan.decodes, None, lambda work=work: self.runner.decode(work)))
-        for chunk in plan.prefills:
-            ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
-            builds.append(((chunk.request_id,), chunk.request_id, lambda work=work: self.runner.prefill(work)))
-        sampled: dict[str, mx.array] = {}
-        running = None  # (request ids, Forward) on the device
-        for ids, chunk_id, build in builds:
-            try:
-                forward = build()
-            except Exception as exc:
-                if chunk_id is None:
-                    raise  # the decode: the step fails
-                logger.exception("prefill of %s failed", chunk_id)
-                failed[chunk_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            if running is not None:
-                self._retire(running, sampled)
-                running = None  # dropped before the next forward is launched (runner.Forward)
-            self.runner.launch(forward)
-            running = (ids, forward)
-            del forward
-        if running is not None:
-            self._retire(running, sampled)
-        values = mx.concatenate(list(sampled.values())).tolist() if sampled else []
-        new_kv = self.runner.kv_allocated_bytes - kv_before
-        self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes,
-                            active_before + new_kv, admitted.predicted_bytes)
-        return dict(zip(sampled, values))
-
-    @staticmethod
-    def _retire(running, sampled: dict[str, mx.array]) -> None:
-        """Wait for a launched forward and keep its sampled tokens (the Forward itself is dropped:
-        its KV pool arrays must not outlive it, runner.Forward)."""
-        ids, forward = running
-        forward.finish()
-        if forward.tokens is not None:
-            for j, rid in enumerate(ids):
-                sampled[rid] = forward.tokens[j : j + 1]
-
-    def _record_memory(self, predicted: int, measured: int, base_bytes: int, predicted_other: int = 0,
-                       pipelined: bool = False) -> None:
-        """The step's StepMemory: its measured transient is MLX's peak since the last reset over
-        `base_bytes` (what is not the step's), at least `measured` (pool growth / copies before it)."""
-        measured = max(measured, mx.get_peak_memory() - base_bytes, 0)
-        mx.reset_peak_memory()
-        predicted = max(predicted, predicted_other)
-        self.last_step_memory = StepMemory(predicted, measured, pipelined)
-        self._max_measured = max(self._max_measured, measured)
-        self._max_predicted = max(self._max_predicted, predicted)
-
-    def _measured(self, fn, work):
-        """fn(work), evaluated, and its transient: MLX peak over what was live before, less KV it
-        allocated (pool growth and prefix copies, which run between forwards)."""
-        kv_before = self.runner.kv_allocated_bytes
-        active_before = mx.get_active_memory()
-        mx.reset_peak_memory()
-        result = fn(work)
-        mx.synchronize()
-        new_kv = self.runner.kv_allocated_bytes - kv_before
-        return result, max(0, mx.get_peak_memory() - active_before - new_kv)
 
     # --- sync API -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Sequence[SamplingParams]]
