@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -77,3 +78,17 @@ def local_ray():
 def ray_cluster(local_ray):
     """A local Ray cluster plus Serve on http://127.0.0.1:<port>; yields the base URL (shared by modules)."""
     return local_ray.ensure()
+
+
+def named_actor(name: str, namespace: str, attempts: int = 20):
+    """ray.get_actor, retried: a lookup of a live named actor failed once in CI ("Failed to look up
+    actor with name ..."), a transient of Ray's actor directory."""
+    import ray
+
+    for attempt in range(attempts):
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.25)

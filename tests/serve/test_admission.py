@@ -22,6 +22,7 @@ import pytest
 from deployments.admission import NAMESPACE, decision_to_reservation
 from deployments.admission_state import AdmissionDecision
 from deployments.errors import BadRequestError, ServiceUnavailableError, TooManyRequestsError
+from conftest import named_actor  # noqa: E402
 
 APP = "adm"
 MODEL = "tiny"
@@ -94,7 +95,7 @@ def controller():
 
     [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
                if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]
-    return ray.get_actor(actor["name"], namespace=NAMESPACE)
+    return named_actor(actor["name"], NAMESPACE)
 
 
 def stats() -> dict:
@@ -423,11 +424,12 @@ def test_replica_killed_frees_its_reservations(cluster):
         victim = r.headers["x-replica-id"]
         assert stats()["num_reservations"] == 1
         [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}")]
+        handle = named_actor(actor["name"], actor["namespace"])
         for line in r.iter_lines():
             if line:
                 events.append(line)
             if len(events) == 3:
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+                ray.kill(handle, no_restart=False)
     assert "data: [DONE]" not in events and "error" in events[-1]
     after = wait_for(lambda: (lambda s: s if victim not in {x["replica_id"] for x in s["replicas"]}
                               and s["num_reservations"] == 0 else None)(stats()), what="reclaim")

@@ -18,6 +18,7 @@ import pytest
 
 from deployments.app import REPLICA_DEPLOYMENT, build_app_with
 from tests.serve.faults import FAIL_DECODE_TOKEN_ID, FAIL_TOKEN_ID, HANG_TOKEN_ID, FaultyEngineFactory
+from conftest import named_actor  # noqa: E402
 
 APP = "reliability"
 MODEL = "tiny"
@@ -66,7 +67,7 @@ def admission_reservations() -> int:
 
     [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
                if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]
-    return ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).stats.remote(), timeout=30)["num_reservations"]
+    return ray.get(named_actor(actor["name"], NAMESPACE).stats.remote(), timeout=30)["num_reservations"]
 
 
 def wait_idle(timeout_s: float = 5.0) -> float:

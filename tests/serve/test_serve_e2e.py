@@ -19,6 +19,7 @@ from deployments.errors import BadRequestError, ModelNotFoundError
 from deployments.schemas import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
 )
+from conftest import named_actor  # noqa: E402
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048
@@ -235,7 +236,7 @@ def test_replica_death_mid_stream_is_an_error_event(base_url):
             if line:
                 events.append(line)
             if len(events) == 3:
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+                ray.kill(named_actor(actor["name"], actor["namespace"]), no_restart=False)
     assert "data: [DONE]" not in events
     error = json.loads(events[-1][len("data: "):])["error"]
     assert error["type"] == "internal_error" and "replica" in error["message"]
