@@ -245,17 +245,22 @@ def final_state(num_replicas: int, timeout_s: float = 20.0) -> dict[str, Any]:
 
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP)
     keys = ("num_running", "num_waiting", "kv_used_bytes", "kv_reserved_bytes", "prefix_cache_bytes")
-    deadline, replicas = time.monotonic() + timeout_s, {}
+    deadline, replicas, admission = time.monotonic() + timeout_s, {}, None
     while time.monotonic() < deadline:
         for _ in range(30):  # the router picks a replica per call: sample until every replica answered
             s = handle.stats.remote().result(timeout_s=10)
             replicas[s["replica_id"]] = {k: s[k] for k in keys}
             if len(replicas) >= num_replicas:
                 break
-        if not any(v for r in replicas.values() for k, v in r.items() if k != "prefix_cache_bytes"):
+        # Idle once every replica answered zeros and every heartbeat the controller holds (a replica's
+        # last one may predate its last request's end by one heartbeat interval) says so too.
+        admission = admission_state()
+        beats = (admission or {}).get("replicas", {}).values()
+        if (not any(v for r in replicas.values() for k, v in r.items() if k != "prefix_cache_bytes")
+                and not any(v for r in beats for v in r.values())):
             break
         time.sleep(0.5)
-    return {"replicas": replicas, "admission": admission_state()}
+    return {"replicas": replicas, "admission": admission}
 
 
 def admission_state() -> Optional[dict]:
