@@ -2,6 +2,7 @@
 # The whole GPU benchmark in one command (docs/benchmarks.md, "H200"): installs MLX CUDA from carried
 # wheels, then runs, each in its own process under a deadline, writing JSON under $OUT:
 #   prefill.json   scripts/bench_prefill_memory.py  8B, 8192/6144/4096/2048 (sequential, engine, mlx_lm)
+#   prefill_only.json  the same, sequential and engine, prompts stopping at their first token (PREFILL_ONLY=1)
 #   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
 #   decode.json    scripts/bench_decode_step.py  decode step time and graph ops at B = 1, 4, 8 (512-token context)
 #   greedy.json    scripts/check_greedy.py  the engine's greedy tokens vs mlx-lm's (slice reads and gathers)
@@ -9,7 +10,7 @@
 #   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
-# SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
+# SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid and runs the prefill benchmark with them; MLX_* variables pass
 # through (MLX_MAX_OPS_PER_BUFFER=8 is what scripts/serve sets on CUDA).
 #
