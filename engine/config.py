@@ -63,9 +63,10 @@ class EngineConfig(BaseModel):
     )
     async_decode: bool = Field(
         True,
-        description="Pipeline decode steps as mlx-lm's BatchGenerator does: dispatch the next decode "
-        "before reading back the current one's tokens, so the device never waits for Python. A request "
-        "that stops on EOS or a stop string has one extra token computed and dropped.",
+        description="Pipeline decode steps (after mlx-lm's BatchGenerator): build the next decode's graph "
+        "while the current one runs, launch it as soon as that is done, and read back and detokenize the "
+        "current one's tokens while the next runs. A request that stops on EOS or a stop string has one "
+        "extra token computed and dropped.",
     )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "

@@ -42,16 +42,15 @@ class _Inflight:
 class ForwardsMixin:
     """Step execution for `Engine` (see the module docstring)."""
 
-    def _slice_reads(self, decodes, prefills, ahead: int = 0) -> set[str]:
-        """Requests of a step whose KV the runner reads as a view of the pool (no gathered copy):
-        prompt chunks of rows in consecutive blocks (decode always gathers, engine/kv.py)."""
-        return {c.request_id for c in prefills
-                if self.runner.reads_slice(c.request_id, c.start + c.num_tokens, c.num_tokens)}
+    def _slice_reads(self, prefills) -> set[str]:
+        """Requests whose prompt chunk the runner reads as a view of the pool (no gathered copy;
+        decode always gathers, engine/kv.py `slice_start`)."""
+        return {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.num_tokens)}
 
     def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The scheduler predicted before the rows had blocks (every read a gather); now that they do,
-        rows read as views need no gathered copy."""
-        slices = self._slice_reads(plan.decodes, plan.prefills)
+        chunks read as views need no gathered copy."""
+        slices = self._slice_reads(plan.prefills)
         if not slices:
             return plan
         return dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
@@ -91,8 +90,7 @@ class ForwardsMixin:
             return None
         tokens = prev.forward.tokens
         inputs = tokens if len(rows) == len(index) else tokens[mx.array([index[r] for r in rows])]
-        plan = s.plan_decodes(rows, ahead=1, slice_reads=self._slice_reads(rows, (), ahead=1))
-        return self._build_decode(plan, inputs)
+        return self._build_decode(s.plan_decodes(rows, ahead=1), inputs)
 
     def _advance_pipeline(self) -> list[RequestOutput]:
         """Build the next decode while the running one computes, wait for it, launch the next, then
@@ -136,8 +134,7 @@ class ForwardsMixin:
         mx.reset_peak_memory()
         builds = []  # (request ids whose tokens the forward samples, a function that builds it)
         if plan.decodes:
-            work = [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-            builds.append((plan.decodes, None, lambda work=work: self.runner.decode(work)))
+            builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
@@ -155,10 +152,8 @@ class ForwardsMixin:
                 continue
             if running is not None:
                 self._retire(running, sampled)
-                running = None  # dropped before the next forward is launched (runner.Forward)
             self.runner.launch(forward)
             running = (ids, forward)
-            del forward
         if running is not None:
             self._retire(running, sampled)
         values = mx.concatenate(list(sampled.values())).tolist() if sampled else []
@@ -169,8 +164,7 @@ class ForwardsMixin:
 
     @staticmethod
     def _retire(running, sampled: dict[str, mx.array]) -> None:
-        """Wait for a launched forward and keep its sampled tokens (the Forward itself is dropped:
-        its KV pool arrays must not outlive it, runner.Forward)."""
+        """Wait for a launched forward and keep its sampled tokens."""
         ids, forward = running
         forward.finish()
         if forward.tokens is not None:

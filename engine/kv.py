@@ -18,8 +18,8 @@ The choice and the indices are made once per forward (numpy, shared by all layer
 = False` (or ForwardView's `read_slices`) forces the gather, so benchmarks can compare the two. Per layer
 and step: 2 scatters, 2 gathers (or 2 slices) and 2 reshapes, against 2 + 4B small operations of the
 per-row buffers this replaces. The gathered copy is one layer's KV of the rows in the forward (on the
-CPU only one layer's is alive at a time), which the memory model counts for prefill and decode; a slice
-needs no copy, so the model's prediction stays an upper bound.
+CPU only one layer's is alive at a time), which the memory model counts; for a view it counts none
+(`slice_start` decides, for the forward and for the engine's prediction alike).
 
 Why a pool rather than one `[B, H_kv, L, D]` batch tensor (mlx-lm's BatchKVCache): a batch tensor is
 padded to the longest row and must be rebuilt (a copy of all of it) when rows join or leave; blocks
@@ -75,6 +75,20 @@ class Row:
     def advance(self) -> None:
         self.offset += self._pending
         self._pending = 0
+
+
+def slice_start(pool: "KVPool", rows: list["Row"], num_new: int, read_slices: Optional[bool] = None
+                ) -> Optional[int]:
+    """First pool slot of the one row's KV when a forward of `rows` computing `num_new` tokens each reads
+    it as a view of the pool, else None (it gathers). Views are for prompt chunks (T > 1) of a row in
+    consecutive blocks only: for one query (decode, or a 1-token chunk) MLX's CUDA attention takes a K/V
+    view whose buffer is a 256-multiple long for mlx-lm's `keys[..., :n, :]` and reads from the
+    buffer's start, which is not our row's (seen on an H200: an illegal memory access).
+    `read_slices`: None follows `pool.read_slices`."""
+    use = pool.read_slices if read_slices is None else read_slices
+    if not use or len(rows) != 1 or num_new < 2 or not rows[0].blocks:
+        return None
+    return rows[0].contiguous_start(rows[0].offset + num_new)
 
 
 class KVPool:
@@ -172,13 +186,7 @@ class ForwardView:
             row._pending = num_new
         self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
         self._read: Optional[mx.array] = None
-        use_slices = pool.read_slices if read_slices is None else read_slices
-        # Only prompt chunks (T > 1): for one query (decode, or a 1-token chunk) MLX's CUDA attention
-        # takes a K/V view whose buffer is a whole cache of 256-multiple length for mlx-lm's
-        # `keys[..., :n, :]` and reads from the buffer's start, which is not our row's (seen on an
-        # H200: an illegal memory access). Those forwards gather.
-        start = (rows[0].contiguous_start(lengths[0]) if use_slices and len(rows) == 1 and num_new > 1
-                 else None)
+        start = slice_start(pool, rows, num_new, read_slices)
         if start is not None:
             self._slice = (start, start + lengths[0])
         else:

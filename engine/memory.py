@@ -12,18 +12,19 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last
   position's logits). Rows prefill one after another, each evaluated before the next, so a step's
   prefill transient is the largest chunk's, not the sum.
-- Decode of B rows, the longest with n keys:
-      b_d * B*D*s + max(g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s,  (b_v * B + z) * 4*V)
-  the hidden states, plus the larger of the layers' phase (one layer's KV of the rows gathered from
-  the pool, right-padded to n, with its int32 slot index; the scores; the MLP intermediates) and the
-  head's (the logits): the runner evaluates the hidden states before the head, so the last layer's
-  gathered KV is freed before the logits exist.
+- Decode of B rows, the longest with n keys, r of them sampling:
+      b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
+  the hidden states, one layer's KV of the rows gathered from the pool (right-padded to n, with its
+  int32 slot index), the scores, the MLP intermediates and the logits: a sum, since the runner
+  launches the head while the layers still run (runner.launch), so the last layer's gathered KV and
+  the logits can be alive together.
 - KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
   is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
   (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
   after the weights so that budget + max(forward bound, growth of a full pool) fits in it.
 - z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
-  when some row of the forward samples; rows are sampled one after another, greedy ones by one argmax.
+  per sampling row (their graphs are built together, nothing forces one row's to be freed before the
+  next one's exist); greedy rows take one argmax.
 - On CUDA, MLX frees a kernel's temporaries only when its committed batch of ops has run, so several
   layers' intermediates coexist: every per-layer term above (all but the logits / sampling ones) is
   counted m = min(L, layers_in_flight) times, and a constant `step_overhead_bytes` is added to every
@@ -87,7 +88,7 @@ class TransientCoefficients:
     decode_logits: float
     decode_mlp: float
     decode_hidden: float
-    sampling: float = 11.0  # x 4*V: temperature / top-k / top-p of one row (rows are sampled in turn)
+    sampling: float = 11.0  # x 4*V per sampling row: temperature / top-k / top-p temporaries
     prefill_gather: float = 1.0  # x n*H_kv*(2*d*s + 4): one layer's KV of the row, gathered from the pool
     # The per-layer terms count min(L, layers_in_flight) layers: 1 where MLX frees a layer's
     # intermediates before the next layer runs (CPU); more on CUDA, which frees them per committed batch.
@@ -165,8 +166,7 @@ class StepPlan:
     """What one engine step computes, as the memory model needs it (plain ints)."""
 
     decode_context_lens: tuple[int, ...] = ()  # n per decoding row, this step's token included
-    decode_samples: bool = False  # some decoding row samples (temperature > 0)
-    decode_gathers: bool = True  # False: one row in consecutive blocks, read as a view of the pool
+    decode_samples: int = 0  # decoding rows that sample (temperature > 0)
     prefill_chunks: tuple[PrefillChunkPlan, ...] = ()
 
 
@@ -234,9 +234,10 @@ class MemoryModel:
         head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         return int(self.layer_factor * per_layer + head + k.step_overhead_bytes)
 
-    def decode_bytes(self, context_lens: Sequence[int], samples: bool = False, gathers: bool = True) -> int:
-        """Hidden states, plus the larger of the layers' phase (gathered KV, scores, MLP) and the
-        head's (logits): the runner evaluates the hidden states before the head."""
+    def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: bool = True) -> int:
+        """Hidden states, gathered KV, scores, MLP and logits (module docstring). `samples`: rows that
+        sample (a bool counts as one). `gathers=False` (no gathered copy) is for grid points recorded
+        when one-row decodes read a view of the pool; the engine's decodes always gather."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
@@ -252,7 +253,7 @@ class MemoryModel:
 
     def step_transient_bytes(self, plan: StepPlan) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
-        parts = [self.decode_bytes(plan.decode_context_lens, plan.decode_samples, plan.decode_gathers)]
+        parts = [self.decode_bytes(plan.decode_context_lens, plan.decode_samples)]
         parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
                   for p in plan.prefill_chunks]
         return max(parts)
@@ -267,5 +268,5 @@ class MemoryModel:
         chunk = min(prefill_chunk_size, max_model_len)
         return max(
             self.prefill_chunk_bytes(chunk, max_model_len, samples=True),
-            self.decode_bytes([max_model_len] * max_num_seqs, samples=True),
+            self.decode_bytes([max_model_len] * max_num_seqs, samples=max_num_seqs),
         )

@@ -4,8 +4,9 @@ Takes plain data from the scheduler (which rows compute which tokens) and return
 - Prefill: one forward per row and chunk, evaluated before the next row's, so a step's transient is
   the largest single chunk's, never their sum. Only the prompt's last position reaches the LM head.
 - Decode: every decoding row in one batched forward, one token each.
-Both dispatch their graph with `mx.async_eval` and return sampled tokens as lazy arrays: the engine
-reads them back once per step, and may dispatch the next decode first (engine/engine.py).
+Both only build their graph and return it as a `Forward`; `launch` starts it and `Forward.finish`
+waits for it. Forwards never overlap on the device (`finish` says why); the engine builds the next one
+while the current one runs (engine/forwards.py).
 Both read and write the KV pool through a `ForwardView` (engine/kv.py): per layer a constant number of
 operations whatever the number of rows. The pool's blocks are handed out by a `BlockAllocator`.
 """
@@ -19,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.blocks import BlockAllocator, num_blocks_for
-from engine.kv import ForwardView, KVPool, Row
+from engine.kv import ForwardView, KVPool, Row, slice_start
 from engine.sampling import RequestSampler, sample_rows
 
 
@@ -137,13 +138,11 @@ class ModelRunner:
         """The pool's arrays: running rows, prefix-cache entries and free blocks."""
         return self.pool.nbytes
 
-    def reads_slice(self, request_id: str, end: int, num_new: int = 2) -> bool:
-        """Whether a forward of this row alone computing `num_new` tokens up to position `end` reads
-        its KV as a view of the pool (consecutive blocks, a prompt chunk) instead of a gathered copy
-        (engine/kv.py)."""
+    def reads_slice(self, request_id: str, num_new: int) -> bool:
+        """Whether the next forward of this row alone, computing `num_new` tokens, reads its KV as a
+        view of the pool instead of a gathered copy (engine/kv.py `slice_start`)."""
         row = self.rows.get(request_id)
-        return bool(self.pool.read_slices and num_new > 1 and row is not None and row.blocks
-                    and row.contiguous_start(end) is not None)
+        return row is not None and slice_start(self.pool, [row], num_new) is not None
 
     # --- compute --------------------------------------------------------------------------------
     def _forward(self, tokens: mx.array, cache: list) -> mx.array:
@@ -193,9 +192,7 @@ class ModelRunner:
 @dataclass
 class Forward:
     """A built forward: `stages` are evaluated one after another by `launch`; `tokens` are its sampled
-    token ids (None for a prompt chunk that samples nothing). A prompt chunk's stages hold KV pool
-    arrays: drop the Forward once it is finished, since the next forward's KV writes must be their
-    only holder to update them in place (see `finish`)."""
+    token ids (None for a prompt chunk that samples nothing)."""
 
     stages: list
     tokens: Optional[mx.array]

@@ -158,14 +158,14 @@ class Scheduler:
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
                 slice_reads: Collection[str] = (), ahead: int = 0) -> int:
-        """The memory model's transient of a step. `slice_reads`: requests whose KV the runner reads
-        as a view (no gathered copy; the engine knows once their blocks are allocated, `schedule`
-        assumes none); `ahead`: tokens each decoding row has beyond what `update` committed."""
+        """The memory model's transient of a step. `slice_reads`: requests whose prompt chunk the runner
+        reads as a view of the pool (no gathered copy; the engine knows once their blocks are
+        allocated, `schedule` assumes none); `ahead`: tokens each decoding row has beyond what
+        `update` committed."""
         requests = self.requests
         plan = StepPlan(
             decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
-            decode_samples=any(not requests[i].sampling.greedy for i in decodes),
-            decode_gathers=not (len(decodes) == 1 and decodes[0] in slice_reads),
+            decode_samples=sum(not requests[i].sampling.greedy for i in decodes),
             prefill_chunks=tuple(
                 PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
                                  c.completes_prompt and not requests[c.request_id].sampling.greedy,
@@ -174,11 +174,10 @@ class Scheduler:
         )
         return self.memory.step_transient_bytes(plan)
 
-    def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0,
-                     slice_reads: Collection[str] = ()) -> SchedulerOutput:
+    def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0) -> SchedulerOutput:
         """A decode-only step of these running requests (the engine's pipelined decode)."""
         return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
-                               predicted_transient_bytes=self.predict(request_ids, (), slice_reads, ahead))
+                               predicted_transient_bytes=self.predict(request_ids, (), ahead=ahead))
 
     def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk]) -> int:
         remaining = request.num_prompt_tokens - request.num_computed_tokens

@@ -8,9 +8,9 @@ contiguous layout mlx-lm's BatchKVCache uses. Prints one JSON object.
 Per step, for every layer, like engine/kv.py's ForwardView:
 - `pool`: scatter the B new keys and values into the `[H_kv * slots, D]` pool arrays, gather all rows'
   KV with a `[B, H_kv, L]` row index;
-- `pool_slice` (B = 1 only): the same scatter, then read the row, whose blocks are consecutive, as a
-  slice view `pool.reshape(H_kv, slots, D)[None, :, s0:s0 + L]` (ForwardView's read for one row in
-  consecutive blocks: a prefill chunk, or a decode of one row);
+- `pool_slice` (B = 1 and `--chunk` > 1 only): the same scatter, then read the row, whose blocks are
+  consecutive, as a slice view `pool.reshape(H_kv, slots, D)[None, :, s0:s0 + L]` (ForwardView's read
+  of a prompt chunk of a row in consecutive blocks; one-query forwards always gather, engine/kv.py);
 - `contiguous`: write the new token into `[B, H_kv, L_cap, D]` with a slice update and read `[:, :, :L]`
   (mlx-lm's layout);
 - `*_sdpa`: the same, then `mx.fast.scaled_dot_product_attention` of B single-token queries over it
@@ -86,23 +86,17 @@ def main() -> None:
         mx.eval(keys, values, ck, cv, new, q)
         scale = d ** -0.5
 
-        def pool(attend: bool):
+        def pool(attend: bool, view: bool = False):
+            """The engine's KV ops: a scatter per K and V, then a gather (or, `view`, a slice of a
+            row in consecutive blocks, as the engine reads prompt chunks)."""
             outs = []
             for i in range(a.layers):
-                keys[i][write] = new.reshape(-1, d)
-                values[i][write] = new.reshape(-1, d)
-                k, v = keys[i][read], values[i][read]
-                outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-                            if attend else k + v)
-            return outs
-
-        def pool_slice(attend: bool):
-            outs = []
-            for i in range(a.layers):
-                keys[i][slice_write] = new.reshape(-1, d)
-                values[i][slice_write] = new.reshape(-1, d)
-                k = keys[i].reshape(h, slots, d)[None, :, :L, :]  # [1, H_kv, L, D], a view
-                v = values[i].reshape(h, slots, d)[None, :, :L, :]
+                keys[i][slice_write if view else write] = new.reshape(-1, d)
+                values[i][slice_write if view else write] = new.reshape(-1, d)
+                if view:  # [1, H_kv, L, D], no copy
+                    k, v = (x[i].reshape(h, slots, d)[None, :, :L, :] for x in (keys, values))
+                else:
+                    k, v = keys[i][read], values[i][read]
                 outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
                             if attend else k + v)
             return outs
@@ -120,8 +114,9 @@ def main() -> None:
         row = {"batch": B, "context": L, "chunk": T, "layers": a.layers}
         variants = [("pool", pool, False), ("contiguous", contiguous, False),
                     ("pool_sdpa", pool, True), ("contiguous_sdpa", contiguous, True)]
-        if B == 1:
-            variants += [("pool_slice", pool_slice, False), ("pool_slice_sdpa", pool_slice, True)]
+        if B == 1 and T > 1:  # the engine reads only prompt chunks as views (engine/kv.py slice_start)
+            view = (lambda attend: pool(attend, view=True))
+            variants += [("pool_slice", view, False), ("pool_slice_sdpa", view, True)]
         for name, fn, attend in variants:
             row[f"{name}_ms"] = round(timed(lambda: fn(attend), a.steps, a.warmup), 3)
         results.append(row)

@@ -81,6 +81,7 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
     """Step the engine until `until()`; one record per step (predicted, measured, time, plan)."""
     out = []
     while not until():
+        recorder.slices.clear()
         meter.begin(engine.runner.kv_allocated_bytes)
         t = time.perf_counter()
         outputs = engine.step()
@@ -92,8 +93,7 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
                 raise RuntimeError(f"{o.request_id}: {o.error}")
         own = getattr(engine, "last_step_memory", None)
         plan = recorder.plans[-1]
-        # rows whose KV was read as a view of the pool (no gathered copy; engine/kv.py)
-        slices = sorted(engine._slice_reads(plan.decodes, plan.prefills)) if hasattr(engine, "_slice_reads") else []
+        slices = sorted(set().union(*recorder.slices))  # rows whose KV this step read as a view of the pool
         out.append(dict(step_s=dt, measured=own.measured_bytes if own is not None else whole,
                         whole_step_measured=whole, predicted=plan.predicted_transient_bytes,
                         decodes=len(plan.decodes), context_lens=None,
@@ -171,10 +171,8 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 if st["chunks"] or st["decodes"] != b:
                     continue
                 ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                gathers = not (b == 1 and alive[0] in st["slice_reads"])
-                terms = decode_terms(shape, b, ctx)
-                terms["decode_gather"] *= gathers
-                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=gathers,
+                terms = decode_terms(shape, b, ctx)  # decode always gathers (engine/kv.py slice_start)
+                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=True,
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                    whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)

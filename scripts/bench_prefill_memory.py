@@ -253,18 +253,26 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
 
 class StepRecorder:
     """Wraps engine.scheduler.schedule to keep each step's plan, so each step's predicted transient
-    can be set beside the one measured around that step (bench instrumentation, engine untouched)."""
+    can be set beside the one measured around that step, and the engine's choice of prompt chunks read
+    as views (bench instrumentation, engine untouched)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.plans: list = []
+        self.slices: list[set] = []  # the engine's view-or-gather decisions (engine/kv.py slice_start)
         self._schedule = engine.scheduler.schedule
         engine.scheduler.schedule = self._record
+        self._slice_reads = engine._slice_reads
+        engine._slice_reads = self._record_slices
 
     def _record(self):
         plan = self._schedule()
         self.plans.append(plan)
         return plan
+
+    def _record_slices(self, prefills):
+        self.slices.append(self._slice_reads(prefills))
+        return self.slices[-1]
 
 
 def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], max_tokens: int) -> dict:

@@ -158,3 +158,12 @@ def test_engine_config_checks_memory_coefficients():
         EngineConfig(memory_coefficients={"decode_logit": 2.0})
     with pytest.raises(ValueError, match="memory_coefficients"):
         EngineConfig(memory_coefficients={"decode_logits": -1.0})
+
+
+def test_decode_counts_sampling_temporaries_per_sampling_row():
+    # rows are sampled lazily, in one graph: every sampling row's sort / cumsum temporaries may coexist
+    m = MemoryModel(LLAMA3_8B)
+    one_row = CPU_COEFFICIENTS.sampling * 4 * LLAMA3_8B.vocab_size
+    assert m.decode_bytes([100] * 4, samples=4) - m.decode_bytes([100] * 4, samples=1) == int(3 * one_row)
+    assert m.decode_bytes([100] * 4, samples=True) == m.decode_bytes([100] * 4, samples=1)
+    assert m.transient_bound_bytes(16, 16, 8192) >= m.decode_bytes([8192] * 16, samples=16)
