@@ -68,6 +68,12 @@ class EngineConfig(BaseModel):
         "current one's tokens while the next runs. A request that stops on EOS or a stop string has one "
         "extra token computed and dropped.",
     )
+    paged_attention: bool = Field(
+        True,
+        description="Decode attention reads each row's KV where it lies in the pool, with a CUDA kernel "
+        "(MLX's CUDA backend only). False, or on other backends: decode gathers every layer's KV of "
+        "the batch into a contiguous copy and runs MLX's attention on it.",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

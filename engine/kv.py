@@ -97,6 +97,8 @@ class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
                  read_slices: bool = True):
         self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
+        # One-query forwards' attention straight from the pool (engine/paged_attention.py); None: they gather
+        self.paged = None
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -169,6 +171,11 @@ class _ViewLayer:
             return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
         return self._view.mask
 
+    def paged_attention(self, queries: mx.array, scale: float) -> Optional[mx.array]:
+        """The attention output read from the pool in place (engine/paged_attention.py), or None
+        when this forward gathers (mlx-lm's attention then runs on what update_and_fetch returned)."""
+        return self._view.attend(self._index, queries, scale)
+
 
 class ForwardView:
     """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
@@ -186,8 +193,17 @@ class ForwardView:
             row._pending = num_new
         self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
         self._read: Optional[mx.array] = None
+        self._paged: Optional[tuple[mx.array, mx.array]] = None  # (block table, lengths) of a paged read
+        self._scales: dict[float, mx.array] = {}
         start = slice_start(pool, rows, num_new, read_slices)
-        if start is not None:
+        if pool.paged is not None and num_new == 1:
+            num_blocks = -(-max(lengths) // pool.block_size)
+            table = np.zeros((len(rows), num_blocks), np.int32)  # past a row's blocks: block 0, unread
+            for b, row in enumerate(rows):
+                used = row.blocks[:num_blocks]
+                table[b, : len(used)] = used
+            self._paged = (mx.array(table), mx.array(lengths, mx.int32))
+        elif start is not None:
             self._slice = (start, start + lengths[0])
         else:
             width = max(lengths)
@@ -198,6 +214,9 @@ class ForwardView:
         if len(rows) == 1:
             self.offset = rows[0].offset
             self.mask = None
+        elif self._paged is not None:
+            self.offset = mx.array([r.offset for r in rows])
+            self.mask = None  # the kernel reads each row's own length
         else:
             self.offset = mx.array([r.offset for r in rows])  # per-row RoPE offsets, [B]
             # [B, 1, 1, L_max]: True where a row has a real key
@@ -211,12 +230,28 @@ class ForwardView:
         return self._slice is not None
 
     def write_and_read(self, layer: int, keys: mx.array, values: mx.array):
-        """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]."""
+        """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]. A paged
+        forward reads nothing here (`attend` does): it returns its arguments."""
         out = []
         for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
             pool_arrays[layer][self._write] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
-            out.append(self._read_layer(pool_arrays[layer]))
+            out.append(new if self._paged is not None else self._read_layer(pool_arrays[layer]))
         return out[0], out[1]
+
+    def attend(self, layer: int, queries: mx.array, scale: float) -> Optional[mx.array]:
+        """queries [B, H, 1, D] -> attention over each row's KV in the pool, [B, H, 1, D]; None if this
+        forward is not paged. Called after write_and_read: the pool holds the new keys."""
+        if self._paged is None:
+            return None
+        if scale not in self._scales:
+            self._scales[scale] = mx.array([scale], mx.float32)
+        table, lengths = self._paged
+        return self.pool.paged(queries, self.pool.keys[layer], self.pool.values[layer], table, lengths,
+                               self._scales[scale])
+
+    @property
+    def reads_paged(self) -> bool:
+        return self._paged is not None
 
     def _read_layer(self, pool_array: mx.array) -> mx.array:
         if self._slice is None:

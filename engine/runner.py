@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from engine.blocks import BlockAllocator, num_blocks_for
 from engine.kv import ForwardView, KVPool, Row, slice_start
+from engine.paged_attention import CudaPagedAttention, PagedAttention, cuda_available, install, unsupported
 from engine.sampling import RequestSampler, sample_rows
 
 
@@ -62,8 +63,11 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20):
-        """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens)."""
+    def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
+                 paged_attention: bool = True):
+        """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
+        `paged_attention`: one-query forwards read the pool in place with the CUDA kernel where MLX runs
+        on CUDA and the model's shape allows (engine/paged_attention.py); else they gather."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -73,12 +77,23 @@ class ModelRunner:
         proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
         dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
         self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
+        why_not = unsupported(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
+        if paged_attention and cuda_available() and why_not is None:
+            self.use_paged_attention(CudaPagedAttention(attention.n_kv_heads, block_size))
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
         self.num_tokens_computed = 0
+
+    def use_paged_attention(self, impl: Optional[PagedAttention]) -> None:
+        """One-query forwards compute attention with `impl` over the pool in place (None: they gather).
+        ValueError if the model's attention cannot be routed to it."""
+        if impl is not None and not install(self.model):
+            raise ValueError(f"{type(self.model).__name__}: its attention does not call mlx-lm's "
+                             "scaled_dot_product_attention, so it cannot read the pool in place")
+        self.pool.paged = impl
 
     # --- KV pool and rows -----------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:

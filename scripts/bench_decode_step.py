@@ -67,7 +67,7 @@ class OpCounter:
         return hidden
 
 
-def make_engine(lm, batch: int, max_len: int, async_decode: bool = True) -> Engine:
+def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: bool = True) -> Engine:
     """The default engine config sized for B rows of `max_len` tokens, with room for them."""
     memory = memory_model_for(lm)
     seqs, chunk = max(batch, 1), 512
@@ -76,13 +76,28 @@ def make_engine(lm, batch: int, max_len: int, async_decode: bool = True) -> Engi
     limit = int(1.5 * (lm.weights_bytes + bound + kv)) + (256 << 20)
     cfg = EngineConfig(model=lm.name, dtype=lm.dtype, max_num_seqs=seqs, prefill_chunk_size=chunk,
                        max_num_batched_tokens=max(2048, seqs), memory_limit_bytes=limit,
-                       max_model_len=max_len, prefix_cache_fraction=0.0, async_decode=async_decode)
+                       max_model_len=max_len, prefix_cache_fraction=0.0, async_decode=async_decode,
+                       paged_attention=paged)
     return Engine(lm.model, lm.tokenizer, cfg, lm.config)
 
 
-def bench_one(lm, batch: int, args, async_decode: bool = True) -> dict:
+class LaunchTimer:
+    """Wraps runner.launch: the host time of starting each forward (MLX encodes and submits its
+    kernels on the calling thread, so this is the CPU cost the device may wait on)."""
+
+    def __init__(self, runner):
+        self.original = runner.launch
+        self.seconds: list[float] = []
+
+    def __call__(self, forward):
+        t0 = time.perf_counter()
+        self.original(forward)
+        self.seconds.append(time.perf_counter() - t0)
+
+
+def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True) -> dict:
     total_steps = args.warmup + args.steps + 2
-    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode)
+    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged)
     rng = random.Random(0)
     vocab = engine.memory.shape.vocab_size
     for i in range(batch):
@@ -97,6 +112,8 @@ def bench_one(lm, batch: int, args, async_decode: bool = True) -> dict:
     counter.armed = True
     engine.step()  # counted, not timed (exporting the graph takes time)
     counter.build_s.clear()
+    launches = LaunchTimer(engine.runner)
+    engine.runner.launch = launches
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -107,12 +124,14 @@ def bench_one(lm, batch: int, args, async_decode: bool = True) -> dict:
     times.sort()
     return {
         "model": lm.name, "dtype": lm.dtype, "batch": batch, "async_decode": async_decode,
+        "paged_attention": engine.runner.pool.paged is not None,
         "num_layers": num_layers,
         "context_tokens": args.prompt_tokens + args.warmup + 1,
         "step_ms_mean": round(1000 * sum(times) / len(times), 3),
         "step_ms_median": round(1000 * times[len(times) // 2], 3),
         "ms_per_token": round(1000 * sum(times) / len(times) / batch, 3),
         "graph_build_ms_mean": round(1000 * sum(counter.build_s) / len(counter.build_s), 3),
+        "launch_ms_mean": round(1000 * sum(launches.seconds) / max(len(launches.seconds), 1), 3),
         "ops_per_step": counter.count,
     }
 
@@ -127,13 +146,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--async-decode", default="1,0",
                    help="1: pipelined decode (the default engine), 0: synchronous steps; both by default")
+    p.add_argument("--paged-attention", default="1",
+                   help="1: the engine's default (the paged kernel where MLX runs on CUDA), 0: decode gathers; "
+                   "'1,0' runs both")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     results = []
     for name in args.models.split(","):
         lm = load_bench_model(name, args.dtype)
-        for batch, mode in [(int(b), m) for m in args.async_decode.split(",") for b in args.batches.split(",")]:
-            results.append(bench_one(lm, batch, args, mode == "1"))
+        runs = [(int(b), m, pg) for pg in args.paged_attention.split(",") for m in args.async_decode.split(",")
+                for b in args.batches.split(",")]
+        for batch, mode, paged in runs:
+            results.append(bench_one(lm, batch, args, mode == "1", paged == "1"))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
             free_memory()
         del lm
@@ -145,7 +169,7 @@ def main() -> None:
     for key, rows in list(by_model.items()):  # per model and mode
         del by_model[key]
         for r in rows:
-            by_model.setdefault((key, r["async_decode"]), []).append(r)
+            by_model.setdefault((key, r["async_decode"], r["paged_attention"]), []).append(r)
     for rows in by_model.values():
         base = rows[0]
         for r in rows:

@@ -133,7 +133,8 @@ class LoopDriver:
 
 def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overrides) -> dict:
     """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
-    `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False)."""
+    `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False; engine_sync_gather:
+    paged_attention=False)."""
     from engine.request import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
@@ -329,7 +330,8 @@ def engine_only(args) -> dict:
                   weights_bytes=lm.weights_bytes, environment=environment(), runs={})
     backends = [b for b in args.backends.split(",") if b]
     runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
-               "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False))}
+               "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
+               "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, paged_attention=False))}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
     # and on CUDA the attention graphs of every shape the timed run meets, are built here).
@@ -398,7 +400,8 @@ def parse_args(argv=None):
     p.add_argument("--engine-only", action="store_true", help="in-process, no HTTP")
     p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
                    help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
-                   "(the same without pipelined decode, async_decode=false), mlx_lm")
+                   "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
+                   "the KV instead of the CUDA paged-attention kernel, paged_attention=false), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)

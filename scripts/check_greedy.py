@@ -3,8 +3,9 @@
 
 The tests check greedy equality on the CPU with the tiny model; this runs the same check where the
 tests cannot, e.g. on a GPU with an 8B-shaped model: several prompts through the engine together
-(chunked prefill, batched decode), once with prompt chunks read as views of the KV pool (the default)
-and once with every read a gather, and each prompt alone through mlx-lm's `generate_step`.
+(chunked prefill, batched decode), once as configured by default (prompt chunks read as views of the
+KV pool; on CUDA, decode attention by the paged kernel) and once with every read a gather, and each
+prompt alone through mlx-lm's `generate_step`.
 
     python scripts/check_greedy.py --model llama-8b --dtype bfloat16 --lengths 300,700,1500,2100
 """
@@ -21,11 +22,14 @@ from bench_common import environment, load_bench_model, random_prompts  # noqa: 
 
 
 def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int) -> list[list[int]]:
+    """`read_slices` False: every read a gather (no views, no paged decode attention)."""
     from bench_prefill_memory import make_engine
     from engine.request import SamplingParams
 
     engine = make_engine(lm, [len(p) for p in prompts], max_tokens, chunk)
     engine.runner.pool.read_slices = read_slices
+    if not read_slices:
+        engine.runner.use_paged_attention(None)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]
 

@@ -5,12 +5,13 @@
 #   prefill_only.json  the same, sequential and engine, prompts stopping at their first token (PREFILL_ONLY=1)
 #   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
 #   decode.json    scripts/bench_decode_step.py  decode step time and graph ops at B = 1, 4, 8 (512-token context)
-#   greedy.json    scripts/check_greedy.py  the engine's greedy tokens vs mlx-lm's (slice reads and gathers)
+#   paged.json     scripts/check_paged_attention.py  the paged decode attention kernel vs its MLX reference, and its time
+#   greedy.json    scripts/check_greedy.py  the engine's greedy tokens vs mlx-lm's (default reads and all gathers)
 #   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
 #   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
-# SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
+# SKIP_PAGED / SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid and runs the prefill benchmark with them; MLX_* variables pass
 # through (MLX_MAX_OPS_PER_BUFFER=8 is what scripts/serve sets on CUDA).
 #
@@ -94,6 +95,7 @@ else
 fi
 COMMON=(--model "$MODEL" --dtype "$DTYPE")
 
+[[ -n "${SKIP_PAGED:-}" ]] || step paged 90 240 python3 scripts/check_paged_attention.py --out "$OUT/paged.json"
 [[ -n "${SKIP_CHECK:-}" ]] || step check 120 200 python3 scripts/check_greedy.py "${COMMON[@]}" --lengths $CHECK_LENGTHS \
   --out "$OUT/greedy.json"
 # The grid first: with FIT=1 its fit (scripts/bench_memory_grid.py --fit) gives the coefficients the
@@ -114,10 +116,10 @@ fi
 [[ -z "${PREFILL_ONLY:-}" ]] || step prefill_only 120 160 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS \
   --ways sequential,engine --max-tokens 1 --warmup full --peak-tflops 790 --json --out "$OUT/prefill_only.json"
 [[ -n "${SKIP_SERVING:-}" ]] || step serving 200 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
-  --backends engine_sync,engine_sync_nopipe,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
+  --backends engine_sync,engine_sync_gather,engine,mlx_lm --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
 [[ -n "${SKIP_DECODE:-}" ]] || step decode 100 60 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
-  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --out "$OUT/decode.json"
+  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --async-decode 1 --paged-attention 1,0 --out "$OUT/decode.json"
 [[ -n "${SKIP_KVGATHER:-}" ]] || step kv_gather 60 0 python3 scripts/bench_kv_gather.py --dtype "$DTYPE" \
   --out "$OUT/kv_gather.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \

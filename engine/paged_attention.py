@@ -1,0 +1,250 @@
+"""Decode attention read straight from the KV pool (paged attention), on MLX's CUDA backend.
+
+Without it a one-query forward (decode, or a 1-token prompt chunk) gathers, per layer, every row's K
+and V out of the pool into a contiguous `[B, H_kv, L_max, D]` copy, then calls MLX's attention with a
+`[B, 1, 1, L_max]` mask. On CUDA that mask rules out MLX's fused decode kernel: attention falls back to
+a dozen separate operations per layer. With it, per layer and forward: two kernels, reading each
+row's keys and values where they lie in the pool, through the rows' block table (the idea of vLLM's
+PagedAttention, with the split over the sequence of flash-decoding):
+
+1. `partial`: one thread block per (row, KV head, pool block of the row): the softmax statistics
+   (max, sum) and the unnormalised output of the GQA group's queries over that block's keys;
+2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output.
+
+`install(model)` routes mlx-lm's attention call (`scaled_dot_product_attention` of the model's module)
+through a dispatcher: a cache layer that offers `paged_attention` (engine/kv.py, for a one-query
+forward with a kernel set) gets the kernel's output; everything else, mlx-lm's own caches included,
+goes to mlx-lm's function unchanged. `reference_attention` computes the same thing with MLX operations
+(gather, mask, MLX attention): the CPU tests run the engine's paged path with it, and
+scripts/check_paged_attention.py checks the kernel against it on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+_HEADER = """
+__device__ __forceinline__ float pa_warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+__device__ __forceinline__ float pa_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+"""
+
+# grid: B * HKV * NB thread blocks of THREADS; block g = ((b * HKV) + h) * NB + j covers positions
+# [j * BLOCK, (j + 1) * BLOCK) of row b, which lie in pool block table[b, j] (rows h * S + slot).
+_PARTIAL = """
+  constexpr int VEC = 16 / sizeof(T);
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  __shared__ float qs[NREP][D];
+  __shared__ float ps[NREP][BLOCK];
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int nwarps = blockDim.x / 32;
+  const int NB = table_shape[1];
+  const int g = blockIdx.x;
+  const int j = g % NB;
+  const int b = g / (NB * HKV);
+  const int h = (g / NB) % HKV;
+  const int n = min(BLOCK, lengths[b] - j * BLOCK);  // keys in this block (<= 0: none)
+  float* part_out = part + (size_t)g * NREP * D;
+  float* stats_out = stats + (size_t)g * NREP * 2;
+  if (n <= 0) {
+    for (int i = tid; i < NREP * D; i += blockDim.x) part_out[i] = 0.0f;
+    if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
+    return;
+  }
+  const float sc = scale[0];
+  for (int i = tid; i < NREP * D; i += blockDim.x) {
+    qs[i / D][i % D] = static_cast<float>(q[((size_t)(b * HKV + h) * NREP) * D + i]) * sc;
+  }
+  __syncthreads();
+  const size_t S = k_pool_shape[0] / HKV;
+  const size_t base = (size_t)h * S + (size_t)table[b * NB + j] * BLOCK;  // pool row of key 0
+  for (int k = tid; k < BLOCK; k += blockDim.x) {
+    float s[NREP];
+    #pragma unroll
+    for (int r = 0; r < NREP; ++r) s[r] = 0.0f;
+    if (k < n) {
+      const T* krow = k_pool + (base + k) * D;
+      for (int d0 = 0; d0 < D; d0 += VEC) {
+        uint4 raw = *reinterpret_cast<const uint4*>(krow + d0);
+        const T* kv = reinterpret_cast<const T*>(&raw);
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          float kf = static_cast<float>(kv[e]);
+          #pragma unroll
+          for (int r = 0; r < NREP; ++r) s[r] += qs[r][d0 + e] * kf;
+        }
+      }
+    }
+    #pragma unroll
+    for (int r = 0; r < NREP; ++r) ps[r][k] = (k < n) ? s[r] : NEG_INF;
+  }
+  __syncthreads();
+  for (int r = warp; r < NREP; r += nwarps) {
+    float m = NEG_INF;
+    for (int k = lane; k < n; k += 32) m = fmaxf(m, ps[r][k]);
+    m = pa_warp_max(m);
+    float l = 0.0f;
+    for (int k = lane; k < BLOCK; k += 32) {
+      float p = (k < n) ? __expf(ps[r][k] - m) : 0.0f;
+      ps[r][k] = p;
+      l += p;
+    }
+    l = pa_warp_sum(l);
+    if (lane == 0) { stats_out[2 * r] = m; stats_out[2 * r + 1] = l; }
+  }
+  __syncthreads();
+  for (int d = tid; d < D; d += blockDim.x) {
+    float acc[NREP];
+    #pragma unroll
+    for (int r = 0; r < NREP; ++r) acc[r] = 0.0f;
+    const T* vcol = v_pool + base * D + d;
+    for (int k = 0; k < n; ++k) {
+      float v = static_cast<float>(vcol[(size_t)k * D]);
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) acc[r] += ps[r][k] * v;
+    }
+    #pragma unroll
+    for (int r = 0; r < NREP; ++r) part_out[r * D + d] = acc[r];
+  }
+"""
+
+# grid: B * HKV * NREP thread blocks of D threads; block (b, h, r) is query head h * NREP + r of row b.
+_COMBINE = """
+  const int NB = stats_shape[2];
+  const int bq = blockIdx.x;  // (b * HKV + h) * NREP + r
+  const int r = bq % NREP;
+  const int bh = bq / NREP;   // b * HKV + h
+  const int d = threadIdx.x;
+  float M = -__int_as_float(0x7f800000);
+  for (int j = 0; j < NB; ++j) M = fmaxf(M, stats[((size_t)(bh * NB + j) * NREP + r) * 2]);
+  float L = 0.0f, acc = 0.0f;
+  for (int j = 0; j < NB; ++j) {
+    const size_t i = (size_t)(bh * NB + j) * NREP + r;
+    const float l = stats[2 * i + 1];
+    if (l > 0.0f) {
+      const float w = __expf(stats[2 * i] - M);
+      L += l * w;
+      acc += part[i * D + d] * w;
+    }
+  }
+  out[(size_t)bq * D + d] = static_cast<T>(acc / L);
+"""
+
+_THREADS = 128
+
+
+class PagedAttention:
+    """Attention of one query per row over its KV in the pool. `__call__(queries [B, H, 1, D], k_pool,
+    v_pool [H_kv * slots, D], table [B, NB] int32 (the rows' first NB pool blocks), lengths [B] int32
+    (keys per row, NB = ceil(max(lengths) / block_size)), scale [1] float32) -> [B, H, 1, D]`."""
+
+    def __init__(self, num_kv_heads: int, block_size: int):
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+
+
+class ReferenceAttention(PagedAttention):
+    """The same computation with MLX operations: gather the rows' KV through the table, mask the
+    positions past each row's length, MLX's attention (the CPU tests' stand-in for the kernel, and
+    the kernel's oracle)."""
+
+    def __call__(self, queries, k_pool, v_pool, table, lengths, scale):
+        hkv, bs = self.num_kv_heads, self.block_size
+        slots_per_head = k_pool.shape[0] // hkv
+        pos = mx.arange(table.shape[1] * bs)
+        slots = table[:, pos // bs] * bs + pos % bs  # [B, L]
+        rows = mx.arange(hkv)[None, :, None] * slots_per_head + slots[:, None, :]  # [B, H_kv, L]
+        mask = (pos[None] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        return mx.fast.scaled_dot_product_attention(
+            queries, k_pool[rows], v_pool[rows], scale=scale.item(), mask=mask)
+
+
+class CudaPagedAttention(PagedAttention):
+    """The two CUDA kernels (module docstring)."""
+
+    def __init__(self, num_kv_heads: int, block_size: int):
+        super().__init__(num_kv_heads, block_size)
+        self._partial = mx.fast.cuda_kernel(
+            name="pool_attention_partial",
+            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            output_names=["part", "stats"], source=_PARTIAL, header=_HEADER)
+        self._combine = mx.fast.cuda_kernel(
+            name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
+            source=_COMBINE)
+
+    def __call__(self, queries, k_pool, v_pool, table, lengths, scale):
+        B, hq, _, d = queries.shape
+        hkv, nb = self.num_kv_heads, table.shape[1]
+        nrep = hq // hkv
+        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
+        part, stats = self._partial(
+            inputs=[queries, k_pool, v_pool, table, lengths, scale], template=template,
+            grid=(B * hkv * nb * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+            output_shapes=[(B, hkv, nb, nrep, d), (B, hkv, nb, nrep, 2)],
+            output_dtypes=[mx.float32, mx.float32])
+        (out,) = self._combine(
+            inputs=[part, stats], template=[("T", queries.dtype), ("D", d), ("NREP", nrep)],
+            grid=(B * hq * d, 1, 1), threadgroup=(d, 1, 1),
+            output_shapes=[(B, hq, 1, d)], output_dtypes=[queries.dtype])
+        return out
+
+
+def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> Optional[str]:
+    """Why the kernel cannot serve this attention shape (None: it can)."""
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 8 up to 256"
+    if (num_heads // num_kv_heads) * (head_dim + block_size) * 4 > 40_000:
+        return "the kernel's shared memory would exceed 40 kB"
+    if dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return f"dtype {dtype} is not a float type"
+    return None
+
+
+def cuda_available() -> bool:
+    """MLX runs on a CUDA GPU (the kernel's only backend)."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+# --- routing mlx-lm's attention call ------------------------------------------------------------
+
+_ORIGINAL = "_mlx_serve_original_sdpa"
+
+
+def install(model) -> bool:
+    """Route the attention of `model`'s layers through `_dispatch` (idempotent). False when the
+    model's attention module does not call mlx-lm's `scaled_dot_product_attention` (the engine then
+    never takes the paged path)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    module = sys.modules.get(type(attention).__module__) if attention is not None else None
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    if getattr(original, _ORIGINAL, None) is None:
+        module.scaled_dot_product_attention = _dispatch(original)
+    return True
+
+
+def _dispatch(original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        paged = getattr(cache, "paged_attention", None)
+        if paged is not None and sinks is None:
+            out = paged(queries, scale)
+            if out is not None:
+                return out
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    setattr(scaled_dot_product_attention, _ORIGINAL, original)
+    return scaled_dot_product_attention

@@ -1,0 +1,147 @@
+"""Paged decode attention (engine/paged_attention.py): the engine's one-query forwards reading the pool
+through a block table instead of a gathered copy. The CUDA kernel runs only on a GPU
+(scripts/check_paged_attention.py checks it there against `ReferenceAttention`); here the engine takes
+the same path with `ReferenceAttention`, so the table, lengths, mask-free views and mlx-lm routing are
+checked on real forwards."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from engine.paged_attention import ReferenceAttention, install, unsupported
+from engine.request import SamplingParams
+
+
+class CountingReference(ReferenceAttention):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = 0
+        self.batches = set()
+
+    def __call__(self, queries, *args):
+        self.calls += 1
+        self.batches.add(queries.shape[0])
+        return super().__call__(queries, *args)
+
+
+def random_prompts(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_paged_decode_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, async_decode):
+    """Rows of different lengths (one across a 256-token block boundary, one in non-consecutive
+    blocks), decoded together through the block table: mlx-lm's greedy tokens."""
+    engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0,
+                         async_decode=async_decode)
+    runner = engine.runner
+    impl = CountingReference(runner.pool.num_kv_heads, runner.pool.block_size)
+    runner.use_paged_attention(impl)
+    runner.grow_pool(4)
+    held = [runner.blocks.allocate(1) for _ in range(4)]
+    runner.blocks.free(held[0])
+    runner.blocks.free(held[2])  # the first request gets blocks 0 and 2
+    prompts = random_prompts([250, 3, 40], engine.memory.shape.vocab_size, seed=5)
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)  # the first row crosses position 256
+    engine.add_request("0", prompts[0], sampling)
+    engine.step()  # the first request alone takes the free blocks 0 and 2
+    assert runner.rows["0"].blocks == [0, 2]
+    for i, p in enumerate(prompts[1:], 1):
+        engine.add_request(str(i), p, sampling)
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 12)
+    num_layers = engine.memory.shape.num_layers
+    assert impl.calls >= 11 * num_layers and impl.calls % num_layers == 0
+    assert 3 in impl.batches  # the three rows decoded in one forward
+
+
+def test_prompt_chunks_still_read_views_or_gathers(make_engine):
+    """Only one-query forwards are paged: a prompt chunk of several tokens never calls the kernel."""
+    engine = make_engine(prefill_chunk_size=16, prefix_cache_fraction=0.0)
+    impl = CountingReference(engine.runner.pool.num_kv_heads, engine.runner.pool.block_size)
+    engine.runner.use_paged_attention(impl)
+    engine.add_request("a", random_prompts([40], 49152)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert impl.calls == 0
+
+
+def test_cpu_engine_gathers_by_default_and_install_is_idempotent(make_engine, tiny_parts):
+    import sys
+
+    engine = make_engine()
+    assert engine.runner.pool.paged is None  # no CUDA here: decode gathers
+    module = sys.modules[type(tiny_parts[0].model.layers[0].self_attn).__module__]
+    assert install(tiny_parts[0])
+    first = module.scaled_dot_product_attention
+    assert install(tiny_parts[0])
+    assert module.scaled_dot_product_attention is first  # not wrapped twice
+
+
+def test_models_whose_attention_cannot_be_routed_are_refused(make_engine):
+    class Attention:  # this test module has no scaled_dot_product_attention
+        pass
+
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=Attention())]))
+    assert not install(model)
+    engine = make_engine()
+    engine.runner.model = model
+    with pytest.raises(ValueError, match="cannot read the pool in place"):
+        engine.runner.use_paged_attention(ReferenceAttention(1, 256))
+
+
+def test_unsupported_shapes_are_named():
+    import mlx.core as mx
+
+    assert unsupported(32, 8, 128, 256, mx.bfloat16) is None
+    assert "multiple of" in unsupported(30, 8, 128, 256, mx.bfloat16)
+    assert "head_dim" in unsupported(32, 8, 100, 256, mx.bfloat16)
+    assert "shared memory" in unsupported(64, 1, 128, 256, mx.bfloat16)
+
+
+def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
+    """Two rows of different lengths, one in scattered 4-token blocks, decoded in one paged forward
+    for several steps (crossing block boundaries): each row's logits equal mlx-lm's for it alone."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kv import ForwardView, Row
+    from engine.runner import ModelRunner
+
+    model = tiny_parts[0]
+    runner = ModelRunner(model, block_size=4, max_kv_tokens=128)
+    impl = CountingReference(runner.pool.num_kv_heads, 4)
+    runner.use_paged_attention(impl)
+    runner.grow_pool(10)
+    singles = [runner.blocks.allocate(1) for _ in range(10)]
+    for s in singles[1::2]:
+        runner.blocks.free(s)
+    rows = [Row(runner.blocks.allocate(5), 4, runner.pool.block_bytes)]  # blocks 1 3 5 7 9
+    runner.grow_pool(16)
+    rows.append(Row(runner.blocks.allocate(3), 4, runner.pool.block_bytes))
+    assert rows[0].blocks == [1, 3, 5, 7, 9]
+    prompts = random_prompts([13, 6], 49152, seed=9)
+    caches = [make_prompt_cache(model) for _ in rows]
+    for row, prompt, cache in zip(rows, prompts, caches):
+        view = ForwardView(runner.pool, [row], len(prompt))
+        mx.eval(runner._forward(mx.array(prompt)[None], view.layers()))
+        view.advance()
+        model(mx.array(prompt)[None], cache=cache)
+    for step in range(5):  # row 0: positions 13..17 (blocks 3 and 4), row 1: 6..10
+        tokens = [100 + step, 200 + step]
+        view = ForwardView(runner.pool, rows, 1)
+        assert view.reads_paged and view.mask is None
+        got = runner._head(runner._forward(mx.array(tokens)[:, None], view.layers()))  # [2, 1, V]
+        view.advance()
+        for b, cache in enumerate(caches):
+            want = model(mx.array([[tokens[b]]]), cache=cache)
+            assert mx.allclose(got[b], want[0], atol=1e-4, rtol=1e-4).item()
+    assert impl.calls == 5 * runner.num_layers
