@@ -41,10 +41,20 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        _post_to_loop(self.loop, [(self.queue, item)])
+
+
+def _post_to_loop(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Put each (queue, item) on its asyncio queue, with one wake-up of `loop` for all of them."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        pass
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class AsyncEngine:
@@ -180,10 +190,15 @@ class AsyncEngine:
                     stream.put(out)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, with one wake-up per event loop (not one per request: every wake-up is
+        a pipe write here and a turn of the loop, which competes with this thread for the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 del self._streams[out.request_id]
+        for loop, items in by_loop.items():
+            _post_to_loop(loop, items)

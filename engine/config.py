@@ -74,6 +74,11 @@ class EngineConfig(BaseModel):
         "(MLX's CUDA backend only). False, or on other backends: decode gathers every layer's KV of "
         "the batch into a contiguous copy and runs MLX's attention on it.",
     )
+    fuse_projections: bool = Field(
+        True,
+        description="Decode forwards compute attention's q, k, v projections as one matmul, and the MLP's "
+        "gate and up as one (plain float linear layers only; quantized ones are left as they are).",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.blocks import BlockAllocator, num_blocks_for
+from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
 from engine.paged_attention import CudaPagedAttention, PagedAttention, cuda_available, install, unsupported
 from engine.sampling import RequestSampler, sample_rows
@@ -64,10 +65,12 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
-                 paged_attention: bool = True):
+                 paged_attention: bool = True, fuse: bool = True):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel where MLX runs
-        on CUDA and the model's shape allows (engine/paged_attention.py); else they gather."""
+        on CUDA and the model's shape allows (engine/paged_attention.py); else they gather.
+        `fuse`: the engine's decode forwards compute q/k/v and gate/up as one matmul each (engine/fused.py;
+        this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before)."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -77,6 +80,7 @@ class ModelRunner:
         proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
         dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
         self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
+        self.fused = fuse and fuse_projections(model) > 0
         why_not = unsupported(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
         if paged_attention and cuda_available() and why_not is None:
             self.use_paged_attention(CudaPagedAttention(attention.n_kv_heads, block_size))
@@ -164,7 +168,10 @@ class ModelRunner:
         """tokens [B, T] -> final hidden states [B, T, D] (no LM head)."""
         self.num_forward_calls += 1
         self.num_tokens_computed += tokens.size
-        return self._backbone(tokens, cache=cache)
+        if not self.fused or tokens.shape[1] > 1:  # prompt chunks: compute-bound, nothing to gain
+            return self._backbone(tokens, cache=cache)
+        with fused_forward():
+            return self._backbone(tokens, cache=cache)
 
     def prefill(self, work: PrefillWork) -> "Forward":
         """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is

@@ -18,7 +18,9 @@ layer than at the first batch size. Prints one JSON object (and each result as i
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import random
 import sys
 import tempfile
@@ -38,13 +40,20 @@ from engine.engine import Engine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 
-def count_ops(outputs: mx.array) -> int:
-    """Operation nodes of the (unevaluated) graph of `outputs`: DOT nodes that are not leaf arrays."""
+def op_types(outputs: mx.array) -> dict[str, int]:
+    """Operation nodes of the (unevaluated) graph of `outputs` by primitive: DOT nodes that are not
+    leaf arrays."""
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
         mx.export_to_dot(f.name, outputs)
         text = f.read()
-    # export_to_dot draws primitives as rectangles and arrays as ovals
-    return sum(1 for line in text.splitlines() if "shape=rectangle" in line or "shape=box" in line)
+    # export_to_dot draws primitives as rectangles (labelled with the primitive) and arrays as ovals
+    ops = [line for line in text.splitlines() if "shape=rectangle" in line or "shape=box" in line]
+    names = [re.search(r'label ?= ?"?([A-Za-z_]+)', line) for line in ops]
+    return dict(collections.Counter(m.group(1) if m else "?" for m in names).most_common())
+
+
+def count_ops(outputs: mx.array) -> int:
+    return sum(op_types(outputs).values())
 
 
 class OpCounter:
@@ -55,6 +64,7 @@ class OpCounter:
         self.original = runner._forward
         self.armed = False
         self.count = None
+        self.types = None
         self.build_s: list[float] = []
 
     def __call__(self, tokens, cache):
@@ -62,12 +72,14 @@ class OpCounter:
         hidden = self.original(tokens, cache)
         self.build_s.append(time.perf_counter() - t0)
         if self.armed and tokens.shape[1] == 1:
-            self.count = count_ops(hidden)
+            self.types = op_types(hidden)
+            self.count = sum(self.types.values())
             self.armed = False
         return hidden
 
 
-def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: bool = True) -> Engine:
+def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: bool = True,
+                fuse: bool = True) -> Engine:
     """The default engine config sized for B rows of `max_len` tokens, with room for them."""
     memory = memory_model_for(lm)
     seqs, chunk = max(batch, 1), 512
@@ -77,7 +89,7 @@ def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: 
     cfg = EngineConfig(model=lm.name, dtype=lm.dtype, max_num_seqs=seqs, prefill_chunk_size=chunk,
                        max_num_batched_tokens=max(2048, seqs), memory_limit_bytes=limit,
                        max_model_len=max_len, prefix_cache_fraction=0.0, async_decode=async_decode,
-                       paged_attention=paged)
+                       paged_attention=paged, fuse_projections=fuse)
     return Engine(lm.model, lm.tokenizer, cfg, lm.config)
 
 
@@ -95,9 +107,9 @@ class LaunchTimer:
         self.seconds.append(time.perf_counter() - t0)
 
 
-def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True) -> dict:
+def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True, fuse: bool = True) -> dict:
     total_steps = args.warmup + args.steps + 2
-    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged)
+    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged, fuse)
     rng = random.Random(0)
     vocab = engine.memory.shape.vocab_size
     for i in range(batch):
@@ -124,7 +136,7 @@ def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = Tru
     times.sort()
     return {
         "model": lm.name, "dtype": lm.dtype, "batch": batch, "async_decode": async_decode,
-        "paged_attention": engine.runner.pool.paged is not None,
+        "paged_attention": engine.runner.pool.paged is not None, "fused_projections": engine.runner.fused,
         "num_layers": num_layers,
         "context_tokens": args.prompt_tokens + args.warmup + 1,
         "step_ms_mean": round(1000 * sum(times) / len(times), 3),
@@ -133,6 +145,7 @@ def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = Tru
         "graph_build_ms_mean": round(1000 * sum(counter.build_s) / len(counter.build_s), 3),
         "launch_ms_mean": round(1000 * sum(launches.seconds) / max(len(launches.seconds), 1), 3),
         "ops_per_step": counter.count,
+        "op_types": counter.types,
     }
 
 
@@ -149,15 +162,18 @@ def main() -> None:
     p.add_argument("--paged-attention", default="1",
                    help="1: the engine's default (the paged kernel where MLX runs on CUDA), 0: decode gathers; "
                    "'1,0' runs both")
+    p.add_argument("--fuse-projections", default="1",
+                   help="1: the engine's default (decode computes q/k/v and gate/up as one matmul each), 0: "
+                   "one matmul per projection; '1,0' runs both")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     results = []
     for name in args.models.split(","):
         lm = load_bench_model(name, args.dtype)
-        runs = [(int(b), m, pg) for pg in args.paged_attention.split(",") for m in args.async_decode.split(",")
-                for b in args.batches.split(",")]
-        for batch, mode, paged in runs:
-            results.append(bench_one(lm, batch, args, mode == "1", paged == "1"))
+        runs = [(int(b), m, pg, fu) for fu in args.fuse_projections.split(",") for pg in args.paged_attention.split(",")
+                for m in args.async_decode.split(",") for b in args.batches.split(",")]
+        for batch, mode, paged, fuse in runs:
+            results.append(bench_one(lm, batch, args, mode == "1", paged == "1", fuse == "1"))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
             free_memory()
         del lm
@@ -169,7 +185,7 @@ def main() -> None:
     for key, rows in list(by_model.items()):  # per model and mode
         del by_model[key]
         for r in rows:
-            by_model.setdefault((key, r["async_decode"], r["paged_attention"]), []).append(r)
+            by_model.setdefault((key, r["async_decode"], r["paged_attention"], r["fused_projections"]), []).append(r)
     for rows in by_model.values():
         base = rows[0]
         for r in rows:

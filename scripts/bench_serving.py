@@ -134,7 +134,7 @@ class LoopDriver:
 def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overrides) -> dict:
     """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
     `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False; engine_sync_gather:
-    paged_attention=False)."""
+    paged_attention=False; engine_sync_unfused: fuse_projections=False)."""
     from engine.request import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
@@ -151,11 +151,17 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     def add(i, prompt):
         engine.add_request(str(i), prompt, sampling)
 
+    first_steps = []  # the first steps: when each ran (from the first's start) and what it computed
+
     def step():
         before = dict(timers)
         t = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t
+        if len(first_steps) < 8 and engine.last_plan is not None:
+            first_steps.append({"start_s": t, "duration_s": round(dt, 4),
+                                "prefill_chunks": len(engine.last_plan.prefills),
+                                "decode_rows": len(engine.last_plan.decodes)})
         if timers["prefill"] == before["prefill"] and outs:
             decode_steps.append((len(outs), dt, timers["decode"] - before["decode"],
                                  timers["forward_build"] - before["forward_build"],
@@ -167,6 +173,11 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     result = summarize(records, wall)
     result.update(mem.result())
     result["num_steps"] = engine.num_steps
+    first_start = first_steps[0]["start_s"] if first_steps else 0.0
+    for record in first_steps:
+        record["start_s"] = round(record["start_s"] - first_start, 4)
+    result["first_steps"] = first_steps
+    result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
     if breakdown and decode_steps:
         n = len(decode_steps)
 
@@ -206,10 +217,21 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
     engine = make_engine(lm, prompts, args)
     aengine = AsyncEngine(engine)
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    steps = []  # the first steps: when each ran (from the run's start) and what it computed
+    clock = {"t0_ns": time.time_ns()}
+
+    def on_step(record):
+        if len(steps) < 8:
+            steps.append({"start_s": round((record.start_time_ns - clock["t0_ns"]) / 1e9, 4),
+                          "duration_s": round(record.duration_s, 4),
+                          "prefill_chunks": len(record.prefill_chunks), "decode_rows": record.num_decode_tokens})
+
+    aengine.on_step = on_step
 
     async def main():
         sem = asyncio.Semaphore(args.concurrency_now)
         t0 = time.perf_counter()
+        clock["t0_ns"] = time.time_ns()
         records = [RequestRecord(i, 0.0) for i in range(len(prompts))]
 
         async def one(i):
@@ -236,6 +258,8 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
             records, wall = asyncio.run(main())
         result = summarize(records, wall)
         result.update(mem.result())
+        result["first_steps"] = steps
+        result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
     finally:
         aengine.shutdown()
     return result
@@ -331,7 +355,8 @@ def engine_only(args) -> dict:
     backends = [b for b in args.backends.split(",") if b]
     runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
                "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
-               "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, paged_attention=False))}
+               "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, paged_attention=False)),
+               "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, fuse_projections=False))}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
     # and on CUDA the attention graphs of every shape the timed run meets, are built here).
@@ -401,7 +426,8 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
                    help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
                    "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
-                   "the KV instead of the CUDA paged-attention kernel, paged_attention=false), mlx_lm")
+                   "the KV instead of the CUDA paged-attention kernel, paged_attention=false), engine_sync_unfused (one "
+                   "matmul per projection, fuse_projections=false), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)

@@ -1,0 +1,140 @@
+"""Fused projections: the linear layers a block applies to the same input (attention's q, k and v;
+the MLP's gate and up) become one matmul over their concatenated weights during the engine's forwards.
+
+Only decode forwards (one token per row) use it: prompt chunks are bound by the GPU's arithmetic, and
+their memory (docs/memory.md) is left as it was. Why: a decode step of B >= 2 rows is bound by the host on MLX's CUDA backend. Each matmul of B > 1 rows
+is a cuBLAS call captured into a CUDA graph, tens of microseconds of CPU each; an 8B llama has 7 per
+layer. Fused, it has 4 (qkv, o, gate-up, down), and the weights are read in the same bytes. vLLM's
+llama does the same (QKVParallelLinear, MergedColumnParallelLinear).
+
+How, without copying mlx-lm's model code: `fuse_projections(model)` replaces, in every layer, the
+`nn.Linear` modules of a group by `FusedPart`s that share one `FusedLinear` (the concatenated weight,
+the only copy, registered once in the parameter tree as e.g. `self_attn.qkv_proj`). mlx-lm's module
+code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`: inside the engine's forwards (`fused_forward()`)
+the first call computes the whole product and the others take their columns of it; anywhere else (mlx-lm
+itself running the same model object, e.g. a benchmark's comparison) each part multiplies by its own rows
+of the weight, which is exactly the original layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+          ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"))
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def fused_forward():
+    """Within: FusedParts compute their group's product once per input (this thread only)."""
+    previous = getattr(_state, "active", False)
+    _state.active = True
+    try:
+        yield
+    finally:
+        _state.active = previous
+
+
+class FusedLinear(nn.Module):
+    """The concatenated weight (and bias) of a group of linear layers applied to the same input."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        super().__init__()
+        self.weight = mx.concatenate([lin.weight for lin in linears])  # [sum N_i, K]
+        if "bias" in linears[0]:
+            self.bias = mx.concatenate([lin.bias for lin in linears])
+        bounds, start = [], 0
+        for lin in linears:
+            bounds.append((start, start + lin.weight.shape[0]))
+            start += lin.weight.shape[0]
+        self._cache = _Product(tuple(bounds))
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """Rows [a, b) of the concatenated weight that are part `index`'s."""
+        return self._cache.bounds[index]
+
+    def part(self, index: int, x: mx.array) -> mx.array:
+        a, b = self.bounds(index)
+        if not getattr(_state, "active", False):  # the original layer: x @ W_i^T (+ b_i)
+            if "bias" in self:
+                return mx.addmm(self.bias[a:b], x, self.weight[a:b].T)
+            return x @ self.weight[a:b].T
+        cache = self._cache
+        if cache.x is not x:
+            cache.x = x
+            cache.y = mx.addmm(self.bias, x, self.weight.T) if "bias" in self else x @ self.weight.T
+            cache.left = len(cache.bounds)
+        out = cache.y[..., a:b]
+        cache.left -= 1
+        if cache.left == 0:  # every part taken: hold no graph past this layer
+            cache.x = cache.y = None
+        return out
+
+
+class _Product:
+    """The parts' row bounds, and the last input and product, of a FusedLinear (a plain object, so not
+    part of MLX's parameter tree)."""
+
+    def __init__(self, bounds: tuple):
+        self.bounds = bounds
+        self.x: Optional[mx.array] = None
+        self.y: Optional[mx.array] = None
+        self.left = 0
+
+
+class _Ref:
+    """Holds the shared FusedLinear out of the parameter tree (it is registered once, on the block)."""
+
+    def __init__(self, fused: FusedLinear):
+        self.fused = fused
+
+
+class FusedPart(nn.Module):
+    """Stands where one of the group's nn.Linear layers was."""
+
+    def __init__(self, fused: FusedLinear, index: int):
+        super().__init__()
+        self._ref = _Ref(fused)
+        self._index = index
+
+    @property
+    def weight(self) -> mx.array:
+        a, b = self._ref.fused.bounds(self._index)
+        return self._ref.fused.weight[a:b]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._ref.fused.part(self._index, x)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every layer's groups (GROUPS) whose members are all plain nn.Linear of the same input size
+    and bias; idempotent. Returns the number of fused groups the model has (fused now or before)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    fused = 0
+    for layer in layers:
+        for block_name, names, fused_name in GROUPS:
+            block = getattr(layer, block_name, None)
+            if block is None:
+                continue
+            if fused_name in block:
+                fused += 1
+                continue
+            linears = [getattr(block, n, None) for n in names]
+            if not all(type(lin) is nn.Linear for lin in linears):
+                continue  # quantized or custom layers: left as they are
+            if len({lin.weight.shape[1] for lin in linears}) != 1 or len({"bias" in lin for lin in linears}) != 1:
+                continue
+            group = FusedLinear(linears)
+            mx.eval(group.parameters())
+            block[fused_name] = group
+            for i, n in enumerate(names):
+                setattr(block, n, FusedPart(group, i))
+            fused += 1
+    return fused

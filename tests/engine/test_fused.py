@@ -1,0 +1,66 @@
+"""Fused q/k/v and gate/up projections (engine/fused.py) on a real llama."""
+
+from __future__ import annotations
+
+import collections
+import re
+import tempfile
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from engine.fused import FusedPart, fuse_projections, fused_forward
+
+
+def small_llama(bias=False):
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128,
+                           attention_bias=bias, mlp_bias=bias)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def op_counts(array) -> collections.Counter:
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, array)
+        text = f.read()
+    return collections.Counter(re.search(r'label ="?([A-Za-z]+)', line).group(1) for line in text.splitlines()
+                               if "shape=rectangle" in line or "shape=box" in line)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_model_computes_the_same_with_fewer_matmuls(bias):
+    model = small_llama(bias)
+    x = mx.array([[5, 9, 17]])
+    before = model(x)
+    unfused_ops = op_counts(model(x))
+    params = dict(tree_flatten(model.parameters()))
+    assert fuse_projections(model) == 4  # two groups in each of two layers
+    fused_params = dict(tree_flatten(model.parameters()))
+    assert sum(p.nbytes for p in fused_params.values()) == sum(p.nbytes for p in params.values())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in fused_params
+    assert "model.layers.1.mlp.gate_up_proj.weight" in fused_params
+    assert not any(".q_proj." in n or ".up_proj." in n for n in fused_params)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, FusedPart)
+    assert mx.array_equal(attn.k_proj.weight, params["model.layers.0.self_attn.k_proj.weight"]).item()
+
+    outside = model(x)  # each part alone: exactly the original layers
+    assert mx.array_equal(outside, before).item()
+    with fused_forward():
+        inside = model(x)
+        fused_ops = op_counts(inside)
+    assert mx.allclose(inside, before, atol=1e-5, rtol=1e-5).item()
+    num_matmuls = fused_ops.get("Matmul", 0) + fused_ops.get("AddMM", 0)
+    assert num_matmuls == unfused_ops.get("Matmul", 0) + unfused_ops.get("AddMM", 0) - 3 * 2  # 7 -> 4 per layer
+    assert fuse_projections(model) == 4  # idempotent: counts the groups already fused
+
+
+def test_engine_decode_uses_the_fused_matmuls(make_engine, tiny_parts):
+    engine = make_engine()
+    assert engine.runner.fused
+    assert make_engine().runner.fused  # a second engine on the same (already fused) model
+    assert not make_engine(fuse_projections=False).runner.fused
