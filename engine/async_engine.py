@@ -64,7 +64,11 @@ class AsyncEngine:
     KV is freed at once (between two forwards of the engine thread).
     """
 
-    def __init__(self, engine: Engine, hang_timeout_s: float = 120.0):
+    def __init__(self, engine: Engine, hang_timeout_s: float = 120.0, warmup: Optional[bool] = None):
+        """`warmup`: before serving, the engine thread generates a few tokens of two short requests and
+        the constructor waits for it (None: only where MLX runs on a GPU). There the first forwards of a
+        thread pay for kernel compilation and, on CUDA, for building the thread's own CUDA graphs (MLX
+        keeps a stream and command encoder per thread): a warm-up in any other thread would not help."""
         self.engine = engine
         self.hang_timeout_s = hang_timeout_s
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -77,8 +81,15 @@ class AsyncEngine:
         # requests arrive (the replica does, at construction). Its errors are logged, never raised.
         self.on_step: Optional[Callable[[StepRecord], None]] = None
         self._on_step_failed = False
-        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        if warmup is None:
+            import mlx.core as mx
+
+            warmup = mx.default_device().type == mx.DeviceType.gpu
+        self.warmup_s: Optional[float] = None  # how long the warm-up took (None: none ran)
+        self._warmed = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(warmup,), name="mlx-engine", daemon=True)
         self._thread.start()
+        self._warmed.wait()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -138,7 +149,22 @@ class AsyncEngine:
         self._wake.set()
 
     # --- engine thread --------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _warmup(self) -> None:
+        """Two short requests to the end, decoded together (engine thread); a failure is logged and the
+        engine serves anyway."""
+        started = time.perf_counter()
+        try:
+            prompts = [[5 + i % 50 for i in range(n)] for n in (24, 40)]
+            self.engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+            self.warmup_s = time.perf_counter() - started
+            logger.info("engine warm-up: %.2f s", self.warmup_s)
+        except Exception:
+            logger.exception("engine warm-up failed")
+
+    def _run(self, warmup: bool = False) -> None:
+        if warmup:
+            self._warmup()
+        self._warmed.set()
         try:
             while not self._stopped.is_set():
                 self._drain_inbox()

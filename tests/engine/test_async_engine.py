@@ -76,3 +76,29 @@ async def test_bad_request_raises_value_error(async_engine):
     with pytest.raises(ValueError, match="max_model_len"):
         async for _ in async_engine.generate("x", [1] * 10, SamplingParams(max_tokens=10**6)):
             pass
+
+
+async def test_warmup_runs_in_the_engine_thread_before_serving(make_engine, monkeypatch):
+    import threading
+
+    engine = make_engine()
+    threads = []
+    step = engine.step
+
+    def recording_step():
+        threads.append(threading.current_thread().name)
+        return step()
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    aengine = AsyncEngine(engine, warmup=True)
+    try:
+        assert aengine.warmup_s is not None and threads  # done when the constructor returns
+        assert set(threads) == {"mlx-engine"}
+        assert not engine.has_unfinished() and engine.runner.kv_used_bytes == 0
+        outs = [o async for o in aengine.generate("a", [9] * 12, SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert sum(len(o.new_token_ids) for o in outs) == 3
+    finally:
+        aengine.shutdown()
+    default = AsyncEngine(make_engine())
+    default.shutdown()
+    assert default.warmup_s is None  # on the CPU: none by default
