@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats, StepMemory
@@ -64,12 +64,18 @@ class AsyncEngine:
     KV is freed at once (between two forwards of the engine thread).
     """
 
-    def __init__(self, engine: Engine, hang_timeout_s: float = 120.0, warmup: Optional[bool] = None):
-        """`warmup`: before serving, the engine thread generates a few tokens of two short requests and
+    def __init__(self, engine: Union[Engine, Callable[[], Engine]], hang_timeout_s: float = 120.0,
+                 warmup: Optional[bool] = None):
+        """`engine`: an Engine, or a function that builds one, which then runs in the engine thread
+        (`from_config` does so: every MLX array and kernel of the engine is then made by the thread
+        that runs it; the constructor waits, and raises what the build raised).
+        `warmup`: before serving, the engine thread generates a few tokens of two short requests and
         the constructor waits for it (None: only where MLX runs on a GPU). There the first forwards of a
         thread pay for kernel compilation and, on CUDA, for building the thread's own CUDA graphs (MLX
         keeps a stream and command encoder per thread): a warm-up in any other thread would not help."""
-        self.engine = engine
+        self._build = None if isinstance(engine, Engine) else engine
+        self.engine: Optional[Engine] = engine if self._build is None else None
+        self._build_error: Optional[BaseException] = None
         self.hang_timeout_s = hang_timeout_s
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -90,10 +96,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="mlx-engine", daemon=True)
         self._thread.start()
         self._warmed.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(Engine.from_config(config))
+        return cls(lambda: Engine.from_config(config))
 
     @property
     def tokenizer(self):
@@ -162,6 +170,13 @@ class AsyncEngine:
             logger.exception("engine warm-up failed")
 
     def _run(self, warmup: bool = False) -> None:
+        if self._build is not None:
+            try:
+                self.engine = self._build()
+            except BaseException as exc:  # the constructor raises it
+                self._build_error = exc
+                self._warmed.set()
+                return
         if warmup:
             self._warmup()
         self._warmed.set()

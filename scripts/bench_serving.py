@@ -19,6 +19,7 @@ request so no prefix cache helps either side.
 from __future__ import annotations
 
 import argparse
+import collections
 import asyncio
 import dataclasses
 import json
@@ -138,6 +139,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     from engine.request import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
+    tracer = StepTracer(engine, args.trace_steps) if args.trace_steps and breakdown else None
     timers = {"schedule": 0.0, "decode": 0.0, "prefill": 0.0, "forward_build": 0.0}
     decode_steps: list[tuple] = []  # (rows, step_s, runner.decode_s, graph build_s, schedule_s)
     if breakdown:
@@ -178,6 +180,8 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
         record["start_s"] = round(record["start_s"] - first_start, 4)
     result["first_steps"] = first_steps
     result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
+    if tracer is not None:
+        result["step_trace_ms"] = tracer.steps
     if breakdown and decode_steps:
         n = len(decode_steps)
 
@@ -208,6 +212,74 @@ def _wrap(obj, name: str, timers: dict, key: str) -> None:
     setattr(obj, name, timed)
 
 
+class StepTracer:
+    """Where the first steps' time goes: host seconds per engine function, step by step (--trace-steps)."""
+
+    PARTS = (("engine", ("_add_rows", "_refine_prediction", "_execute", "_commit", "_advance_pipeline")),
+             ("scheduler", ("schedule", "update")), ("runner", ("grow_pool", "prefill", "decode", "launch")),
+             ("prefix_cache", ("insert", "lookup", "evict")))
+
+    def __init__(self, engine, num_steps: int):
+        self.engine, self.num_steps, self.steps, self.current = engine, num_steps, [], None
+        for owner, names in self.PARTS:
+            obj = engine if owner == "engine" else getattr(engine, owner)
+            for name in names:
+                if hasattr(obj, name):
+                    self._wrap(obj, f"{owner}.{name}")
+        step = engine.step
+
+        def traced_step():
+            if len(self.steps) >= self.num_steps:
+                return step()
+            self.current = collections.defaultdict(float)
+            t = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.current["step"] = time.perf_counter() - t
+                self.steps.append({k: round(v * 1000, 2) for k, v in self.current.items()})
+                self.current = None
+
+        engine.step = traced_step
+
+    def _wrap(self, obj, key: str) -> None:
+        fn = getattr(obj, key.split(".")[1])
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.current is not None:
+                    self.current[key] += time.perf_counter() - t
+
+        setattr(obj, key.split(".")[1], timed)
+
+
+def run_engine_sync_thread(lm, prompts, arrivals, args, breakdown: bool = True) -> dict:
+    """engine_sync in a thread of its own, warmed there by the same load first (to tell what a thread
+    costs from what AsyncEngine costs)."""
+    import threading
+
+    result: dict = {}
+    vocab = lm.config["vocab_size"]
+
+    def body():
+        run_engine_sync(lm, [[(t + 1) % vocab for t in p] for p in prompts], arrivals, args, False)
+        result.update(run_engine_sync(lm, prompts, arrivals, args, breakdown))
+
+    thread = threading.Thread(target=body, name="bench-engine")
+    thread.start()
+    thread.join()
+    return result
+
+
+def run_engine_sync_asyncio(lm, prompts, arrivals, args, breakdown: bool = True) -> dict:
+    """engine_sync_thread while the main thread runs an asyncio event loop that waits for it (what
+    AsyncEngine's caller does), to tell the loop's cost from AsyncEngine's own."""
+    return asyncio.run(asyncio.to_thread(run_engine_sync_thread, lm, prompts, arrivals, args, breakdown))
+
+
 def run_engine_async(lm, prompts, arrivals, args) -> dict:
     """AsyncEngine (what the replica runs): one asyncio task per request, tokens time-stamped as
     the consumer receives them. The same load (other tokens) runs once untimed first, through the same
@@ -217,8 +289,10 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
     from engine.async_engine import AsyncEngine
     from engine.request import SamplingParams
 
-    engine = make_engine(lm, prompts, args)
-    aengine = AsyncEngine(engine)
+    # Built in its thread, as the replica's; no built-in warm-up (the same-shape pass below replaces it)
+    aengine = AsyncEngine(lambda: make_engine(lm, prompts, args), warmup=args.async_warmup)
+    engine = aengine.engine
+    tracer = StepTracer(engine, args.trace_steps) if args.trace_steps else None
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     steps = []  # the first steps: when each ran (from the run's start) and what it computed
     clock = {"t0_ns": time.time_ns()}
@@ -259,12 +333,18 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
     try:
         vocab = lm.config["vocab_size"]
         asyncio.run(main([[(t + 1) % vocab for t in p] for p in prompts]))  # warm this engine's thread
+        warm_steps = list(steps)
         steps.clear()
+        if tracer is not None:
+            warm_trace, tracer.steps = tracer.steps, []
         with MemoryWindow() as mem:
             records, wall = asyncio.run(main(prompts))
         result = summarize(records, wall)
         result.update(mem.result())
         result["first_steps"] = steps
+        result["warm_pass_first_steps"] = warm_steps
+        if tracer is not None:
+            result["step_trace_ms"], result["warm_pass_step_trace_ms"] = tracer.steps, warm_trace
         result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
     finally:
         aengine.shutdown()
@@ -362,7 +442,8 @@ def engine_only(args) -> dict:
     runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
                "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
                "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, paged_attention=False)),
-               "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, fuse_projections=False))}
+               "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, fuse_projections=False)),
+               "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
     # and on CUDA the attention graphs of every shape the timed run meets, are built here).
@@ -433,7 +514,8 @@ def parse_args(argv=None):
                    help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
                    "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
                    "the KV instead of the CUDA paged-attention kernel, paged_attention=false), engine_sync_unfused (one "
-                   "matmul per projection, fuse_projections=false), mlx_lm")
+                   "matmul per projection, fuse_projections=false), engine_sync_thread (engine_sync in a thread of its "
+                   "own), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)
@@ -455,7 +537,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--out", default=None, help="also write the result to this file")
+    p.add_argument("--async-warmup", type=int, choices=[0, 1], default=0,
+                   help="--engine-only engine: AsyncEngine's own short warm-up before the same-shape pass (1) or not")
+    p.add_argument("--trace-steps", type=int, default=0,
+                   help="--engine-only: record where the host time of the first N steps goes (engine_sync, engine)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for this process (how long a thread holds the GIL when "
+                   "another waits for it; Python's default 0.005 s)")
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     if args.start_app and not args.url:
         args.url = "http://127.0.0.1:8100"  # not serve.yaml's 8000, which a running app may hold

@@ -126,6 +126,8 @@ fi
   --out "$OUT/kv_gather.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
   --peak-tflops 790 --json --out "$OUT/naive.json"
+# EXTRA_CMD: one more command (e.g. a variant of a benchmark), run last with the same environment
+[[ -z "${EXTRA_CMD:-}" ]] || step extra "${EXTRA_CAP:-200}" 0 bash -c "$EXTRA_CMD"
 env | grep '^MLX_' >>"$OUT/env.txt"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/env.txt" 2>&1
 log "done; files: $(ls "$OUT" | tr '\n' ' ')"

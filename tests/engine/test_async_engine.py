@@ -102,3 +102,27 @@ async def test_warmup_runs_in_the_engine_thread_before_serving(make_engine, monk
     default = AsyncEngine(make_engine())
     default.shutdown()
     assert default.warmup_s is None  # on the CPU: none by default
+
+
+async def test_engine_built_by_a_factory_in_the_engine_thread(make_engine):
+    import threading
+
+    built_in = []
+
+    def build():
+        built_in.append(threading.current_thread().name)
+        return make_engine()
+
+    aengine = AsyncEngine(build)
+    try:
+        assert built_in == ["mlx-engine"] and aengine.engine is not None
+        outs = [o async for o in aengine.generate("a", [9] * 12, SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert sum(len(o.new_token_ids) for o in outs) == 3
+    finally:
+        aengine.shutdown()
+
+    def broken():
+        raise ValueError("memory_limit_bytes=1 is too small")
+
+    with pytest.raises(ValueError, match="memory_limit_bytes=1"):
+        AsyncEngine(broken)
