@@ -66,11 +66,11 @@ class FusedLinear(nn.Module):
             if "bias" in self:
                 return mx.addmm(self.bias[a:b], x, self.weight[a:b].T)
             return x @ self.weight[a:b].T
-        cache = self._cache
+        cache = self._cache.mine()
         if cache.x is not x:
             cache.x = x
             cache.y = mx.addmm(self.bias, x, self.weight.T) if "bias" in self else x @ self.weight.T
-            cache.left = len(cache.bounds)
+            cache.left = len(self._cache.bounds)
         out = cache.y[..., a:b]
         cache.left -= 1
         if cache.left == 0:  # every part taken: hold no graph past this layer
@@ -79,11 +79,22 @@ class FusedLinear(nn.Module):
 
 
 class _Product:
-    """The parts' row bounds, and the last input and product, of a FusedLinear (a plain object, so not
-    part of MLX's parameter tree)."""
+    """The parts' row bounds, and per thread the last input and product, of a FusedLinear (a plain
+    object, so not part of MLX's parameter tree)."""
 
     def __init__(self, bounds: tuple):
         self.bounds = bounds
+        self._local = threading.local()
+
+    def mine(self) -> "_Last":
+        last = getattr(self._local, "last", None)
+        if last is None:
+            last = self._local.last = _Last()
+        return last
+
+
+class _Last:
+    def __init__(self):
         self.x: Optional[mx.array] = None
         self.y: Optional[mx.array] = None
         self.left = 0

@@ -171,6 +171,10 @@ class _ViewLayer:
             return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
         return self._view.mask
 
+    @property
+    def reads_paged(self) -> bool:
+        return self._view.reads_paged
+
     def paged_attention(self, queries: mx.array, scale: float) -> Optional[mx.array]:
         """The attention output read from the pool in place (engine/paged_attention.py), or None
         when this forward gathers (mlx-lm's attention then runs on what update_and_fetch returned)."""

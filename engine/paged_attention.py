@@ -14,7 +14,7 @@ PagedAttention, with the split over the sequence of flash-decoding):
 `install(model)` routes mlx-lm's attention call (`scaled_dot_product_attention` of the model's module)
 through a dispatcher: a cache layer that offers `paged_attention` (engine/kv.py, for a one-query
 forward with a kernel set) gets the kernel's output; everything else, mlx-lm's own caches included,
-goes to mlx-lm's function unchanged. `reference_attention` computes the same thing with MLX operations
+goes to mlx-lm's function unchanged. `ReferenceAttention` computes the same thing with MLX operations
 (gather, mask, MLX attention): the CPU tests run the engine's paged path with it, and
 scripts/check_paged_attention.py checks the kernel against it on a GPU.
 """
@@ -240,7 +240,11 @@ def install(model) -> bool:
 def _dispatch(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         paged = getattr(cache, "paged_attention", None)
-        if paged is not None and sinks is None:
+        if paged is not None:
+            if sinks is not None and getattr(cache, "reads_paged", False):
+                # the cache returned only the new keys: falling back would attend to those alone
+                raise NotImplementedError("attention sinks are not supported with paged_attention; "
+                                          "set paged_attention: false")
             out = paged(queries, scale)
             if out is not None:
                 return out

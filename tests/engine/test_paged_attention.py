@@ -145,3 +145,18 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
             want = model(mx.array([[tokens[b]]]), cache=cache)
             assert mx.allclose(got[b], want[0], atol=1e-4, rtol=1e-4).item()
     assert impl.calls == 5 * runner.num_layers
+
+
+def test_dispatcher_refuses_sinks_on_a_paged_forward_and_passes_other_caches_through():
+    from engine.paged_attention import _dispatch
+
+    calls = []
+    attention = _dispatch(lambda *a, **k: calls.append(k) or "mlx-lm")
+    paged_layer = SimpleNamespace(paged_attention=lambda q, scale: "kernel", reads_paged=True)
+    assert attention("q", "k", "v", cache=paged_layer, scale=1.0, mask=None) == "kernel"
+    with pytest.raises(NotImplementedError, match="sinks"):
+        attention("q", "k", "v", cache=paged_layer, scale=1.0, mask=None, sinks="s")
+    gathering_layer = SimpleNamespace(paged_attention=lambda q, scale: None, reads_paged=False)
+    assert attention("q", "k", "v", cache=gathering_layer, scale=1.0, mask="m") == "mlx-lm"
+    assert attention("q", "k", "v", cache=object(), scale=1.0, mask="m", sinks="s") == "mlx-lm"
+    assert calls[-1]["sinks"] == "s" and calls[0]["mask"] == "m"
