@@ -13,12 +13,11 @@ prompt alone through mlx-lm's `generate_step`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, load_bench_model, random_prompts  # noqa: E402
+from bench_common import emit, environment, load_bench_model, random_prompts  # noqa: E402
 
 
 def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int) -> list[list[int]]:
@@ -68,10 +67,7 @@ def main(argv=None) -> dict:
                   engine_equal_mlx_lm=[a == b for a, b in zip(slices, ref)],
                   engine_mlx_lm_common_prefix=[same_prefix(a, b) for a, b in zip(slices, ref)],
                   engine=slices, engine_gather=gather, mlx_lm=ref)
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, True, args.out)
     return result
 
 

@@ -15,7 +15,6 @@ before) and `paged_ms` (each layer: the kernel).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_common import environment  # noqa: E402
+from bench_common import emit, environment  # noqa: E402
 from engine.paged_attention import CudaPagedAttention, ReferenceAttention  # noqa: E402
 
 CASES = [[1], [255], [256], [257], [1, 700, 256, 3], [518] * 8, [8192], [8192, 100, 4000, 2049]]
@@ -125,10 +124,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     result = {"check": "paged_attention", "environment": environment(), "correctness": check(args),
               "time": bench(args)}
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, True, args.out)
     return result
 
 
