@@ -282,10 +282,15 @@ def run_engine_sync_asyncio(lm, prompts, arrivals, args, breakdown: bool = True)
 
 def run_engine_async(lm, prompts, arrivals, args) -> dict:
     """AsyncEngine (what the replica runs): one asyncio task per request, tokens time-stamped as
-    the consumer receives them. The same load (other tokens) runs once untimed first, through the same
-    AsyncEngine: MLX keeps a stream and command encoder (on CUDA, its CUDA graphs) per thread, so a
-    warm-up in another thread (the bench's own warm-up runs, or another AsyncEngine's) would not
-    warm this engine's thread."""
+    the consumer receives them. The same load (other tokens) runs untimed first through the same
+    AsyncEngine, then its prefix-cache entries are evicted, so the timed pass finds the KV pool at the
+    size this load needs (`pool_grew_in_timed_pass` says whether it still grew). Why: MLX keeps a
+    stream, command encoder, CUDA graphs and cuDNN attention graphs per thread, so a warm-up in another
+    thread (the bench's own warm-up runs, or another AsyncEngine's) does not warm this one's; and
+    cuDNN's attention graphs are keyed by the K/V strides, which for a prompt chunk read as a view of
+    the pool include the pool's size, so a pool growth makes the next prompt chunks build theirs again
+    (docs/benchmarks.md). The bare-loop backends build a fresh engine per pass in the same thread,
+    whose pool grows to the same sizes every pass."""
     from engine.async_engine import AsyncEngine
     from engine.request import SamplingParams
 
@@ -333,6 +338,10 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
     try:
         vocab = lm.config["vocab_size"]
         asyncio.run(main([[(t + 1) % vocab for t in p] for p in prompts]))  # warm this engine's thread
+        # The prefix cache keeps the warm pass's blocks; let them go (the engine thread is idle), so the
+        # timed pass finds the pool at the size this load needs instead of growing it.
+        engine.prefix_cache.evict(engine.prefix_cache.nbytes)
+        pool_before = engine.runner.pool_tokens
         warm_steps = list(steps)
         steps.clear()
         if tracer is not None:
@@ -343,6 +352,7 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
         result.update(mem.result())
         result["first_steps"] = steps
         result["warm_pass_first_steps"] = warm_steps
+        result["pool_grew_in_timed_pass"] = engine.runner.pool_tokens != pool_before
         if tracer is not None:
             result["step_trace_ms"], result["warm_pass_step_trace_ms"] = tracer.steps, warm_trace
         result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
