@@ -15,8 +15,10 @@ PagedAttention, with the split over the sequence of flash-decoding):
 through a dispatcher: a cache layer that offers `paged_attention` (engine/kv.py, for a one-query
 forward with a kernel set) gets the kernel's output; everything else, mlx-lm's own caches included,
 goes to mlx-lm's function unchanged. `ReferenceAttention` computes the same thing with MLX operations
-(gather, mask, MLX attention): the CPU tests run the engine's paged path with it, and
-scripts/check_paged_attention.py checks the kernel against it on a GPU.
+(gather, mask, MLX attention): the CPU tests run the engine's paged path with it,
+scripts/check_paged_attention.py checks the kernel against it on a GPU, and `self_check` does so on
+a small case before the runner uses the kernel (a device or MLX version it fails on falls back to
+gathering, with a warning).
 """
 
 from __future__ import annotations
@@ -197,6 +199,27 @@ class CudaPagedAttention(PagedAttention):
             grid=(B * hq * d, 1, 1), threadgroup=(d, 1, 1),
             output_shapes=[(B, hq, 1, d)], output_dtypes=[queries.dtype])
         return out
+
+
+def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> None:
+    """Run `impl` once on a small case of this model's attention shape (two rows, one across a block
+    boundary, blocks out of order) against `ReferenceAttention`; raise if it fails or disagrees. The
+    runner calls it before using the kernel, so a GPU or MLX version it does not work on falls back to
+    gathering instead of failing every decode."""
+    hkv, bs = impl.num_kv_heads, impl.block_size
+    lengths = [bs + 3, 5]
+    slots = 3 * bs
+    k_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(1)).astype(dtype)
+    v_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(2)).astype(dtype)
+    queries = mx.random.normal((2, num_heads, 1, head_dim), key=mx.random.key(3)).astype(dtype)
+    table, lens = mx.array([[2, 0], [1, 0]], mx.int32), mx.array(lengths, mx.int32)
+    scale = mx.array([head_dim ** -0.5], mx.float32)
+    got = impl(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
+    want = ReferenceAttention(hkv, bs)(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
+    err = mx.abs(got - want).max().item()
+    tolerance = 1e-3 if dtype == mx.float32 else 5e-2
+    if not err <= tolerance:  # NaN fails too
+        raise RuntimeError(f"paged attention kernel differs from the reference by {err} (> {tolerance})")
 
 
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> Optional[str]:

@@ -13,6 +13,7 @@ operations whatever the number of rows. The pool's blocks are handed out by a `B
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,8 +23,11 @@ import mlx.nn as nn
 from engine.blocks import BlockAllocator, num_blocks_for
 from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
-from engine.paged_attention import CudaPagedAttention, PagedAttention, cuda_available, install, unsupported
+from engine.paged_attention import (CudaPagedAttention, PagedAttention, cuda_available, install, self_check,
+                                    unsupported)
 from engine.sampling import RequestSampler, sample_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,15 +85,29 @@ class ModelRunner:
         dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
         self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
         self.fused = fuse and fuse_projections(model) > 0
-        why_not = unsupported(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
-        if paged_attention and cuda_available() and why_not is None:
-            self.use_paged_attention(CudaPagedAttention(attention.n_kv_heads, block_size))
+        if paged_attention and cuda_available():
+            self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
         self.num_tokens_computed = 0
+
+    def _enable_paged_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                             dtype) -> None:
+        """The CUDA kernel for one-query forwards, if this model's shape allows it and it passes its
+        self-check here; else decode gathers (logged)."""
+        why_not = unsupported(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        if why_not is None:
+            try:
+                kernel = CudaPagedAttention(num_kv_heads, block_size)
+                self_check(kernel, num_heads, head_dim, dtype)
+                self.use_paged_attention(kernel)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means: do without it
+                why_not = f"{type(exc).__name__}: {exc}"
+        logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
     def use_paged_attention(self, impl: Optional[PagedAttention]) -> None:
         """One-query forwards compute attention with `impl` over the pool in place (None: they gather).

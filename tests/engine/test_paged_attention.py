@@ -160,3 +160,39 @@ def test_dispatcher_refuses_sinks_on_a_paged_forward_and_passes_other_caches_thr
     assert attention("q", "k", "v", cache=gathering_layer, scale=1.0, mask="m") == "mlx-lm"
     assert attention("q", "k", "v", cache=object(), scale=1.0, mask="m", sinks="s") == "mlx-lm"
     assert calls[-1]["sinks"] == "s" and calls[0]["mask"] == "m"
+
+
+def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
+    import mlx.core as mx
+
+    from engine.paged_attention import self_check
+
+    self_check(ReferenceAttention(2, 256), num_heads=4, head_dim=64, dtype=mx.float32)
+
+    class Wrong(ReferenceAttention):
+        def __call__(self, queries, *args):
+            return mx.zeros_like(queries)
+
+    with pytest.raises(RuntimeError, match="differs from the reference"):
+        self_check(Wrong(2, 256), num_heads=4, head_dim=64, dtype=mx.float32)
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, monkeypatch, caplog, works):
+    import engine.runner as runner_module
+    from engine.runner import ModelRunner
+
+    class FakeKernel(ReferenceAttention):  # stands for the CUDA kernel on this CPU
+        def __call__(self, queries, *args):
+            out = super().__call__(queries, *args)
+            return out if works else out + 1.0
+
+    monkeypatch.setattr(runner_module, "cuda_available", lambda: True)
+    monkeypatch.setattr(runner_module, "CudaPagedAttention", FakeKernel)
+    runner = ModelRunner(tiny_parts[0])
+    if works:
+        assert isinstance(runner.pool.paged, FakeKernel)
+    else:
+        assert runner.pool.paged is None
+        assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
+    assert ModelRunner(tiny_parts[0], paged_attention=False).pool.paged is None
