@@ -44,7 +44,8 @@ class ForwardsMixin:
 
     def _slice_reads(self, prefills) -> set[str]:
         """Requests whose prompt chunk the runner reads as a view of the pool (no gathered copy;
-        decode always gathers, engine/kv.py `slice_start`)."""
+        engine/kv.py `slice_start`). Decodes are predicted with a gathered copy, also when the paged
+        kernel reads the pool in place (an over-estimate: docs/memory.md)."""
         return {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.num_tokens)}
 
     def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:

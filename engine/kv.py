@@ -11,6 +11,9 @@ number of operations whatever B is:
 - read, a prompt chunk (T > 1) of a row whose blocks are consecutive: head h's positions
   [0, n) are pool rows h*num_slots + s0 ... + n, so K and V are each a strided slice view of
   `pool.reshape(H_kv, num_slots, D)`, `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
+- read, a one-query forward (decode) with a paged-attention kernel set (`KVPool.paged`, the CUDA
+  kernel of engine/paged_attention.py): nothing is read here; attention reads each row's blocks in
+  the pool through a `[B, NB]` block table (`ForwardView.attend`), and no mask is built;
 - read, otherwise: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the
   contiguous `[B, H_kv, L_max, D]` that attention wants (no transposed copy); padded positions read
   row 0 and are masked by a `[B, 1, 1, L_max]` boolean mask (none for one row).

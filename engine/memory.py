@@ -237,7 +237,8 @@ class MemoryModel:
     def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: bool = True) -> int:
         """Hidden states, gathered KV, scores, MLP and logits (module docstring). `samples`: rows that
         sample (a bool counts as one). `gathers=False` (no gathered copy) is for grid points recorded
-        when one-row decodes read a view of the pool; the engine's decodes always gather."""
+        when one-row decodes read a view of the pool; the engine predicts every decode with the gather,
+        also paged ones (CUDA), which make none (an over-estimate: docs/memory.md)."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
