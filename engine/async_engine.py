@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineStats, StepMemory
+from engine.engine import Engine, EngineStats, StepMemory, mlx_backend
 from engine.request import RequestOutput, SamplingParams
 from engine.scheduler import ScheduledChunk
 
@@ -88,9 +88,7 @@ class AsyncEngine:
         self.on_step: Optional[Callable[[StepRecord], None]] = None
         self._on_step_failed = False
         if warmup is None:
-            import mlx.core as mx
-
-            warmup = mx.default_device().type == mx.DeviceType.gpu
+            warmup = mlx_backend() != "cpu"
         self.warmup_s: Optional[float] = None  # how long the warm-up took (None: none ran)
         self._warmed = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="mlx-engine", daemon=True)

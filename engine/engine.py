@@ -122,7 +122,8 @@ class Engine(ForwardsMixin):
             )
         self.runner = ModelRunner(model, seed=config.seed, block_size=self.memory.kv_step,
                                   max_kv_tokens=kv_budget // self.memory.kv_bytes_per_token,
-                                  paged_attention=config.paged_attention, fuse=config.fuse_projections)
+                                  paged_attention=config.paged_attention and mlx_backend() == "cuda",
+                                  fuse=config.fuse_projections)
         # Evicted prefix-cache entries give their pool blocks back.
         self.prefix_cache = PrefixCache(int(config.prefix_cache_fraction * kv_budget),
                                         on_evict=self.runner.release)

@@ -174,10 +174,6 @@ class _ViewLayer:
             return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
         return self._view.mask
 
-    @property
-    def reads_paged(self) -> bool:
-        return self._view.reads_paged
-
     def paged_attention(self, queries: mx.array, scale: float) -> Optional[mx.array]:
         """The attention output read from the pool in place (engine/paged_attention.py), or None
         when this forward gathers (mlx-lm's attention then runs on what update_and_fetch returned)."""
@@ -201,8 +197,6 @@ class ForwardView:
         self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
         self._read: Optional[mx.array] = None
         self._paged: Optional[tuple[mx.array, mx.array]] = None  # (block table, lengths) of a paged read
-        self._scales: dict[float, mx.array] = {}
-        start = slice_start(pool, rows, num_new, read_slices)
         if pool.paged is not None and num_new == 1:
             num_blocks = -(-max(lengths) // pool.block_size)
             table = np.zeros((len(rows), num_blocks), np.int32)  # past a row's blocks: block 0, unread
@@ -210,23 +204,18 @@ class ForwardView:
                 used = row.blocks[:num_blocks]
                 table[b, : len(used)] = used
             self._paged = (mx.array(table), mx.array(lengths, mx.int32))
-        elif start is not None:
+        elif (start := slice_start(pool, rows, num_new, read_slices)) is not None:
             self._slice = (start, start + lengths[0])
         else:
-            width = max(lengths)
-            read = np.zeros((len(rows), width), np.int64)  # padded positions read slot 0, masked
+            read = np.zeros((len(rows), max(lengths)), np.int64)  # padded positions read slot 0, masked
             for b, (row, n) in enumerate(zip(rows, lengths)):
                 read[b, :n] = row.slots(0, n)
             self._read = mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_max]
-        if len(rows) == 1:
-            self.offset = rows[0].offset
-            self.mask = None
-        elif self._paged is not None:
-            self.offset = mx.array([r.offset for r in rows])
-            self.mask = None  # the kernel reads each row's own length
-        else:
-            self.offset = mx.array([r.offset for r in rows])  # per-row RoPE offsets, [B]
-            # [B, 1, 1, L_max]: True where a row has a real key
+        # per-row RoPE offsets ([B]) and, for a gathered batch, a [B, 1, 1, L_max] mask, True where a row
+        # has a real key (one row needs none; the paged kernel reads each row's own length)
+        self.offset = rows[0].offset if len(rows) == 1 else mx.array([r.offset for r in rows])
+        self.mask = None
+        if len(rows) > 1 and self._read is not None:
             self.mask = mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
 
     def layers(self) -> list[_ViewLayer]:
@@ -250,11 +239,8 @@ class ForwardView:
         forward is not paged. Called after write_and_read: the pool holds the new keys."""
         if self._paged is None:
             return None
-        if scale not in self._scales:
-            self._scales[scale] = mx.array([scale], mx.float32)
         table, lengths = self._paged
-        return self.pool.paged(queries, self.pool.keys[layer], self.pool.values[layer], table, lengths,
-                               self._scales[scale])
+        return self.pool.paged(queries, self.pool.keys[layer], self.pool.values[layer], table, lengths, scale)
 
     @property
     def reads_paged(self) -> bool:

@@ -148,7 +148,7 @@ _THREADS = 128
 class PagedAttention:
     """Attention of one query per row over its KV in the pool. `__call__(queries [B, H, 1, D], k_pool,
     v_pool [H_kv * slots, D], table [B, NB] int32 (the rows' first NB pool blocks), lengths [B] int32
-    (keys per row, NB = ceil(max(lengths) / block_size)), scale [1] float32) -> [B, H, 1, D]`."""
+    (keys per row, NB = ceil(max(lengths) / block_size)), scale) -> [B, H, 1, D]`."""
 
     def __init__(self, num_kv_heads: int, block_size: int):
         self.num_kv_heads = num_kv_heads
@@ -160,7 +160,7 @@ class ReferenceAttention(PagedAttention):
     positions past each row's length, MLX's attention (the CPU tests' stand-in for the kernel, and
     the kernel's oracle)."""
 
-    def __call__(self, queries, k_pool, v_pool, table, lengths, scale):
+    def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
         hkv, bs = self.num_kv_heads, self.block_size
         slots_per_head = k_pool.shape[0] // hkv
         pos = mx.arange(table.shape[1] * bs)
@@ -168,7 +168,7 @@ class ReferenceAttention(PagedAttention):
         rows = mx.arange(hkv)[None, :, None] * slots_per_head + slots[:, None, :]  # [B, H_kv, L]
         mask = (pos[None] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
         return mx.fast.scaled_dot_product_attention(
-            queries, k_pool[rows], v_pool[rows], scale=scale.item(), mask=mask)
+            queries, k_pool[rows], v_pool[rows], scale=scale, mask=mask)
 
 
 class CudaPagedAttention(PagedAttention):
@@ -176,6 +176,7 @@ class CudaPagedAttention(PagedAttention):
 
     def __init__(self, num_kv_heads: int, block_size: int):
         super().__init__(num_kv_heads, block_size)
+        self._scales: dict[float, mx.array] = {}  # the kernel takes the scale as a [1] array
         self._partial = mx.fast.cuda_kernel(
             name="pool_attention_partial",
             input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
@@ -184,13 +185,15 @@ class CudaPagedAttention(PagedAttention):
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
 
-    def __call__(self, queries, k_pool, v_pool, table, lengths, scale):
+    def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
+        if scale not in self._scales:
+            self._scales[scale] = mx.array([scale], mx.float32)
         B, hq, _, d = queries.shape
         hkv, nb = self.num_kv_heads, table.shape[1]
         nrep = hq // hkv
         template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
         part, stats = self._partial(
-            inputs=[queries, k_pool, v_pool, table, lengths, scale], template=template,
+            inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
             grid=(B * hkv * nb * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
             output_shapes=[(B, hkv, nb, nrep, d), (B, hkv, nb, nrep, 2)],
             output_dtypes=[mx.float32, mx.float32])
@@ -213,7 +216,7 @@ def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> No
     v_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(2)).astype(dtype)
     queries = mx.random.normal((2, num_heads, 1, head_dim), key=mx.random.key(3)).astype(dtype)
     table, lens = mx.array([[2, 0], [1, 0]], mx.int32), mx.array(lengths, mx.int32)
-    scale = mx.array([head_dim ** -0.5], mx.float32)
+    scale = head_dim ** -0.5
     got = impl(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
     want = ReferenceAttention(hkv, bs)(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
     err = mx.abs(got - want).max().item()
@@ -233,11 +236,6 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     if dtype not in (mx.bfloat16, mx.float16, mx.float32):
         return f"dtype {dtype} is not a float type"
     return None
-
-
-def cuda_available() -> bool:
-    """MLX runs on a CUDA GPU (the kernel's only backend)."""
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
 # --- routing mlx-lm's attention call ------------------------------------------------------------
@@ -263,15 +261,13 @@ def install(model) -> bool:
 def _dispatch(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         paged = getattr(cache, "paged_attention", None)
-        if paged is not None:
-            if sinks is not None and getattr(cache, "reads_paged", False):
-                # the cache returned only the new keys: falling back would attend to those alone
-                raise NotImplementedError("attention sinks are not supported with paged_attention; "
-                                          "set paged_attention: false")
-            out = paged(queries, scale)
-            if out is not None:
-                return out
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        out = paged(queries, scale) if paged is not None else None
+        if out is None:
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if sinks is not None:  # the cache returned only the new keys: mlx-lm's function cannot take over
+            raise NotImplementedError("attention sinks are not supported with paged_attention; "
+                                      "set paged_attention: false")
+        return out
 
     setattr(scaled_dot_product_attention, _ORIGINAL, original)
     return scaled_dot_product_attention

@@ -23,8 +23,7 @@ import mlx.nn as nn
 from engine.blocks import BlockAllocator, num_blocks_for
 from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
-from engine.paged_attention import (CudaPagedAttention, PagedAttention, cuda_available, install, self_check,
-                                    unsupported)
+from engine.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
 from engine.sampling import RequestSampler, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -69,10 +68,11 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
-                 paged_attention: bool = True, fuse: bool = True):
+                 paged_attention: bool = False, fuse: bool = True):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
-        `paged_attention`: one-query forwards read the pool in place with the CUDA kernel where MLX runs
-        on CUDA and the model's shape allows (engine/paged_attention.py); else they gather.
+        `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
+        asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
+        self-check (engine/paged_attention.py); else they gather.
         `fuse`: the engine's decode forwards compute q/k/v and gate/up as one matmul each (engine/fused.py;
         this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before)."""
         check_plain_kv_cache(model)
@@ -85,7 +85,7 @@ class ModelRunner:
         dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
         self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
         self.fused = fuse and fuse_projections(model) > 0
-        if paged_attention and cuda_available():
+        if paged_attention:
             self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed

@@ -220,40 +220,27 @@ class StepTracer:
              ("prefix_cache", ("insert", "lookup", "evict")))
 
     def __init__(self, engine, num_steps: int):
-        self.engine, self.num_steps, self.steps, self.current = engine, num_steps, [], None
+        self.num_steps, self.steps = num_steps, []
+        totals = collections.defaultdict(float)  # seconds per function, over the run
         for owner, names in self.PARTS:
             obj = engine if owner == "engine" else getattr(engine, owner)
             for name in names:
                 if hasattr(obj, name):
-                    self._wrap(obj, f"{owner}.{name}")
+                    _wrap(obj, name, totals, f"{owner}.{name}")
         step = engine.step
 
         def traced_step():
             if len(self.steps) >= self.num_steps:
                 return step()
-            self.current = collections.defaultdict(float)
-            t = time.perf_counter()
+            before, t = dict(totals), time.perf_counter()
             try:
                 return step()
             finally:
-                self.current["step"] = time.perf_counter() - t
-                self.steps.append({k: round(v * 1000, 2) for k, v in self.current.items()})
-                self.current = None
+                spent = {k: v - before.get(k, 0.0) for k, v in totals.items() if v != before.get(k, 0.0)}
+                spent["step"] = time.perf_counter() - t
+                self.steps.append({k: round(v * 1000, 2) for k, v in spent.items()})
 
         engine.step = traced_step
-
-    def _wrap(self, obj, key: str) -> None:
-        fn = getattr(obj, key.split(".")[1])
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if self.current is not None:
-                    self.current[key] += time.perf_counter() - t
-
-        setattr(obj, key.split(".")[1], timed)
 
 
 def run_engine_sync_thread(lm, prompts, arrivals, args, breakdown: bool = True) -> dict:

@@ -56,7 +56,7 @@ def check(args) -> list[dict]:
         ref = ReferenceAttention(args.kv_heads, args.block)
         for lengths in CASES:
             q, k, v, table, lens = make_case(lengths, args.heads, args.kv_heads, args.head_dim, args.block, dtype, rng)
-            scale = mx.array([args.head_dim ** -0.5], mx.float32)
+            scale = args.head_dim ** -0.5
             got = kernel(q, k, v, table, lens, scale).astype(mx.float32)
             want = ref(q, k, v, table, lens, scale).astype(mx.float32)
             err = mx.abs(got - want).max().item()
@@ -86,7 +86,7 @@ def bench(args) -> list[dict]:
         q, k, v, table, lens = make_case([args.context] * B, args.heads, args.kv_heads, args.head_dim,
                                          args.block, dtype, rng)
         ks, vs = [k] * args.layers, [v] * args.layers
-        scale = mx.array([args.head_dim ** -0.5], mx.float32)
+        scale = args.head_dim ** -0.5
         hkv, slots, bs = args.kv_heads, k.shape[0] // args.kv_heads, args.block
         pos = np.arange(args.context)
         tab = np.array(table)
@@ -95,7 +95,7 @@ def bench(args) -> list[dict]:
         mask = mx.array(np.ones((B, 1, 1, args.context), bool)) if B > 1 else None
 
         def gather():
-            return [mx.fast.scaled_dot_product_attention(q, ks[i][read], vs[i][read], scale=args.head_dim ** -0.5,
+            return [mx.fast.scaled_dot_product_attention(q, ks[i][read], vs[i][read], scale=scale,
                                                          mask=mask) for i in range(args.layers)]
 
         def paged():

@@ -59,8 +59,31 @@ def test_fused_model_computes_the_same_with_fewer_matmuls(bias):
     assert fuse_projections(model) == 4  # idempotent: counts the groups already fused
 
 
+def decode_matmuls(engine) -> int:
+    """Matmul nodes in the graph of the engine's next decode forward (after its prompts prefilled)."""
+    from engine.request import SamplingParams
+
+    engine.add_request("a", [5, 9, 17, 4], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the prompt
+    runner, counts = engine.runner, []
+    forward = runner._forward
+
+    def counting(tokens, cache):
+        hidden = forward(tokens, cache)
+        if tokens.shape[1] == 1:
+            ops = op_counts(hidden)
+            counts.append(ops.get("Matmul", 0) + ops.get("AddMM", 0))
+        return hidden
+
+    runner._forward = counting
+    engine.step()
+    return counts[0]
+
+
 def test_engine_decode_uses_the_fused_matmuls(make_engine, tiny_parts):
-    engine = make_engine()
-    assert engine.runner.fused
-    assert make_engine().runner.fused  # a second engine on the same (already fused) model
-    assert not make_engine(fuse_projections=False).runner.fused
+    fused = make_engine()
+    assert fused.runner.fused and make_engine().runner.fused  # a second engine on the already fused model
+    unfused = make_engine(fuse_projections=False)
+    assert not unfused.runner.fused
+    num_layers = fused.memory.shape.num_layers
+    assert decode_matmuls(fused) == decode_matmuls(unfused) - 3 * num_layers  # 7 -> 4 per layer

@@ -152,11 +152,11 @@ def test_dispatcher_refuses_sinks_on_a_paged_forward_and_passes_other_caches_thr
 
     calls = []
     attention = _dispatch(lambda *a, **k: calls.append(k) or "mlx-lm")
-    paged_layer = SimpleNamespace(paged_attention=lambda q, scale: "kernel", reads_paged=True)
+    paged_layer = SimpleNamespace(paged_attention=lambda q, scale: "kernel")
     assert attention("q", "k", "v", cache=paged_layer, scale=1.0, mask=None) == "kernel"
     with pytest.raises(NotImplementedError, match="sinks"):
         attention("q", "k", "v", cache=paged_layer, scale=1.0, mask=None, sinks="s")
-    gathering_layer = SimpleNamespace(paged_attention=lambda q, scale: None, reads_paged=False)
+    gathering_layer = SimpleNamespace(paged_attention=lambda q, scale: None)
     assert attention("q", "k", "v", cache=gathering_layer, scale=1.0, mask="m") == "mlx-lm"
     assert attention("q", "k", "v", cache=object(), scale=1.0, mask="m", sinks="s") == "mlx-lm"
     assert calls[-1]["sinks"] == "s" and calls[0]["mask"] == "m"
@@ -187,12 +187,11 @@ def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, mon
             out = super().__call__(queries, *args)
             return out if works else out + 1.0
 
-    monkeypatch.setattr(runner_module, "cuda_available", lambda: True)
     monkeypatch.setattr(runner_module, "CudaPagedAttention", FakeKernel)
-    runner = ModelRunner(tiny_parts[0])
+    runner = ModelRunner(tiny_parts[0], paged_attention=True)
     if works:
         assert isinstance(runner.pool.paged, FakeKernel)
     else:
         assert runner.pool.paged is None
         assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
-    assert ModelRunner(tiny_parts[0], paged_attention=False).pool.paged is None
+    assert ModelRunner(tiny_parts[0]).pool.paged is None  # not asked for (the engine asks on CUDA only)
