@@ -70,6 +70,11 @@ def mlx_backend() -> str:
     return "cuda" if cuda is not None and cuda.is_available() else "metal"
 
 
+# Tokens per KV pool block: the unit of a request's reservation (MemoryModel.kv_step) and of the paged
+# kernel's block table.
+KV_BLOCK_TOKENS = 256
+
+
 def backend_coefficients():
     """The memory model's coefficients for this process's MLX backend and settings."""
     ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "")
@@ -103,8 +108,15 @@ class Engine(ForwardsMixin):
         self.model_name = config.model
         dtype_bytes = next(iter(p.dtype.size for _, p in tree_flatten(model.parameters())))
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
+        # self-check) changes the memory model's decode term, and so the transient bound and KV budget.
+        self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS, max_kv_tokens=0,
+                                  paged_attention=config.paged_attention and mlx_backend() == "cuda",
+                                  fuse=config.fuse_projections)
         self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
-                                  coefficients=with_overrides(backend_coefficients(), config.memory_coefficients))
+                                  kv_step=KV_BLOCK_TOKENS,
+                                  coefficients=with_overrides(backend_coefficients(), config.memory_coefficients),
+                                  paged_decode=self.runner.paged_attention)
         model_max = model_config.get("max_position_embeddings") or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (
@@ -120,10 +132,7 @@ class Engine(ForwardsMixin):
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
                 f"{weights_bytes} + transient bound {bound} bytes"
             )
-        self.runner = ModelRunner(model, seed=config.seed, block_size=self.memory.kv_step,
-                                  max_kv_tokens=kv_budget // self.memory.kv_bytes_per_token,
-                                  paged_attention=config.paged_attention and mlx_backend() == "cuda",
-                                  fuse=config.fuse_projections)
+        self.runner.set_max_kv_tokens(kv_budget // self.memory.kv_bytes_per_token)
         # Evicted prefix-cache entries give their pool blocks back.
         self.prefix_cache = PrefixCache(int(config.prefix_cache_fraction * kv_budget),
                                         on_evict=self.runner.release)

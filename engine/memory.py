@@ -17,7 +17,11 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   the hidden states, one layer's KV of the rows gathered from the pool (right-padded to n, with its
   int32 slot index), the scores, the MLP intermediates and the logits: a sum, since the runner
   launches the head while the layers still run (runner.launch), so the last layer's gathered KV and
-  the logits can be alive together.
+  the logits can be alive together. A paged decode (`MemoryModel(paged_decode=True)`: the engine's
+  runner reads the pool in place with engine/paged_attention.py's kernel) makes no gathered copy; its
+  term is instead the kernel's float32 partials, p * B*H*ceil(n / kv_step)*(d + 2)*4 (one softmax
+  partial and its two statistics per row, query head and pool block). A one-token prompt chunk is such
+  a forward too.
 - KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
   is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
   (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
@@ -28,7 +32,8 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - On CUDA, MLX frees a kernel's temporaries only when its committed batch of ops has run, so several
   layers' intermediates coexist: every per-layer term above (all but the logits / sampling ones) is
   counted m = min(L, layers_in_flight) times, and a constant `step_overhead_bytes` is added to every
-  forward; on the CPU m = 1 and the constant is 0 (`coefficients_for_backend`).
+  forward (plus `prefill_overhead_bytes` to every prompt chunk of more than one token); on the CPU m = 1
+  and the constants are 0 (`coefficients_for_backend`).
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
 MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
 no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
@@ -94,6 +99,8 @@ class TransientCoefficients:
     # intermediates before the next layer runs (CPU); more on CUDA, which frees them per committed batch.
     layers_in_flight: int = 1
     step_overhead_bytes: int = 0  # added to every forward (0 on CPU)
+    prefill_overhead_bytes: int = 0  # added to every prompt chunk of more than one token (0 on CPU)
+    decode_paged: float = 1.0  # x B*H*ceil(n/kv_step)*(d+2)*4: the paged kernel's float32 partials
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
@@ -134,8 +141,9 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
     values = dict(overrides)
     if "layers_in_flight" in values:
         values["layers_in_flight"] = int(values["layers_in_flight"])
-    if "step_overhead_bytes" in values:
-        values["step_overhead_bytes"] = int(values["step_overhead_bytes"])
+    for name in ("step_overhead_bytes", "prefill_overhead_bytes"):
+        if name in values:
+            values[name] = int(values[name])
     return replace(base, **values)
 
 
@@ -176,7 +184,9 @@ def round_up(n: int, step: int) -> int:
 
 class MemoryModel:
     def __init__(self, shape: ModelShape, kv_step: int = 256,
-                 coefficients: TransientCoefficients = CPU_COEFFICIENTS):
+                 coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False):
+        """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
+        of `kv_step` tokens) instead of gathering it."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -184,6 +194,7 @@ class MemoryModel:
         self.shape = shape
         self.kv_step = kv_step
         self.coefficients = coefficients
+        self.paged_decode = paged_decode
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -225,26 +236,41 @@ class MemoryModel:
         scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
         single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
         gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
+        paged = 0
+        if c == 1 and self.paged_decode:  # a one-query forward: the paged kernel, no gather
+            gather, paged = 0, self.paged_partials_bytes(1, n)
         per_layer = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
-            + k.prefill_gather * gather
+            + k.prefill_gather * gather + k.decode_paged * paged
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
         )
         head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
-        return int(self.layer_factor * per_layer + head + k.step_overhead_bytes)
+        overhead = k.step_overhead_bytes + (k.prefill_overhead_bytes if c > 1 else 0)
+        return int(self.layer_factor * per_layer + head + overhead)
 
-    def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: bool = True) -> int:
-        """Hidden states, gathered KV, scores, MLP and logits (module docstring). `samples`: rows that
-        sample (a bool counts as one). `gathers=False` (no gathered copy) is for grid points recorded
-        when one-row decodes read a view of the pool; the engine predicts every decode with the gather,
-        also paged ones (CUDA), which make none (an over-estimate: docs/memory.md)."""
+    def paged_partials_bytes(self, num_rows: int, context_len: int) -> int:
+        """One layer's float32 partials of the paged decode kernel (engine/paged_attention.py): per row,
+        query head and pool block of `kv_step` tokens, a partial output of d values and 2 statistics."""
+        s = self.shape
+        blocks = -(-context_len // self.kv_step)
+        return num_rows * s.num_heads * blocks * (s.head_dim + 2) * FLOAT32_BYTES
+
+    def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: Optional[bool] = None) -> int:
+        """Hidden states, the rows' KV as attention reads it, scores, MLP and logits (module docstring).
+        `samples`: rows that sample (a bool counts as one). `gathers`: whether attention reads a gathered
+        copy of the rows' KV (None: unless the model is `paged_decode`); False without paging is for grid
+        points recorded when one-row decodes read a view of the pool."""
         if not context_lens:
             return 0
         s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
+        if gathers is None:
+            gathers = not self.paged_decode
         gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
+        paged = self.paged_partials_bytes(b, n) if self.paged_decode and not gathers else 0
         m = self.layer_factor
-        layers = m * (k.decode_gather * gather + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+        layers = m * (k.decode_gather * gather + k.decode_paged * paged
+                      + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
                       + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         hidden = m * k.decode_hidden * b * s.hidden_size * s.dtype_bytes

@@ -109,6 +109,18 @@ class ModelRunner:
                 why_not = f"{type(exc).__name__}: {exc}"
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
+    @property
+    def paged_attention(self) -> bool:
+        """Whether one-query forwards read the pool in place (else they gather)."""
+        return self.pool.paged is not None
+
+    def set_max_kv_tokens(self, max_kv_tokens: int) -> None:
+        """The most KV the pool may hold (the engine sets it once it knows its budget, which depends on
+        whether decode is paged); before any block is allocated."""
+        if self.blocks.num_blocks:
+            raise RuntimeError("set_max_kv_tokens after the pool has grown")
+        self.blocks = BlockAllocator(self.blocks.block_size, max_kv_tokens // self.blocks.block_size)
+
     def use_paged_attention(self, impl: Optional[PagedAttention]) -> None:
         """One-query forwards compute attention with `impl` over the pool in place (None: they gather).
         ValueError if the model's attention cannot be routed to it."""

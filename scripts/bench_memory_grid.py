@@ -14,7 +14,9 @@ values of engine/memory.py's formulas, so fitting is a linear problem.
 Fit mode: non-negative least squares of measured bytes on the terms, then scaled up so that no
 point is under-predicted (the engine needs an upper bound), printed as a TransientCoefficients.
 With --backend NAME: a whole coefficient set for that backend, with engine/memory.py's
-layers_in_flight (scanned) and step_overhead_bytes, checked point by point with MemoryModel itself:
+layers_in_flight (scanned), step_overhead_bytes and prefill_overhead_bytes, fitted from above
+(`envelope_fit`) and checked point by point with MemoryModel itself. --fit-variants llama-8b fits one
+model alone (a per-deployment calibration, EngineConfig.memory_coefficients):
 
     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
 
@@ -40,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 
 PREFILL_TERMS = ("prefill_scores", "prefill_mask", "prefill_gather", "prefill_mlp", "prefill_hidden",
                  "prefill_logits", "decode_scores")
-DECODE_TERMS = ("decode_gather", "decode_scores", "decode_logits", "decode_mlp", "decode_hidden")
+DECODE_TERMS = ("decode_gather", "decode_paged", "decode_scores", "decode_logits", "decode_mlp", "decode_hidden")
 
 # 2-layer variants: each changes some of heads / hidden / MLP / vocabulary against the 8B shape.
 VARIANTS = {
@@ -70,9 +72,10 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
                 prefill_logits=4 * sh["V"] * int(logits), decode_scores=4 * sh["H"] * n if c == 1 else 0)
 
 
-def decode_terms(sh: dict, b: int, n: int) -> dict:
-    # a linear fit: the engine's max(layers, logits) is fitted as a sum (points where the layers dominate)
-    return dict(decode_gather=b * n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
+def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256) -> dict:
+    """`paged`: attention read the pool in place (no gathered copy; the kernel's partials instead)."""
+    return dict(decode_gather=0 if paged else b * n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
+                decode_paged=b * sh["H"] * -(-n // block) * (sh["d"] + 2) * 4 if paged else 0,
                 decode_scores=4 * b * sh["H"] * n, decode_logits=4 * b * sh["V"],
                 decode_mlp=b * sh["I"] * sh["s"], decode_hidden=b * sh["D"] * sh["s"])
 
@@ -171,8 +174,10 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 if st["chunks"] or st["decodes"] != b:
                     continue
                 ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                terms = decode_terms(shape, b, ctx)  # decode always gathers (engine/kv.py slice_start)
-                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=True,
+                paged = engine.runner.paged_attention  # else decode gathers (engine/kv.py)
+                terms = decode_terms(shape, b, ctx, paged, engine.memory.kv_step)
+                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=not paged,
+                                   paged=paged,
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                    whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)
@@ -314,18 +319,19 @@ BACKEND_COLUMNS = (
     ("prefill_scores", "prefill", "prefill_scores", True), ("prefill_mask", "prefill", "prefill_mask", True),
     ("prefill_gather", "prefill", "prefill_gather", True), ("prefill_mlp", "prefill", "prefill_mlp", True),
     ("prefill_hidden", "prefill", "prefill_hidden", True), ("prefill_logits", "prefill", "prefill_logits", False),
-    ("decode_gather", "decode", "decode_gather", True), ("decode_scores", "decode", "decode_scores", True),
+    ("decode_gather", "decode", "decode_gather", True), ("decode_paged", "decode", "decode_paged", True),
+    ("decode_scores", "decode", "decode_scores", True),
     ("decode_mlp", "decode", "decode_mlp", True), ("decode_hidden", "decode", "decode_hidden", True),
     ("decode_logits", "decode", "decode_logits", False),
 )
 
 
-def _model_of(sh: dict, coefficients):
+def _model_of(sh: dict, coefficients, paged: bool = False):
     from engine.memory import MemoryModel, ModelShape
 
     shape = ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
                        head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
-    return MemoryModel(shape, coefficients=coefficients)
+    return MemoryModel(shape, coefficients=coefficients, paged_decode=paged)
 
 
 def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]:
@@ -333,8 +339,8 @@ def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]
     truncation): what the engine will use, so the no-under-prediction check is on this, not the fit."""
     out = []
     for p in pts:
-        m = _model_of(shapes[p["variant"]], coefficients)
-        gathers = p.get("gathers", True)  # False: the row was read as a view of the pool
+        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")))
+        gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
         if p["kind"] == "prefill":
             out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"]), gathers=gathers))
         else:
@@ -360,34 +366,67 @@ def _ratio_stats(pred, meas) -> dict:
                 num_points=int(r.size))
 
 
-def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base) -> tuple:
-    """Joint NNLS (relative error) of prefill and decode points with the per-layer terms counted
-    min(L, layers_in_flight) times and one constant per forward; then every byte coefficient scaled up
-    (and rounded up) until engine_predictions() under-predicts no point. Returns (coefficients, predictions)."""
+def envelope_fit(a, x0=None, penalties=(10.0, 1e3, 1e5), iters: int = 8000):
+    """x >= 0 minimizing sum((r - 1)^2) + lam * sum(min(r - 1, 0)^2) with r = a @ x, for growing lam:
+    `a`'s rows are divided by the measured bytes, so r is predicted / measured and the fit hugs the
+    points from above (an upper bound as tight as the formula allows) instead of through them, then
+    needs only a small scale-up. Projected gradient on the column-scaled problem (numpy only)."""
+    import numpy as np
+
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    s = a / scale
+    x = x0 * scale if x0 is not None else np.clip(np.linalg.lstsq(s, np.ones(len(s)), rcond=None)[0], 0, None)
+    lipschitz = np.linalg.norm(s, 2) ** 2
+    for lam in penalties:
+        step = 1.0 / (lipschitz * (1 + lam))
+        for _ in range(iters):
+            r = s @ x - 1
+            x = np.clip(x - step * (s.T @ (np.where(r < 0, 1 + lam, 1.0) * r)), 0, None)
+    return x / scale
+
+
+def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, exclude=()) -> tuple:
+    """Joint fit (`envelope_fit`, from NNLS on relative error) of prefill and decode points with the
+    per-layer terms counted min(L, layers_in_flight) times, one constant per forward and one more per
+    prompt chunk; then every byte coefficient scaled up (and rounded up) until engine_predictions()
+    under-predicts no point. A coefficient whose term is zero at every point (e.g. prefill_gather when
+    every chunk read a view) keeps `base`'s value; one named in `exclude` is 0 (its term left out of the
+    formula). Returns (coefficients, predictions)."""
     import numpy as np
 
     rows = []
     for p in pts:
         m = min(shapes[p["variant"]]["L"], layers_in_flight)
+        prompt_chunk = p["kind"] == "prefill" and p["c"] > 1
         rows.append([(m if scaled else 1) * p["terms"].get(term, 0) if kind == p["kind"] else 0
-                     for _, kind, term, scaled in BACKEND_COLUMNS] + [1.0])
+                     for _, kind, term, scaled in BACKEND_COLUMNS] + [float(prompt_chunk), 1.0])
     a = np.array(rows, dtype=float)
     b = np.array([p["measured"] for p in pts], dtype=float)
-    x = nnls(a / b[:, None], np.ones_like(b))
+    seen = np.abs(a).max(axis=0) > 0
+    for i, (name, *_rest) in enumerate(BACKEND_COLUMNS):
+        if name in exclude:
+            a[:, i] = 0
+    fit_cols = np.abs(a).max(axis=0) > 0
+    x = np.zeros(a.shape[1])
+    x[fit_cols] = envelope_fit(a[:, fit_cols] / b[:, None], nnls(a[:, fit_cols] / b[:, None], np.ones_like(b)))
     names = [c[0] for c in BACKEND_COLUMNS]
-    fields = dict(zip(names, (float(v) for v in x[:-1])), layers_in_flight=layers_in_flight,
+    fields = {n: float(v) if ok or n in exclude else float(getattr(base, n))
+              for n, v, ok in zip(names, x[:-2], seen[:-2])}
+    fields.update(layers_in_flight=layers_in_flight, prefill_overhead_bytes=float(x[-2]),
                   step_overhead_bytes=float(x[-1]))
     kinds = [p["kind"] for p in pts]
+    group = {c[0]: c[1] for c in BACKEND_COLUMNS}
+    group["prefill_overhead_bytes"] = "prefill"
     for _ in range(20):  # scale each kind's terms, round up, re-check (int truncation, decode's max)
         coef = dataclasses.replace(base, **fields)
         pred = np.maximum(np.array(engine_predictions(pts, shapes, coef), dtype=float), 1)
         margins = {kind: max(float(max((bv / pv for bv, pv, kd in zip(b, pred, kinds) if kd == kind),
                                         default=1.0)), 1.0) for kind in ("prefill", "decode")}
         margins["both"] = max(margins.values())  # the constant is in both kinds' forwards
-        group = {c[0]: c[1] for c in BACKEND_COLUMNS}
         fields = {k: (v if k == "layers_in_flight" else _ceil_sig(v * margins[group.get(k, "both")] * (1 + 1e-9)))
                   for k, v in fields.items()}
-        fields["step_overhead_bytes"] = math_ceil(fields["step_overhead_bytes"])
+        for k in ("step_overhead_bytes", "prefill_overhead_bytes"):
+            fields[k] = math_ceil(fields[k])
         coef = dataclasses.replace(base, **fields)
         pred = engine_predictions(pts, shapes, coef)
         if all(pv >= mv for pv, mv in zip(pred, b)):
@@ -401,7 +440,22 @@ def math_ceil(x: float) -> int:
     return int(math.ceil(x))
 
 
-def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0) -> dict:
+def largest_per_chunk(pts: list[dict]) -> list[dict]:
+    """Prefill points reduced to the largest measured of each (variant, chunk size, logits); decode points
+    kept. For a backend whose chunk transient levels off as the context grows (CUDA: attention never
+    materializes the scores), fitting only those makes the bound hug each chunk size's worst case instead
+    of every short-context point below it."""
+    top: dict = {}
+    for p in pts:
+        if p["kind"] == "prefill":
+            key = (p["variant"], p["c"], bool(p["logits"]), p.get("gathers", True))
+            if key not in top or p["measured"] > top[key]["measured"]:
+                top[key] = p
+    return list(top.values()) + [p for p in pts if p["kind"] != "prefill"]
+
+
+def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0,
+                exclude: str = "", chunk_maxima: bool = False) -> dict:
     """Fit a backend's TransientCoefficients (engine/memory.py's formulas, with layers_in_flight and
     step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
     grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
@@ -416,6 +470,9 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     pts = [p for p in data["points"] if p["variant"] != "warmup" and p["measured"] > 0
            and (not keep or p["variant"] in keep)]
     shapes = data["shapes"]
+    every = pts
+    if chunk_maxima:
+        pts = largest_per_chunk(pts)
     depths = sorted({shapes[p["variant"]]["L"] for p in pts})
     top = max_layers_in_flight or depths[-1]
     candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
@@ -423,14 +480,20 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     best = None
     scan = {}
     for k in candidates:
-        coef, pred = fit_backend_at(pts, shapes, k, base)
+        coef, pred = fit_backend_at(pts, shapes, k, base, tuple(t for t in exclude.split(",") if t))
         score = float(np.exp(np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts]))))
         scan[k] = round(score, 3)
         if best is None or score < best[0]:
             best = (score, coef, pred)
     _, coef, pred = best
+    if chunk_maxima:  # checked on every point of the grid
+        pts = every
+        pred = engine_predictions(pts, shapes, coef)
+        if any(pv < p["measured"] for pv, p in zip(pred, pts)):
+            raise RuntimeError("a point below its chunk size's largest is under-predicted")
     meas = [p["measured"] for p in pts]
-    out = dict(grid=path, backend=backend, variants=sorted({p["variant"] for p in pts}),
+    out = dict(grid=path, backend=backend, variants=sorted({p["variant"] for p in pts}), excluded_terms=exclude,
+               chunk_maxima=chunk_maxima,
                environment_mlx_env=data.get("environment", {}).get("mlx_env"),
                geometric_mean_ratio_by_layers_in_flight=scan,
                predicted_over_measured=_ratio_stats(pred, meas), by_group={})
@@ -512,6 +575,11 @@ def main(argv=None):
     p.add_argument("--replay-prefill", default=None,
                    help="bench_prefill_memory.py JSONs (comma-separated): the engine steps' predicted / "
                         "measured with --backend's coefficients (default cuda), from the recorded plans")
+    p.add_argument("--exclude-terms", default="",
+                   help="--backend: coefficients fixed at 0, their terms left out (comma-separated; e.g. "
+                        "prefill_scores,prefill_mask where attention never materializes the scores)")
+    p.add_argument("--chunk-maxima", action="store_true",
+                   help="--backend: fit each chunk size's largest prefill point only (largest_per_chunk)")
     p.add_argument("--max-layers-in-flight", type=int, default=0, help="--backend: scan 1..this (default: deepest)")
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--dtype", default="auto")
@@ -530,7 +598,8 @@ def main(argv=None):
     if args.replay_prefill:
         result = [replay_prefill(f, args.backend or "cuda") for f in args.replay_prefill.split(",")]
     elif args.fit and args.backend:
-        result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight)
+        result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
+                             args.exclude_terms, args.chunk_maxima)
         if not args.json:
             print(result.pop("python"))
     else:

@@ -14,7 +14,8 @@
 # SERVING_BACKENDS (engine_sync,engine_sync_unfused,engine,mlx_lm), DECODE_PAGED (1), DECODE_FUSE (1,0): the
 # variants of serving.json and decode.json (scripts/bench_serving.py --backends, bench_decode_step.py).
 # SKIP_PAGED / SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
-# the memory model's CUDA coefficients to the grid and runs the prefill benchmark with them; MLX_* variables pass
+# the memory model's CUDA coefficients to the grid (FIT_ARGS: bench_memory_grid.py's fit options, default
+# the benchmark model alone) and runs the prefill benchmark with them; MLX_* variables pass
 # through (MLX_MAX_OPS_PER_BUFFER=8 is what scripts/serve sets on CUDA).
 #
 # Wheels: /root/stash/part_aa (carried by an earlier call) + wheels_b/ (part_ab and the small wheels):
@@ -106,7 +107,10 @@ COMMON=(--model "$MODEL" --dtype "$DTYPE")
   --json --out "$OUT/grid.json"
 PREFILL_CONFIG=()
 if [[ -n "${FIT:-}" && -s "$OUT/grid.json" ]]; then
-  python3 scripts/bench_memory_grid.py --fit "$OUT/grid.json" --backend cuda --json >"$OUT/fit.json" 2>>"$LOG"
+  # FIT_ARGS: by default a calibration for the benchmark's model alone (its chunk sizes' largest points;
+  # no context-dependent prefill terms: cuDNN attention never materializes the scores)
+  python3 scripts/bench_memory_grid.py --fit "$OUT/grid.json" --backend cuda \
+    ${FIT_ARGS:---fit-variants $MODEL --exclude-terms prefill_scores,prefill_mask --chunk-maxima} --json >"$OUT/fit.json" 2>>"$LOG"
   CONFIG=$(python3 -c "import json,sys; print(json.dumps({'memory_coefficients': json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['coefficients']}))" "$OUT/fit.json" 2>>"$LOG")
   log "fit: $CONFIG"
   [[ -n "$CONFIG" ]] && PREFILL_CONFIG=(--engine-config "$CONFIG")
