@@ -21,7 +21,8 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   runner reads the pool in place with engine/paged_attention.py's kernel) makes no gathered copy; its
   term is instead the kernel's float32 partials, p * B*H*ceil(n / kv_step)*(d + 2)*4 (one softmax
   partial and its two statistics per row, query head and pool block). A one-token prompt chunk is such
-  a forward too.
+  a forward too. Only a coefficient set fitted on paged decodes (p not None) predicts them so; the
+  others count the gather (an over-estimate).
 - KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
   is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
   (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
@@ -100,7 +101,9 @@ class TransientCoefficients:
     layers_in_flight: int = 1
     step_overhead_bytes: int = 0  # added to every forward (0 on CPU)
     prefill_overhead_bytes: int = 0  # added to every prompt chunk of more than one token (0 on CPU)
-    decode_paged: float = 1.0  # x B*H*ceil(n/kv_step)*(d+2)*4: the paged kernel's float32 partials
+    # x B*H*ceil(n/kv_step)*(d+2)*4, the paged kernel's float32 partials; None: the set was not fitted on
+    # paged decodes, which it then predicts as gathering ones (an over-estimate)
+    decode_paged: Optional[float] = None
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
@@ -119,12 +122,18 @@ CUDA_COEFFICIENTS = TransientCoefficients(
     sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1064000,
 )
 # The same under MLX_MAX_OPS_PER_BUFFER=8 (what scripts/serve sets on CUDA: MLX commits every 8 ops,
-# so fewer layers' temporaries coexist), this engine (slice reads), from the grid of 2026-11-30:
-#     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_ops8_grid.json --backend cuda
+# so fewer layers' temporaries coexist), this engine (slice reads, paged decode attention), from the grid
+# of 2026-11-30 (8B and three 2-layer shapes), fitted from above on each chunk size's largest point,
+# without context-dependent prefill terms (cuDNN's attention never materializes the scores):
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_s5_grid_paged.json --backend cuda \
+#         --exclude-terms prefill_scores,prefill_mask --chunk-maxima
+# One set for every model shape over-predicts each one (1.49x an 8B 512-token chunk); a fit on the served
+# model alone (--fit-variants, then EngineConfig.memory_coefficients) is tighter: docs/memory.md.
 CUDA_OPS8_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.008558, prefill_mask=0.0, prefill_mlp=2.311, prefill_hidden=4.697, prefill_logits=6.45,
-    decode_gather=1.041, decode_scores=0.01342, decode_logits=1.546, decode_mlp=0.0, decode_hidden=0.0,
-    sampling=11.0, prefill_gather=0.0, layers_in_flight=9, step_overhead_bytes=2248000,
+    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.891, prefill_hidden=6.914, prefill_logits=0.0,
+    decode_gather=1.001, decode_scores=0.003036, decode_logits=1.133, decode_mlp=5.171, decode_hidden=0.2587,
+    sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=2074,
+    prefill_overhead_bytes=31800, decode_paged=0.9684,
 )
 
 
@@ -136,6 +145,8 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
     for name, value in overrides.items():
         if name not in known:
             raise ValueError(f"memory_coefficients: unknown coefficient {name!r}; known: {sorted(known)}")
+        if value is None and name == "decode_paged":
+            continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
     values = dict(overrides)
@@ -194,7 +205,8 @@ class MemoryModel:
         self.shape = shape
         self.kv_step = kv_step
         self.coefficients = coefficients
-        self.paged_decode = paged_decode
+        # paged decodes are predicted as such only by a coefficient set fitted on them
+        self.paged_decode = paged_decode and coefficients.decode_paged is not None
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -241,7 +253,7 @@ class MemoryModel:
             gather, paged = 0, self.paged_partials_bytes(1, n)
         per_layer = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
-            + k.prefill_gather * gather + k.decode_paged * paged
+            + k.prefill_gather * gather + (k.decode_paged or 0.0) * paged
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
         )
@@ -269,7 +281,7 @@ class MemoryModel:
         gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
         paged = self.paged_partials_bytes(b, n) if self.paged_decode and not gathers else 0
         m = self.layer_factor
-        layers = m * (k.decode_gather * gather + k.decode_paged * paged
+        layers = m * (k.decode_gather * gather + (k.decode_paged or 0.0) * paged
                       + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
                       + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
         logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size

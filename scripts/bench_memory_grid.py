@@ -410,8 +410,8 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     x = np.zeros(a.shape[1])
     x[fit_cols] = envelope_fit(a[:, fit_cols] / b[:, None], nnls(a[:, fit_cols] / b[:, None], np.ones_like(b)))
     names = [c[0] for c in BACKEND_COLUMNS]
-    fields = {n: float(v) if ok or n in exclude else float(getattr(base, n))
-              for n, v, ok in zip(names, x[:-2], seen[:-2])}
+    fields = {n: float(v) if ok or n in exclude else getattr(base, n)
+              for n, v, ok in zip(names, x[:-2], seen[:-2])}  # base's None (decode_paged) stays None
     fields.update(layers_in_flight=layers_in_flight, prefill_overhead_bytes=float(x[-2]),
                   step_overhead_bytes=float(x[-1]))
     kinds = [p["kind"] for p in pts]
@@ -423,7 +423,8 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
         margins = {kind: max(float(max((bv / pv for bv, pv, kd in zip(b, pred, kinds) if kd == kind),
                                         default=1.0)), 1.0) for kind in ("prefill", "decode")}
         margins["both"] = max(margins.values())  # the constant is in both kinds' forwards
-        fields = {k: (v if k == "layers_in_flight" else _ceil_sig(v * margins[group.get(k, "both")] * (1 + 1e-9)))
+        fields = {k: (v if k == "layers_in_flight" or v is None
+                      else _ceil_sig(v * margins[group.get(k, "both")] * (1 + 1e-9)))
                   for k, v in fields.items()}
         for k in ("step_overhead_bytes", "prefill_overhead_bytes"):
             fields[k] = math_ceil(fields[k])
@@ -441,14 +442,14 @@ def math_ceil(x: float) -> int:
 
 
 def largest_per_chunk(pts: list[dict]) -> list[dict]:
-    """Prefill points reduced to the largest measured of each (variant, chunk size, logits); decode points
+    """Prefill points reduced to the largest measured of each (variant, chunk size, gathers); decode points
     kept. For a backend whose chunk transient levels off as the context grows (CUDA: attention never
     materializes the scores), fitting only those makes the bound hug each chunk size's worst case instead
     of every short-context point below it."""
     top: dict = {}
     for p in pts:
         if p["kind"] == "prefill":
-            key = (p["variant"], p["c"], bool(p["logits"]), p.get("gathers", True))
+            key = (p["variant"], p["c"], p.get("gathers", True))
             if key not in top or p["measured"] > top[key]["measured"]:
                 top[key] = p
     return list(top.values()) + [p for p in pts if p["kind"] != "prefill"]

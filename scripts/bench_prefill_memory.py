@@ -264,6 +264,15 @@ class StepRecorder:
         engine.scheduler.schedule = self._record
         self._slice_reads = engine._slice_reads
         engine._slice_reads = self._record_slices
+        self._refine = engine._refine_prediction
+        engine._refine_prediction = self._record_refined
+
+    def _record_refined(self, plan):
+        """The engine's own prediction: the plan refined once its chunks' view-or-gather is known."""
+        refined = self._refine(plan)
+        if self.plans and self.plans[-1] is plan:
+            self.plans[-1] = refined
+        return refined
 
     def _record(self):
         plan = self._schedule()

@@ -167,3 +167,47 @@ def test_decode_counts_sampling_temporaries_per_sampling_row():
     assert m.decode_bytes([100] * 4, samples=4) - m.decode_bytes([100] * 4, samples=1) == int(3 * one_row)
     assert m.decode_bytes([100] * 4, samples=True) == m.decode_bytes([100] * 4, samples=1)
     assert m.transient_bound_bytes(16, 16, 8192) >= m.decode_bytes([8192] * 16, samples=16)
+
+
+def test_paged_decode_counts_the_kernels_partials_not_a_gather():
+    from engine.memory import CUDA_OPS8_COEFFICIENTS
+
+    gathering = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS)
+    paged = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True)
+    assert paged.paged_decode and not gathering.paged_decode
+    # 3 rows at 8192 keys: 32 pool blocks each; per layer B * H * blocks * (d + 2) float32
+    assert paged.paged_partials_bytes(3, 8192) == 3 * 32 * 32 * 130 * 4
+    assert paged.decode_bytes([8192] * 3) < gathering.decode_bytes([8192] * 3) / 10
+    m, k = paged.layer_factor, CUDA_OPS8_COEFFICIENTS
+    diff = paged.decode_bytes([8192] * 3, gathers=True) - paged.decode_bytes([8192] * 3)
+    expected = m * (k.decode_gather * 3 * 8192 * 8 * (2 * 128 * 2 + 4)
+                    - k.decode_paged * paged.paged_partials_bytes(3, 8192))
+    assert abs(diff - expected) <= 1
+    # one more pool block of context costs one more block of partials per row and head
+    assert paged.decode_bytes([257]) > paged.decode_bytes([256])
+    # a one-token prompt chunk is the same kind of forward
+    assert paged.prefill_chunk_bytes(1, 8192) < gathering.prefill_chunk_bytes(1, 8192)
+    # and the bound, which sizes the KV budget, shrinks with it
+    assert paged.transient_bound_bytes(16, 512, 131072) < gathering.transient_bound_bytes(16, 512, 131072) / 4
+
+
+def test_a_set_not_fitted_on_paged_decodes_predicts_them_as_gathering():
+    from engine.memory import CPU_COEFFICIENTS, CUDA_COEFFICIENTS
+
+    for coefficients in (CPU_COEFFICIENTS, CUDA_COEFFICIENTS):
+        assert coefficients.decode_paged is None
+        m = MemoryModel(LLAMA3_8B, coefficients=coefficients, paged_decode=True)
+        assert not m.paged_decode
+        assert m.decode_bytes([4096] * 4) == MemoryModel(LLAMA3_8B, coefficients=coefficients).decode_bytes([4096] * 4)
+
+
+def test_prefill_overhead_is_added_to_prompt_chunks_only():
+    from engine.memory import TransientCoefficients, with_overrides, CPU_COEFFICIENTS
+
+    base = MemoryModel(LLAMA3_8B)
+    over = MemoryModel(LLAMA3_8B, coefficients=with_overrides(CPU_COEFFICIENTS, {"prefill_overhead_bytes": 5e6}))
+    assert over.coefficients.prefill_overhead_bytes == 5_000_000
+    assert over.prefill_chunk_bytes(512, 4096) == base.prefill_chunk_bytes(512, 4096) + 5_000_000
+    assert over.prefill_chunk_bytes(1, 4096) == base.prefill_chunk_bytes(1, 4096)
+    assert over.decode_bytes([100, 200]) == base.decode_bytes([100, 200])
+    assert TransientCoefficients(*(1.0,) * 10).prefill_overhead_bytes == 0

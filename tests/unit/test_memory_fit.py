@@ -1,0 +1,67 @@
+"""scripts/bench_memory_grid.py's backend fit on a synthetic grid (numpy only; no measuring)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+grid = pytest.importorskip("bench_memory_grid")
+
+SHAPE = dict(H=32, Hkv=8, d=128, D=4096, I=14336, V=128256, L=32, s=2)
+
+
+def synthetic_grid(tmp_path, paged: bool) -> str:
+    """Chunks whose transient levels off with the context (0.63 MB per token + 58 MB once n >= 4c, less
+    before), and decodes linear in rows and context, like the H200's."""
+    points = []
+    for c in (128, 256, 512, 1024):
+        for n in range(c, 8192 + 1, c):
+            plateau = 58e6 + 0.63e6 * c
+            measured = plateau * min(1.0, 0.4 + 0.6 * n / (4 * c))
+            terms = grid.prefill_terms(SHAPE, c, n, n == 8192)
+            terms["prefill_gather"] = 0
+            points.append(dict(kind="prefill", variant="m", c=c, n=n, logits=n == 8192, B=1, gathers=False,
+                               measured=int(measured), predicted=0, terms=terms))
+    for b in (1, 4, 16):
+        for n in (1024, 4096, 8192):
+            measured = 1e6 + b * (40 + n / 200) * 1e3 if paged else 1e6 + b * n * 8 * 516 * 5
+            points.append(dict(kind="decode", variant="m", B=b, n=n, c=1, logits=True, gathers=not paged,
+                               paged=paged, measured=int(measured), predicted=0,
+                               terms=grid.decode_terms(SHAPE, b, n, paged)))
+    path = tmp_path / f"grid_{paged}.json"
+    path.write_text(json.dumps(dict(points=points, shapes={"m": SHAPE})))
+    return str(path)
+
+
+def test_fit_from_above_hugs_each_chunk_sizes_worst_case(tmp_path):
+    out = grid.fit_backend(synthetic_grid(tmp_path, paged=True), backend="cuda",
+                           exclude="prefill_scores,prefill_mask", chunk_maxima=True)
+    coef = out["coefficients"]
+    assert coef["prefill_scores"] == 0 and coef["prefill_mask"] == 0  # excluded
+    assert coef["decode_paged"] is not None  # fitted: the grid's decodes were paged
+    assert out["predicted_over_measured"]["min"] >= 1.0  # never under, every point included
+    data = json.loads(Path(tmp_path / "grid_True.json").read_text())
+    from engine.memory import TransientCoefficients
+    pts = data["points"]
+    pred = grid.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef))
+    for c in (128, 256, 512, 1024):
+        worst = max(p["measured"] for p in pts if p["kind"] == "prefill" and p["c"] == c)
+        predicted = max(pv for pv, p in zip(pred, pts) if p["kind"] == "prefill" and p["c"] == c)
+        assert worst <= predicted <= 1.2 * worst, (c, predicted / worst)
+
+
+def test_gathering_grid_leaves_decode_paged_unfitted(tmp_path):
+    out = grid.fit_backend(synthetic_grid(tmp_path, paged=False), backend="cuda")
+    assert out["coefficients"]["decode_paged"] is None
+    assert out["predicted_over_measured"]["min"] >= 1.0
+
+
+def test_largest_per_chunk_keeps_one_prefill_point_per_chunk_size():
+    pts = [dict(kind="prefill", variant="v", c=c, n=n, logits=False, gathers=False, measured=m)
+           for c, n, m in ((128, 128, 5), (128, 256, 9), (128, 384, 7), (256, 256, 3))]
+    pts.append(dict(kind="decode", variant="v", B=1, n=10, measured=1))
+    kept = grid.largest_per_chunk(pts)
+    assert sorted((p["kind"], p.get("c"), p["measured"]) for p in kept) == [
+        ("decode", None, 1), ("prefill", 128, 9), ("prefill", 256, 3)]
