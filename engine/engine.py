@@ -112,7 +112,8 @@ class Engine(ForwardsMixin):
         # self-check) changes the memory model's decode term, and so the transient bound and KV budget.
         self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS, max_kv_tokens=0,
                                   paged_attention=config.paged_attention and mlx_backend() == "cuda",
-                                  fuse=config.fuse_projections)
+                                  fuse=config.fuse_projections,
+                                  decode_kernels=config.decode_kernels and mlx_backend() == "cuda")
         self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
                                   kv_step=KV_BLOCK_TOKENS,
                                   coefficients=with_overrides(backend_coefficients(), config.memory_coefficients),

@@ -21,6 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.blocks import BlockAllocator, num_blocks_for
+from engine.decode_path import CudaOps, DecodePath, ReferenceOps
+from engine.decode_path import self_check as decode_self_check
+from engine.decode_path import unsupported as decode_unsupported
 from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
 from engine.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
@@ -68,13 +71,16 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
-                 paged_attention: bool = False, fuse: bool = True):
+                 paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
         asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
         self-check (engine/paged_attention.py); else they gather.
         `fuse`: the engine's decode forwards compute q/k/v and gate/up as one matmul each (engine/fused.py;
-        this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before)."""
+        this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before).
+        `decode_kernels`: decode forwards run engine/decode_path.py's loop with its CUDA kernels (the
+        engine asks for them where MLX runs on CUDA), if the model is supported, its decode is paged
+        and fused, and the kernels pass their self-check; else mlx-lm's modules."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -87,6 +93,9 @@ class ModelRunner:
         self.fused = fuse and fuse_projections(model) > 0
         if paged_attention:
             self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
+        self.decode_path: Optional[DecodePath] = None
+        if decode_kernels:
+            self._enable_decode_kernels(dtype)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
@@ -108,6 +117,24 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - any failure means: do without it
                 why_not = f"{type(exc).__name__}: {exc}"
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
+
+    def _enable_decode_kernels(self, dtype) -> None:
+        why_not = None if (self.fused and self.pool.paged is not None) else "needs fused projections and paged attention"
+        why_not = why_not or decode_unsupported(self.model)
+        if why_not is None:
+            try:
+                ops = CudaOps()
+                decode_self_check(ops, self.model, dtype)
+                self.use_decode_path(ops)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means: do without them
+                why_not = f"{type(exc).__name__}: {exc}"
+        logger.warning("decode kernels not used (%s): decode runs mlx-lm's modules", why_not)
+
+    def use_decode_path(self, ops: Optional[ReferenceOps]) -> None:
+        """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules).
+        ValueError if the model is not supported; it needs paged decode attention."""
+        self.decode_path = None if ops is None else DecodePath(self.model, ops)
 
     @property
     def paged_attention(self) -> bool:
@@ -203,6 +230,16 @@ class ModelRunner:
         with fused_forward():
             return self._backbone(tokens, cache=cache)
 
+    def _decode_forward(self, tokens: mx.array, view: ForwardView) -> mx.array:
+        """tokens [B, 1] -> final hidden states [B, 1, D]: the engine's decode loop where it is enabled
+        and the forward is paged (engine/decode_path.py), else mlx-lm's modules."""
+        if self.decode_path is None or not view.reads_paged:
+            return self._forward(tokens, view.layers())
+        self.num_forward_calls += 1
+        self.num_tokens_computed += tokens.size
+        with fused_forward():
+            return self.decode_path.forward(tokens, view)
+
     def prefill(self, work: PrefillWork) -> "Forward":
         """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
         the sampled token ([1]) when the chunk ends the prompt, else None."""
@@ -225,7 +262,7 @@ class ModelRunner:
         view = ForwardView(self.pool, [self.rows[w.request_id] for w in work], 1)
         if tokens is None:
             tokens = mx.array([w.token_id for w in work])
-        hidden = self._forward(tokens[:, None], view.layers())  # [B, 1, D]
+        hidden = self._decode_forward(tokens[:, None], view)  # [B, 1, D]
         logits = self._head(hidden)[:, 0, :]  # [B, V]
         sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
         view.advance()

@@ -57,19 +57,19 @@ def count_ops(outputs: mx.array) -> int:
 
 
 class OpCounter:
-    """Wraps runner._forward: times the Python graph build of every forward, and counts the ops of the
-    next decode forward's graph when armed."""
+    """Wraps runner._decode_forward: times the Python graph build of every decode forward, and counts
+    the ops of the next one's graph when armed."""
 
     def __init__(self, runner):
-        self.original = runner._forward
+        self.original = runner._decode_forward
         self.armed = False
         self.count = None
         self.types = None
         self.build_s: list[float] = []
 
-    def __call__(self, tokens, cache):
+    def __call__(self, tokens, view):
         t0 = time.perf_counter()
-        hidden = self.original(tokens, cache)
+        hidden = self.original(tokens, view)
         self.build_s.append(time.perf_counter() - t0)
         if self.armed and tokens.shape[1] == 1:
             self.types = op_types(hidden)
@@ -79,7 +79,7 @@ class OpCounter:
 
 
 def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: bool = True,
-                fuse: bool = True) -> Engine:
+                fuse: bool = True, kernels: bool = True) -> Engine:
     """The default engine config sized for B rows of `max_len` tokens, with room for them."""
     memory = memory_model_for(lm)
     seqs, chunk = max(batch, 1), 512
@@ -89,7 +89,7 @@ def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: 
     cfg = EngineConfig(model=lm.name, dtype=lm.dtype, max_num_seqs=seqs, prefill_chunk_size=chunk,
                        max_num_batched_tokens=max(2048, seqs), memory_limit_bytes=limit,
                        max_model_len=max_len, prefix_cache_fraction=0.0, async_decode=async_decode,
-                       paged_attention=paged, fuse_projections=fuse)
+                       paged_attention=paged, fuse_projections=fuse, decode_kernels=kernels)
     return Engine(lm.model, lm.tokenizer, cfg, lm.config)
 
 
@@ -107,9 +107,10 @@ class LaunchTimer:
         self.seconds.append(time.perf_counter() - t0)
 
 
-def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True, fuse: bool = True) -> dict:
+def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True, fuse: bool = True,
+              kernels: bool = True) -> dict:
     total_steps = args.warmup + args.steps + 2
-    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged, fuse)
+    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged, fuse, kernels)
     rng = random.Random(0)
     vocab = engine.memory.shape.vocab_size
     for i in range(batch):
@@ -120,7 +121,7 @@ def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = Tru
     for _ in range(args.warmup):
         engine.step()
     counter = OpCounter(engine.runner)
-    engine.runner._forward = counter
+    engine.runner._decode_forward = counter
     counter.armed = True
     engine.step()  # counted, not timed (exporting the graph takes time)
     counter.build_s.clear()
@@ -137,6 +138,7 @@ def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = Tru
     return {
         "model": lm.name, "dtype": lm.dtype, "batch": batch, "async_decode": async_decode,
         "paged_attention": engine.runner.pool.paged is not None, "fused_projections": engine.runner.fused,
+        "decode_kernels": engine.runner.decode_path is not None,
         "num_layers": num_layers,
         "context_tokens": args.prompt_tokens + args.warmup + 1,
         "step_ms_mean": round(1000 * sum(times) / len(times), 3),
@@ -165,15 +167,19 @@ def main() -> None:
     p.add_argument("--fuse-projections", default="1",
                    help="1: the engine's default (decode computes q/k/v and gate/up as one matmul each), 0: "
                    "one matmul per projection; '1,0' runs both")
+    p.add_argument("--decode-kernels", default="1",
+                   help="1: the engine's default (its own decode layer loop and kernels, engine/decode_path.py, "
+                   "where MLX runs on CUDA), 0: mlx-lm's modules; '1,0' runs both")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     results = []
     for name in args.models.split(","):
         lm = load_bench_model(name, args.dtype)
-        runs = [(int(b), m, pg, fu) for fu in args.fuse_projections.split(",") for pg in args.paged_attention.split(",")
-                for m in args.async_decode.split(",") for b in args.batches.split(",")]
-        for batch, mode, paged, fuse in runs:
-            results.append(bench_one(lm, batch, args, mode == "1", paged == "1", fuse == "1"))
+        runs = [(int(b), m, pg, fu, kn) for kn in args.decode_kernels.split(",") for fu in args.fuse_projections.split(",")
+                for pg in args.paged_attention.split(",") for m in args.async_decode.split(",")
+                for b in args.batches.split(",")]
+        for batch, mode, paged, fuse, kernels in runs:
+            results.append(bench_one(lm, batch, args, mode == "1", paged == "1", fuse == "1", kernels == "1"))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
             free_memory()
         del lm
@@ -185,7 +191,8 @@ def main() -> None:
     for key, rows in list(by_model.items()):  # per model and mode
         del by_model[key]
         for r in rows:
-            by_model.setdefault((key, r["async_decode"], r["paged_attention"], r["fused_projections"]), []).append(r)
+            by_model.setdefault((key, r["async_decode"], r["paged_attention"], r["fused_projections"],
+                                 r["decode_kernels"]), []).append(r)
     for rows in by_model.values():
         base = rows[0]
         for r in rows:

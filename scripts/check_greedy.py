@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, environment, load_bench_model, random_prompts  # noqa: E402
 
 
-def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int) -> list[list[int]]:
-    """`read_slices` False: every read a gather (no views, no paged decode attention)."""
+def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, paths: dict = None) -> list[list[int]]:
+    """`read_slices` False: every read a gather (no views, no paged decode attention, so mlx-lm's
+    modules for decode). `paths`: filled with which decode paths the engine took."""
     from bench_prefill_memory import make_engine
     from engine.request import SamplingParams
 
@@ -29,6 +30,9 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int) -
     engine.runner.pool.read_slices = read_slices
     if not read_slices:
         engine.runner.use_paged_attention(None)
+    if paths is not None:
+        paths.update(paged_attention=engine.runner.paged_attention,
+                     decode_kernels=engine.runner.decode_path is not None and engine.runner.paged_attention)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]
 
@@ -51,7 +55,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     lm = load_bench_model(args.model, args.dtype)
     prompts = random_prompts([int(x) for x in args.lengths.split(",")], lm.config["vocab_size"], 7)
-    slices = engine_tokens(lm, prompts, args.max_tokens, True, args.chunk)
+    paths: dict = {}
+    slices = engine_tokens(lm, prompts, args.max_tokens, True, args.chunk, paths)
     gather = engine_tokens(lm, prompts, args.max_tokens, False, args.chunk)
     ref = [mlx_lm_tokens(lm, p, args.max_tokens) for p in prompts]
 
@@ -62,7 +67,7 @@ def main(argv=None) -> dict:
         return n
 
     result = dict(check="greedy", model=args.model, dtype=lm.dtype, lengths=[len(p) for p in prompts],
-                  max_tokens=args.max_tokens, environment=environment(),
+                  max_tokens=args.max_tokens, environment=environment(), engine_decode=paths,
                   slices_equal_gather=[a == b for a, b in zip(slices, gather)],
                   engine_equal_mlx_lm=[a == b for a, b in zip(slices, ref)],
                   engine_mlx_lm_common_prefix=[same_prefix(a, b) for a, b in zip(slices, ref)],

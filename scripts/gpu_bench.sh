@@ -11,7 +11,7 @@
 #   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
-# SERVING_BACKENDS (engine_sync,engine_sync_unfused,engine,mlx_lm), DECODE_PAGED (1), DECODE_FUSE (1,0): the
+# SERVING_BACKENDS (engine_sync,engine_sync_unfused,engine,mlx_lm), DECODE_PAGED (1), DECODE_FUSE (1,0), DECODE_KERNELS (1,0): the
 # variants of serving.json and decode.json (scripts/bench_serving.py --backends, bench_decode_step.py).
 # SKIP_PAGED / SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid (FIT_ARGS: bench_memory_grid.py's fit options, default
@@ -125,7 +125,8 @@ fi
   --backends ${SERVING_BACKENDS:-engine_sync,engine_sync_unfused,engine,mlx_lm} --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
 [[ -n "${SKIP_DECODE:-}" ]] || step decode 100 60 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
-  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --async-decode 1 --paged-attention ${DECODE_PAGED:-1} --fuse-projections ${DECODE_FUSE:-1,0} --out "$OUT/decode.json"
+  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --async-decode 1 --paged-attention ${DECODE_PAGED:-1} --fuse-projections ${DECODE_FUSE:-1,0} \
+  --decode-kernels ${DECODE_KERNELS:-1,0} --out "$OUT/decode.json"
 [[ -n "${SKIP_KVGATHER:-}" ]] || step kv_gather 60 0 python3 scripts/bench_kv_gather.py --dtype "$DTYPE" \
   --out "$OUT/kv_gather.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \

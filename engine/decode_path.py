@@ -1,0 +1,253 @@
+"""The decode forward of llama-shaped models with fewer operations: the engine's own layer loop.
+
+On MLX's CUDA backend a decode step of B >= 2 rows is bound by the host: MLX encodes every kernel of
+the step on the calling thread, so the step costs about as much per kernel as the GPU spends on it
+(docs/benchmarks.md, `launch_ms_mean`). mlx-lm's layer, with the engine's fused projections and paged
+attention, runs per layer: RMSNorm, qkv matmul, RoPE (q), RoPE (k), copies of the strided q/k/v slices,
+2 KV scatters, 2 attention kernels, o matmul, add, RMSNorm, gate-up matmul, SwiGLU, down matmul, add;
+and builds some 44 MLX operations in Python. This loop computes the same thing with 12 kernels:
+
+- `rope_qkv`: one kernel takes the fused q/k/v product and writes q and k rotated (RoPE, MLX's
+  formula) and v, each contiguous, in the layout the pool's scatter and the paged kernel read;
+- `add_rms_norm`: one kernel adds a block's residual and normalizes the sum for what follows (the
+  post-attention norm, the next layer's input norm, or the final norm), returning both: two kernels
+  of mlx-lm's block become one, twice per layer.
+
+Only decode forwards (one token per row) of models whose layers are mlx-lm's llama `TransformerBlock`
+(llama, and the families that reuse it) with fused projections (engine/fused.py) and paged attention
+take it (`unsupported` says why not); everything else runs mlx-lm's modules. `ReferenceOps` computes
+the two steps with MLX operations exactly as mlx-lm does (the CPU tests run this loop with it, and
+`self_check` compares the CUDA kernels to it before the runner uses them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+_ROPE_QKV = """
+  // grid: B * (H + 2 * HKV) blocks of D / 2 threads; block g = b * (H + 2 HKV) + head.
+  constexpr int NH = H + 2 * HKV;
+  constexpr int HALF = D / 2;
+  const int g = blockIdx.x;
+  const int b = g / NH;
+  const int head = g % NH;
+  const int i = threadIdx.x;
+  const T* in = qkv + (size_t)g * D;
+  if (head >= H + HKV) {
+    T* o = v + ((size_t)b * HKV + (head - H - HKV)) * D;
+    o[i] = in[i];
+    o[i + HALF] = in[i + HALF];
+    return;
+  }
+  T* o = head < H ? q + ((size_t)b * H + head) * D : k + ((size_t)b * HKV + (head - H)) * D;
+  float inv_freq;
+  if (FREQS) {
+    inv_freq = 1.0 / freqs[i];
+  } else {
+    float d = static_cast<float>(i) / static_cast<float>(HALF);
+    inv_freq = exp2(-d * params[1]);
+  }
+  float L = params[0] * static_cast<float>(offsets[b]);
+  float theta = L * inv_freq;
+  float c = cos(theta);
+  float s = sin(theta);
+  float x1 = static_cast<float>(in[i]);
+  float x2 = static_cast<float>(in[i + HALF]);
+  o[i] = static_cast<T>(x1 * c - x2 * s);
+  o[i + HALF] = static_cast<T>(x1 * s + x2 * c);
+"""
+
+_ADD_RMS_NORM = """
+  // grid: one block of THREADS per row; h = x + r (rounded to T, as MLX's add), y = rms_norm(h) * w
+  __shared__ float partial[32];
+  const int row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int D = x_shape[x_ndim - 1];
+  const size_t base = (size_t)row * D;
+  float ss = 0.0f;
+  for (int i = tid; i < D; i += THREADS) {
+    T hv = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
+    h[base + i] = hv;
+    float f = static_cast<float>(hv);
+    ss += f * f;
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+  if (tid % 32 == 0) partial[tid / 32] = ss;
+  __syncthreads();
+  if (tid < 32) {
+    float t = tid < THREADS / 32 ? partial[tid] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+    if (tid == 0) partial[0] = t;
+  }
+  __syncthreads();
+  const float inv = rsqrt(partial[0] / D + eps[0]);
+  for (int i = tid; i < D; i += THREADS) {
+    T normed = static_cast<T>(static_cast<float>(h[base + i]) * inv);
+    y[base + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+  }
+"""
+
+_NORM_THREADS = 256
+
+
+class RopeSpec:
+    """What the rotation of one model needs (mlx-lm's nn.RoPE or Llama3RoPE, full, not traditional)."""
+
+    def __init__(self, rope: nn.Module, head_dim: int):
+        self.module = rope
+        self.freqs: Optional[mx.array] = getattr(rope, "_freqs", None)
+        self.scale = float(getattr(rope, "scale", 1.0)) if self.freqs is None else 1.0
+        base = getattr(rope, "base", None)  # MLX keeps it as a float32 and takes log2 of that on the host
+        self.log2_base = float(np.float32(math.log2(np.float32(base)))) if base is not None else 0.0
+        self.head_dim = head_dim
+
+
+class ReferenceOps:
+    """The two steps with MLX operations, exactly mlx-lm's (CPU, and the kernels' oracle)."""
+
+    def rope_qkv(self, qkv: mx.array, offsets: mx.array, rope: RopeSpec, heads: int, kv_heads: int):
+        """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d] (q, k rotated)."""
+        B, d = qkv.shape[0], rope.head_dim
+        q, k, v = mx.split(qkv, [heads * d, (heads + kv_heads) * d], axis=-1)
+        q = q.reshape(B, 1, heads, d).transpose(0, 2, 1, 3)
+        k = k.reshape(B, 1, kv_heads, d).transpose(0, 2, 1, 3)
+        v = v.reshape(B, 1, kv_heads, d).transpose(0, 2, 1, 3)
+        return rope.module(q, offset=offsets), rope.module(k, offset=offsets), v
+
+    def add_rms_norm(self, x: mx.array, r: mx.array, weight: mx.array, eps: float):
+        h = x + r
+        return h, mx.fast.rms_norm(h, weight, eps)
+
+
+class CudaOps(ReferenceOps):
+    """The two CUDA kernels (module docstring)."""
+
+    def __init__(self):
+        self._rope = mx.fast.cuda_kernel(
+            name="rope_qkv", input_names=["qkv", "offsets", "params", "freqs"], output_names=["q", "k", "v"],
+            source=_ROPE_QKV)
+        self._norm = mx.fast.cuda_kernel(
+            name="add_rms_norm", input_names=["x", "r", "w", "eps"], output_names=["h", "y"],
+            source=_ADD_RMS_NORM)
+        self._arrays: dict = {}  # per model: the rotation's [scale, log2 base] and eps as arrays
+
+    def _const(self, key, values) -> mx.array:
+        if key not in self._arrays:
+            self._arrays[key] = mx.array(values, mx.float32)
+        return self._arrays[key]
+
+    def rope_qkv(self, qkv, offsets, rope, heads, kv_heads):
+        B, d = qkv.shape[0], rope.head_dim
+        params = self._const(("rope", rope.scale, rope.log2_base), [rope.scale, rope.log2_base])
+        freqs = rope.freqs if rope.freqs is not None else params
+        template = [("T", qkv.dtype), ("D", d), ("H", heads), ("HKV", kv_heads), ("FREQS", rope.freqs is not None)]
+        return self._rope(
+            inputs=[qkv, offsets, params, freqs], template=template,
+            grid=(B * (heads + 2 * kv_heads) * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
+            output_shapes=[(B, heads, 1, d), (B, kv_heads, 1, d), (B, kv_heads, 1, d)],
+            output_dtypes=[qkv.dtype] * 3)
+
+    def add_rms_norm(self, x, r, weight, eps):
+        rows = x.size // x.shape[-1]
+        h, y = self._norm(
+            inputs=[x, r, weight, self._const(("eps", eps), [eps])],
+            template=[("T", x.dtype), ("THREADS", _NORM_THREADS)],
+            grid=(rows * _NORM_THREADS, 1, 1), threadgroup=(_NORM_THREADS, 1, 1),
+            output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+        return h, y
+
+
+def unsupported(model: nn.Module) -> Optional[str]:
+    """Why this loop cannot run `model`'s decode (None: it can)."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None) or []
+    if not layers or not hasattr(backbone, "embed_tokens") or type(getattr(backbone, "norm", None)) is not nn.RMSNorm:
+        return "not an mlx-lm llama-shaped model (model.model.layers, embed_tokens, RMSNorm norm)"
+    for layer in layers:
+        if type(layer).__name__ != "TransformerBlock" or not type(layer).__module__.endswith(".llama"):
+            return f"layer type {type(layer).__module__}.{type(layer).__name__} is not mlx-lm's llama block"
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+        attn, mlp = layer.self_attn, layer.mlp
+        if "qkv_proj" not in attn or "gate_up_proj" not in mlp:
+            return "projections not fused (engine/fused.py)"
+        if not (type(layer.input_layernorm) is nn.RMSNorm and type(layer.post_attention_layernorm) is nn.RMSNorm):
+            return "norms are not nn.RMSNorm"
+        rope = attn.rope
+        if type(rope).__name__ not in ("RoPE", "Llama3RoPE") or rope.traditional:
+            return f"rotary embedding {type(rope).__name__} (traditional={getattr(rope, 'traditional', None)})"
+        head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
+        if rope.dims != head_dim or head_dim % 2 or head_dim > 2048:
+            return f"partial rotary embedding ({rope.dims} of {head_dim} dims)"
+    return None
+
+
+class DecodePath:
+    """The decode forward of a supported model (module docstring) with `ops`' two steps."""
+
+    def __init__(self, model: nn.Module, ops: ReferenceOps):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"decode path: {why}")
+        self.backbone = model.model
+        self.ops = ops
+        attn = self.backbone.layers[0].self_attn
+        self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
+        self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
+        self.ropes = [RopeSpec(layer.self_attn.rope, self.head_dim) for layer in self.backbone.layers]
+
+    def forward(self, tokens: mx.array, view) -> mx.array:
+        """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a paged ForwardView
+        (engine/kv.py) whose KV it writes and reads."""
+        layers = self.backbone.layers
+        B = tokens.shape[0]
+        offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
+        offsets = offsets.astype(mx.int32)
+        h = self.backbone.embed_tokens(tokens)  # [B, 1, D]
+        first = layers[0].input_layernorm
+        y = mx.fast.rms_norm(h, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            qkv = attn.qkv_proj.weight
+            qkv = (mx.addmm(attn.qkv_proj.bias, y, qkv.T) if "bias" in attn.qkv_proj else y @ qkv.T)
+            q, k, v = self.ops.rope_qkv(qkv, offsets, self.ropes[i], self.heads, self.kv_heads)
+            view.write_and_read(i, k, v)
+            out = view.attend(i, q, attn.scale)  # [B, H, 1, d]
+            a = attn.o_proj(out.reshape(B, 1, self.heads * self.head_dim))
+            post = layer.post_attention_layernorm
+            h, y = self.ops.add_rms_norm(h, a, post.weight, post.eps)
+            m = layer.mlp(y)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.backbone.norm
+            h, y = self.ops.add_rms_norm(h, m, norm.weight, norm.eps)
+        return y
+
+
+def self_check(ops: ReferenceOps, model: nn.Module, dtype) -> None:
+    """Run `ops`' kernels on a small case of this model's shapes against `ReferenceOps`; raise if they
+    fail or disagree (the runner then keeps mlx-lm's modules)."""
+    path = DecodePath(model, ReferenceOps())
+    ref = ReferenceOps()
+    heads, kv_heads, d = path.heads, path.kv_heads, path.head_dim
+    qkv = mx.random.normal((3, 1, (heads + 2 * kv_heads) * d), key=mx.random.key(4)).astype(dtype)
+    offsets = mx.array([0, 257, 70000], mx.int32)
+    tolerance = 1e-4 if dtype == mx.float32 else 3e-2
+    for rope in (path.ropes[0], path.ropes[-1]):
+        got = ops.rope_qkv(qkv, offsets, rope, heads, kv_heads)
+        want = ref.rope_qkv(qkv, offsets, rope, heads, kv_heads)
+        for name, g, w in zip("qkv", got, want):
+            err = mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item()
+            if g.shape != w.shape or not err <= tolerance * max(1.0, mx.abs(w).max().item()):
+                raise RuntimeError(f"rope_qkv: {name} differs from mx.fast.rope by {err}")
+    D = path.backbone.norm.weight.shape[0]
+    x = mx.random.normal((3, 1, D), key=mx.random.key(5)).astype(dtype)
+    r = mx.random.normal((3, 1, D), key=mx.random.key(6)).astype(dtype)
+    w = path.backbone.norm.weight
+    for g, want in zip(ops.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)):
+        err = mx.abs(g.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        if not err <= tolerance * max(1.0, mx.abs(want).max().item()):
+            raise RuntimeError(f"add_rms_norm differs from MLX's add and rms_norm by {err}")

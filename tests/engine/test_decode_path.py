@@ -1,0 +1,123 @@
+"""engine/decode_path.py: the engine's own decode layer loop (the CUDA kernels' structure). Here it runs
+with `ReferenceOps` (MLX operations) and `ReferenceAttention` in the kernels' place, so the loop itself
+(fused add + norm order, RoPE offsets per row, the pool writes, the final norm) is checked on real
+forwards against mlx-lm; the CUDA kernels are checked against `ReferenceOps` by `self_check` on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from engine.decode_path import DecodePath, ReferenceOps, self_check, unsupported
+from engine.paged_attention import ReferenceAttention
+from engine.request import SamplingParams
+
+
+class CountingOps(ReferenceOps):
+    def __init__(self):
+        self.calls = {"rope_qkv": 0, "add_rms_norm": 0}
+
+    def rope_qkv(self, *args):
+        self.calls["rope_qkv"] += 1
+        return super().rope_qkv(*args)
+
+    def add_rms_norm(self, *args):
+        self.calls["add_rms_norm"] += 1
+        return super().add_rms_norm(*args)
+
+
+def prompts_of(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_decode_path_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, async_decode):
+    engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0,
+                         async_decode=async_decode)
+    runner = engine.runner
+    runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+    ops = CountingOps()
+    runner.use_decode_path(ops)
+    prompts = prompts_of([250, 3, 40], engine.memory.shape.vocab_size, seed=7)
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)  # the first row crosses position 256
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sampling)
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 12)
+    layers = engine.memory.shape.num_layers
+    assert ops.calls["rope_qkv"] >= 11 * layers and ops.calls["rope_qkv"] % layers == 0
+    assert ops.calls["add_rms_norm"] == 2 * ops.calls["rope_qkv"]  # two per layer, none left to mlx-lm
+
+
+def test_decode_path_logits_equal_mlx_lm_modules(make_engine):
+    """Per-row logits of one batched decode: the loop against mlx-lm's modules on the same pool."""
+    def logits_after(use_path: bool):
+        engine = make_engine(prefill_chunk_size=64, prefix_cache_fraction=0.0, async_decode=False)
+        runner = engine.runner
+        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+        runner.use_decode_path(ReferenceOps() if use_path else None)
+        for i, p in enumerate(prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=3)):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, ignore_eos=True))
+        captured = []
+        head = runner._head
+        runner._head = lambda h: captured.append(head(h)) or captured[-1]
+        while engine.has_unfinished():
+            engine.step()
+        return [c for c in captured if c.shape[0] == 3]
+
+    with_path, without = logits_after(True), logits_after(False)
+    assert with_path and len(with_path) == len(without)
+    for a, b in zip(with_path, without):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+
+
+def test_unsupported_models_and_missing_preconditions(tiny_parts, make_engine):
+    model = tiny_parts[0]
+    engine = make_engine()
+    assert unsupported(engine.model) is None  # the tiny llama, fused by the engine's runner
+    with pytest.raises(ValueError, match="decode path"):
+        DecodePath(type("M", (), {"model": None})(), ReferenceOps())
+    layer = engine.model.model.layers[0]
+    rope = layer.self_attn.rope
+    rope.traditional = True
+    try:
+        assert "traditional" in unsupported(engine.model)
+    finally:
+        rope.traditional = False
+    assert model is not None
+
+
+def test_self_check_passes_the_reference_and_catches_a_wrong_kernel(make_engine):
+    engine = make_engine()
+    self_check(ReferenceOps(), engine.model, mx.float32)
+
+    class WrongNorm(ReferenceOps):
+        def add_rms_norm(self, x, r, w, eps):
+            h, y = super().add_rms_norm(x, r, w, eps)
+            return h, y * 1.01
+
+    with pytest.raises(RuntimeError, match="add_rms_norm"):
+        self_check(WrongNorm(), engine.model, mx.float32)
+
+    class WrongRope(ReferenceOps):
+        def rope_qkv(self, qkv, offsets, rope, heads, kv_heads):
+            return super().rope_qkv(qkv, offsets + 1, rope, heads, kv_heads)
+
+    with pytest.raises(RuntimeError, match="rope_qkv"):
+        self_check(WrongRope(), engine.model, mx.float32)
+
+
+def test_runner_without_paged_attention_keeps_mlx_lm_modules(make_engine):
+    """On the CPU the engine asks for no kernels; asked anyway, a runner whose decode gathers says why
+    not and keeps mlx-lm's modules."""
+    engine = make_engine()
+    assert engine.runner.decode_path is None
+    engine.runner._enable_decode_kernels(mx.float32)
+    assert engine.runner.decode_path is None
