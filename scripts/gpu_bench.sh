@@ -12,7 +12,8 @@
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
 # SERVING_BACKENDS (engine_sync,engine_sync_unfused,engine,mlx_lm), DECODE_PAGED (1), DECODE_FUSE (1,0), DECODE_KERNELS (1,0): the
-# variants of serving.json and decode.json (scripts/bench_serving.py --backends, bench_decode_step.py).
+# variants of serving.json and decode.json (scripts/bench_serving.py --backends, bench_decode_step.py);
+# SERVING_REPEAT (2) timed passes, DECODE_STEPS (20) timed steps.
 # SKIP_PAGED / SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid (FIT_ARGS: bench_memory_grid.py's fit options, default
 # the benchmark model alone) and runs the prefill benchmark with them; MLX_* variables pass
@@ -122,10 +123,10 @@ fi
 [[ -z "${PREFILL_ONLY:-}" ]] || step prefill_only 120 160 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS \
   --ways sequential,engine --max-tokens 1 --warmup full --peak-tflops 790 --json --out "$OUT/prefill_only.json"
 [[ -n "${SKIP_SERVING:-}" ]] || step serving 200 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
-  --backends ${SERVING_BACKENDS:-engine_sync,engine_sync_unfused,engine,mlx_lm} --repeat 2 --prompt-tokens $PT --output-tokens $NT --json \
+  --backends ${SERVING_BACKENDS:-engine_sync,engine_sync_unfused,engine,mlx_lm} --repeat ${SERVING_REPEAT:-2} --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
 [[ -n "${SKIP_DECODE:-}" ]] || step decode 100 60 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
-  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps 20 --async-decode 1 --paged-attention ${DECODE_PAGED:-1} --fuse-projections ${DECODE_FUSE:-1,0} \
+  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps ${DECODE_STEPS:-20} --async-decode 1 --paged-attention ${DECODE_PAGED:-1} --fuse-projections ${DECODE_FUSE:-1,0} \
   --decode-kernels ${DECODE_KERNELS:-1,0} --out "$OUT/decode.json"
 [[ -n "${SKIP_KVGATHER:-}" ]] || step kv_gather 60 0 python3 scripts/bench_kv_gather.py --dtype "$DTYPE" \
   --out "$OUT/kv_gather.json"
