@@ -44,6 +44,19 @@ def reference_greedy():
 
 
 @pytest.fixture
+def run_to_completion():
+    """Step an engine until every request finished: request id -> its generated token ids."""
+    def run(engine) -> dict:
+        tokens: dict = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return tokens
+
+    return run
+
+
+@pytest.fixture
 def make_engine(tiny_parts, model_cache_dir):
     """Build an Engine on the shared tiny model with any config overrides."""
     from engine.engine import Engine

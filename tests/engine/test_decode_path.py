@@ -34,7 +34,8 @@ def prompts_of(lengths, vocab, seed=0):
 
 
 @pytest.mark.parametrize("async_decode", [False, True])
-def test_decode_path_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, async_decode):
+def test_decode_path_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, run_to_completion,
+                                         async_decode):
     engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0,
                          async_decode=async_decode)
     runner = engine.runner
@@ -45,10 +46,7 @@ def test_decode_path_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_gre
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)  # the first row crosses position 256
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sampling)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
+    tokens = run_to_completion(engine)
     for i, prompt in enumerate(prompts):
         assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 12)
     layers = engine.memory.shape.num_layers

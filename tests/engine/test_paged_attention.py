@@ -33,7 +33,8 @@ def random_prompts(lengths, vocab, seed=0):
 
 
 @pytest.mark.parametrize("async_decode", [False, True])
-def test_paged_decode_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, async_decode):
+def test_paged_decode_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, run_to_completion,
+                                          async_decode):
     """Rows of different lengths (one across a 256-token block boundary, one in non-consecutive
     blocks), decoded together through the block table: mlx-lm's greedy tokens."""
     engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0,
@@ -52,10 +53,7 @@ def test_paged_decode_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_gr
     assert runner.rows["0"].blocks == [0, 2]
     for i, p in enumerate(prompts[1:], 1):
         engine.add_request(str(i), p, sampling)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
+    tokens = run_to_completion(engine)
     for i, prompt in enumerate(prompts):
         assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 12)
     num_layers = engine.memory.shape.num_layers
