@@ -63,18 +63,22 @@ _ROPE_QKV = """
 """
 
 _ADD_RMS_NORM = """
-  // grid: one block of THREADS per row; h = x + r (rounded to T, as MLX's add), y = rms_norm(h) * w
+  // grid: one block of THREADS per row; h = x + r (rounded to T, as MLX's add), y = rms_norm(h) * w.
+  // Each thread keeps its D / THREADS sums in registers (independent loads, one pass over h).
+  constexpr int PER = D / THREADS;
   __shared__ float partial[32];
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
-  const int D = x_shape[x_ndim - 1];
   const size_t base = (size_t)row * D;
+  float hv[PER];
   float ss = 0.0f;
-  for (int i = tid; i < D; i += THREADS) {
-    T hv = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
-    h[base + i] = hv;
-    float f = static_cast<float>(hv);
-    ss += f * f;
+  #pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = tid + j * THREADS;
+    T hb = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
+    h[base + i] = hb;
+    hv[j] = static_cast<float>(hb);
+    ss += hv[j] * hv[j];
   }
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
   if (tid % 32 == 0) partial[tid / 32] = ss;
@@ -86,13 +90,22 @@ _ADD_RMS_NORM = """
   }
   __syncthreads();
   const float inv = rsqrt(partial[0] / D + eps[0]);
-  for (int i = tid; i < D; i += THREADS) {
-    T normed = static_cast<T>(static_cast<float>(h[base + i]) * inv);
+  #pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = tid + j * THREADS;
+    T normed = static_cast<T>(hv[j] * inv);
     y[base + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
   }
 """
 
-_NORM_THREADS = 256
+
+def norm_threads(hidden: int) -> Optional[int]:
+    """Threads per row of `add_rms_norm` for this hidden size: the most of 256/128/64/32 that divides
+    it with at most 64 values per thread (None: the kernel does not take it)."""
+    for threads in (256, 128, 64, 32):
+        if hidden % threads == 0 and hidden // threads <= 64:
+            return threads
+    return None
 
 
 class RopeSpec:
@@ -153,11 +166,12 @@ class CudaOps(ReferenceOps):
             output_dtypes=[qkv.dtype] * 3)
 
     def add_rms_norm(self, x, r, weight, eps):
-        rows = x.size // x.shape[-1]
+        hidden = x.shape[-1]
+        rows, threads = x.size // hidden, norm_threads(hidden)
         h, y = self._norm(
             inputs=[x, r, weight, self._const(("eps", eps), [eps])],
-            template=[("T", x.dtype), ("THREADS", _NORM_THREADS)],
-            grid=(rows * _NORM_THREADS, 1, 1), threadgroup=(_NORM_THREADS, 1, 1),
+            template=[("T", x.dtype), ("D", hidden), ("THREADS", threads)],
+            grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
         return h, y
 
@@ -184,6 +198,8 @@ def unsupported(model: nn.Module) -> Optional[str]:
         head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
         if rope.dims != head_dim or head_dim % 2 or head_dim > 2048:
             return f"partial rotary embedding ({rope.dims} of {head_dim} dims)"
+    if norm_threads(backbone.norm.weight.shape[0]) is None:
+        return f"hidden size {backbone.norm.weight.shape[0]} is not a multiple of 32 up to 16384"
     return None
 
 

@@ -105,18 +105,75 @@ _PARTIAL = """
     if (lane == 0) { stats_out[2 * r] = m; stats_out[2 * r + 1] = l; }
   }
   __syncthreads();
-  for (int d = tid; d < D; d += blockDim.x) {
-    float acc[NREP];
+  // V: thread (kg, c) sums dims [4c, 4c + 4) over keys kg, kg + KG, ...: KG groups of D / 4 threads,
+  // so every thread has several independent loads in flight; the groups' sums meet in qs (free now).
+  constexpr int DV = D / 4;
+  constexpr bool SPLIT = (D % 4 == 0) && (DV <= THREADS) && (THREADS % DV == 0);
+  if constexpr (SPLIT) {
+    constexpr int KG = THREADS / DV;
+    const int c = tid % DV;
+    const int kg = tid / DV;
+    float acc[NREP][4];
     #pragma unroll
-    for (int r = 0; r < NREP; ++r) acc[r] = 0.0f;
-    const T* vcol = v_pool + base * D + d;
-    for (int k = 0; k < n; ++k) {
-      float v = static_cast<float>(vcol[(size_t)k * D]);
+    for (int r = 0; r < NREP; ++r) {
       #pragma unroll
-      for (int r = 0; r < NREP; ++r) acc[r] += ps[r][k] * v;
+      for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
     }
-    #pragma unroll
-    for (int r = 0; r < NREP; ++r) part_out[r * D + d] = acc[r];
+    const T* vbase = v_pool + base * D + 4 * c;
+    #pragma unroll 4
+    for (int k = kg; k < n; k += KG) {
+      const T* vp = vbase + (size_t)k * D;
+      float v[4];
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = static_cast<float>(vp[e]);
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        const float p = ps[r][k];
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] += p * v[e];
+      }
+    }
+    float* red = &qs[0][0];  // NREP * D floats
+    for (int grp = 1; grp < KG; ++grp) {
+      __syncthreads();
+      if (kg == grp) {
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) {
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) red[r * D + 4 * c + e] = acc[r][e];
+        }
+      }
+      __syncthreads();
+      if (kg == 0) {
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) {
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][e] += red[r * D + 4 * c + e];
+        }
+      }
+    }
+    if (kg == 0) {
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) part_out[r * D + 4 * c + e] = acc[r][e];
+      }
+    }
+  } else {
+    for (int d = tid; d < D; d += THREADS) {
+      float acc[NREP];
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) acc[r] = 0.0f;
+      const T* vcol = v_pool + base * D + d;
+      #pragma unroll 8
+      for (int k = 0; k < n; ++k) {
+        float v = static_cast<float>(vcol[(size_t)k * D]);
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) acc[r] += ps[r][k] * v;
+      }
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) part_out[r * D + d] = acc[r];
+    }
   }
 """
 
@@ -191,7 +248,8 @@ class CudaPagedAttention(PagedAttention):
         B, hq, _, d = queries.shape
         hkv, nb = self.num_kv_heads, table.shape[1]
         nrep = hq // hkv
-        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
+        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
+                    ("THREADS", _THREADS)]
         part, stats = self._partial(
             inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
             grid=(B * hkv * nb * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
