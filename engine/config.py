@@ -80,11 +80,12 @@ class EngineConfig(BaseModel):
         "gate and up as one (plain float linear layers only; quantized ones are left as they are).",
     )
     decode_kernels: bool = Field(
-        True,
+        False,
         description="Decode forwards of llama-shaped models run the engine's own layer loop, with one CUDA "
         "kernel for q/k RoPE and the q/k/v layout and one for each residual add and the RMSNorm after it "
-        "(MLX's CUDA backend, with paged_attention and fuse_projections; engine/decode_path.py). False, or "
-        "elsewhere: mlx-lm's modules.",
+        "(MLX's CUDA backend, with paged_attention and fuse_projections; engine/decode_path.py). Off by "
+        "default: on the H200 it did not make decode steps consistently faster. False, or elsewhere: "
+        "mlx-lm's modules.",
     )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "

@@ -2,9 +2,10 @@
 the MLP's gate and up) become one matmul over their concatenated weights during the engine's forwards.
 
 Only decode forwards (one token per row) use it: prompt chunks are bound by the GPU's arithmetic, and
-their memory (docs/memory.md) is left as it was. Why: a decode step of B >= 2 rows is bound by the host on MLX's CUDA backend. Each matmul of B > 1 rows
-is a cuBLAS call captured into a CUDA graph, tens of microseconds of CPU each; an 8B llama has 7 per
-layer. Fused, it has 4 (qkv, o, gate-up, down), and the weights are read in the same bytes. vLLM's
+their memory (docs/memory.md) is left as it was. Why: on MLX's CUDA backend each matmul of B > 1 rows is
+a cuBLAS call captured into a CUDA graph, with its own launch and tail; an 8B llama has 7 per layer.
+Fused, it has 4 (qkv, o, gate-up, down), and the weights are read in the same bytes (on the H200 fusion
+added 1-30 % to serving tok/s: docs/benchmarks.md). vLLM's
 llama does the same (QKVParallelLinear, MergedColumnParallelLinear).
 
 How, without copying mlx-lm's model code: `fuse_projections(model)` replaces, in every layer, the

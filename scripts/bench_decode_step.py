@@ -79,7 +79,7 @@ class OpCounter:
 
 
 def make_engine(lm, batch: int, max_len: int, async_decode: bool = True, paged: bool = True,
-                fuse: bool = True, kernels: bool = True) -> Engine:
+                fuse: bool = True, kernels: bool = False) -> Engine:
     """The default engine config sized for B rows of `max_len` tokens, with room for them."""
     memory = memory_model_for(lm)
     seqs, chunk = max(batch, 1), 512
@@ -108,7 +108,7 @@ class LaunchTimer:
 
 
 def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True, fuse: bool = True,
-              kernels: bool = True) -> dict:
+              kernels: bool = False) -> dict:
     total_steps = args.warmup + args.steps + 2
     engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged, fuse, kernels)
     rng = random.Random(0)
@@ -167,9 +167,9 @@ def main() -> None:
     p.add_argument("--fuse-projections", default="1",
                    help="1: the engine's default (decode computes q/k/v and gate/up as one matmul each), 0: "
                    "one matmul per projection; '1,0' runs both")
-    p.add_argument("--decode-kernels", default="1",
-                   help="1: the engine's default (its own decode layer loop and kernels, engine/decode_path.py, "
-                   "where MLX runs on CUDA), 0: mlx-lm's modules; '1,0' runs both")
+    p.add_argument("--decode-kernels", default="0",
+                   help="1: the engine's own decode layer loop and kernels (engine/decode_path.py, where MLX runs "
+                   "on CUDA), 0: mlx-lm's modules (the engine's default); '1,0' runs both")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     results = []
