@@ -33,8 +33,9 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - On CUDA, MLX frees a kernel's temporaries only when its committed batch of ops has run, so several
   layers' intermediates coexist: every per-layer term above (all but the logits / sampling ones) is
   counted m = min(L, layers_in_flight) times, and a constant `step_overhead_bytes` is added to every
-  forward (plus `prefill_overhead_bytes` to every prompt chunk of more than one token); on the CPU m = 1
-  and the constants are 0 (`coefficients_for_backend`).
+  forward (plus `prefill_overhead_bytes` to every prompt chunk of more than one token, and per layer
+  `prefill_layer_rows` rows of MLP width, I*s each, whatever the chunk's size); on the CPU m = 1 and
+  these constants are 0 (`coefficients_for_backend`).
 The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
 MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
 no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
@@ -101,6 +102,9 @@ class TransientCoefficients:
     layers_in_flight: int = 1
     step_overhead_bytes: int = 0  # added to every forward (0 on CPU)
     prefill_overhead_bytes: int = 0  # added to every prompt chunk of more than one token (0 on CPU)
+    # x I*s per layer in flight, whatever the chunk's size (prompt chunks of more than one token): a
+    # per-layer constant that scales with the MLP width (fitted on CUDA; 0 on CPU)
+    prefill_layer_rows: float = 0.0
     # x B*H*ceil(n/kv_step)*(d+2)*4, the paged kernel's float32 partials; None: the set was not fitted on
     # paged decodes, which it then predicts as gathering ones (an over-estimate)
     decode_paged: Optional[float] = None
@@ -127,13 +131,13 @@ CUDA_COEFFICIENTS = TransientCoefficients(
 # without context-dependent prefill terms (cuDNN's attention never materializes the scores):
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_s5_grid_paged.json --backend cuda \
 #         --exclude-terms prefill_scores,prefill_mask --chunk-maxima
-# One set for every model shape over-predicts each one (1.49x an 8B 512-token chunk); a fit on the served
+# One set for every model shape over-predicts each one (1.25x an 8B 512-token chunk); a fit on the served
 # model alone (--fit-variants, then EngineConfig.memory_coefficients) is tighter: docs/memory.md.
 CUDA_OPS8_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.891, prefill_hidden=6.914, prefill_logits=0.0,
-    decode_gather=1.001, decode_scores=0.003036, decode_logits=1.133, decode_mlp=5.171, decode_hidden=0.2587,
-    sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=2074,
-    prefill_overhead_bytes=31800, decode_paged=0.9684,
+    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.133, prefill_hidden=5.945, prefill_logits=0.0,
+    decode_gather=1.001, decode_scores=0.003038, decode_logits=1.133, decode_mlp=5.171, decode_hidden=0.2589,
+    sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=2040,
+    prefill_overhead_bytes=0, prefill_layer_rows=132.7, decode_paged=0.9684,
 )
 
 
@@ -254,6 +258,7 @@ class MemoryModel:
         per_layer = (
             k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
             + k.prefill_gather * gather + (k.decode_paged or 0.0) * paged
+            + (k.prefill_layer_rows if c > 1 else 0.0) * s.intermediate_size * s.dtype_bytes
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
             + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
         )

@@ -41,7 +41,7 @@ from bench_prefill_memory import Meter, StepRecorder, make_engine  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 PREFILL_TERMS = ("prefill_scores", "prefill_mask", "prefill_gather", "prefill_mlp", "prefill_hidden",
-                 "prefill_logits", "decode_scores")
+                 "prefill_logits", "decode_scores", "prefill_layer_rows")
 DECODE_TERMS = ("decode_gather", "decode_paged", "decode_scores", "decode_logits", "decode_mlp", "decode_hidden")
 
 # 2-layer variants: each changes some of heads / hidden / MLP / vocabulary against the 8B shape.
@@ -69,7 +69,8 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
     return dict(prefill_scores=4 * sh["H"] * c * n if c > 1 else 0, prefill_mask=c * n,
                 prefill_gather=n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
                 prefill_mlp=c * sh["I"] * sh["s"], prefill_hidden=c * sh["D"] * sh["s"],
-                prefill_logits=4 * sh["V"] * int(logits), decode_scores=4 * sh["H"] * n if c == 1 else 0)
+                prefill_logits=4 * sh["V"] * int(logits), decode_scores=4 * sh["H"] * n if c == 1 else 0,
+                prefill_layer_rows=sh["I"] * sh["s"] if c > 1 else 0)
 
 
 def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256) -> dict:
@@ -319,6 +320,7 @@ BACKEND_COLUMNS = (
     ("prefill_scores", "prefill", "prefill_scores", True), ("prefill_mask", "prefill", "prefill_mask", True),
     ("prefill_gather", "prefill", "prefill_gather", True), ("prefill_mlp", "prefill", "prefill_mlp", True),
     ("prefill_hidden", "prefill", "prefill_hidden", True), ("prefill_logits", "prefill", "prefill_logits", False),
+    ("prefill_layer_rows", "prefill", "prefill_layer_rows", True),
     ("decode_gather", "decode", "decode_gather", True), ("decode_paged", "decode", "decode_paged", True),
     ("decode_scores", "decode", "decode_scores", True),
     ("decode_mlp", "decode", "decode_mlp", True), ("decode_hidden", "decode", "decode_hidden", True),
@@ -398,6 +400,8 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     for p in pts:
         m = min(shapes[p["variant"]]["L"], layers_in_flight)
         prompt_chunk = p["kind"] == "prefill" and p["c"] > 1
+        if p["kind"] == "prefill" and "prefill_layer_rows" not in p["terms"]:  # a grid older than the term
+            p["terms"]["prefill_layer_rows"] = shapes[p["variant"]]["I"] * shapes[p["variant"]]["s"] * prompt_chunk
         rows.append([(m if scaled else 1) * p["terms"].get(term, 0) if kind == p["kind"] else 0
                      for _, kind, term, scaled in BACKEND_COLUMNS] + [float(prompt_chunk), 1.0])
     a = np.array(rows, dtype=float)

@@ -211,3 +211,16 @@ def test_prefill_overhead_is_added_to_prompt_chunks_only():
     assert over.prefill_chunk_bytes(1, 4096) == base.prefill_chunk_bytes(1, 4096)
     assert over.decode_bytes([100, 200]) == base.decode_bytes([100, 200])
     assert TransientCoefficients(*(1.0,) * 10).prefill_overhead_bytes == 0
+
+
+def test_prefill_layer_rows_is_per_layer_in_flight_and_chunk_independent():
+    from engine.memory import CPU_COEFFICIENTS, with_overrides
+
+    k = with_overrides(CPU_COEFFICIENTS, {"prefill_layer_rows": 100.0, "layers_in_flight": 4})
+    base = MemoryModel(LLAMA3_8B, coefficients=with_overrides(CPU_COEFFICIENTS, {"layers_in_flight": 4}))
+    m = MemoryModel(LLAMA3_8B, coefficients=k)
+    extra = 4 * 100.0 * 14336 * 2  # layers in flight x rows x I*s
+    for c, n in ((16, 16), (512, 4096), (2048, 8192)):
+        assert m.prefill_chunk_bytes(c, n) - base.prefill_chunk_bytes(c, n) == pytest.approx(extra, abs=2)
+    assert m.prefill_chunk_bytes(1, 4096) == base.prefill_chunk_bytes(1, 4096)  # a one-query forward
+    assert m.decode_bytes([4096] * 4) == base.decode_bytes([4096] * 4)
