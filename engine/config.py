@@ -55,7 +55,7 @@ class EngineConfig(BaseModel):
         description="Share of the KV budget that finished requests' KV may keep for prefix reuse "
         "(evicted LRU, and before any request has to wait for KV). 0 disables the prefix cache.",
     )
-    memory_coefficients: Optional[dict[str, float]] = Field(
+    memory_coefficients: Optional[dict[str, Optional[float]]] = Field(
         None,
         description="Overrides of the memory model's transient coefficients for this backend (fields of "
         "engine.memory.TransientCoefficients), e.g. the 'coefficients' that `python scripts/"

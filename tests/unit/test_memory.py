@@ -152,12 +152,18 @@ def test_memory_coefficient_overrides():
 
 def test_engine_config_checks_memory_coefficients():
     from engine.config import EngineConfig
+    from engine.memory import with_overrides
 
     assert EngineConfig(memory_coefficients={"decode_logits": 2.0}).memory_coefficients == {"decode_logits": 2.0}
     with pytest.raises(ValueError, match="memory_coefficients.*'decode_logit'"):
         EngineConfig(memory_coefficients={"decode_logit": 2.0})
     with pytest.raises(ValueError, match="memory_coefficients"):
         EngineConfig(memory_coefficients={"decode_logits": -1.0})
+    # a fit of a grid without paged decodes prints decode_paged: null, which is taken as "not fitted"
+    cfg = EngineConfig(memory_coefficients={"decode_paged": None, "layers_in_flight": 7})
+    assert with_overrides(CPU_COEFFICIENTS, cfg.memory_coefficients).decode_paged is None
+    with pytest.raises(ValueError, match="memory_coefficients: prefill_mlp=None"):
+        EngineConfig(memory_coefficients={"prefill_mlp": None})
 
 
 def test_decode_counts_sampling_temporaries_per_sampling_row():
