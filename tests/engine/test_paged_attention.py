@@ -193,3 +193,34 @@ def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, mon
         assert runner.pool.paged is None
         assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
     assert ModelRunner(tiny_parts[0]).pool.paged is None  # not asked for (the engine asks on CUDA only)
+
+
+def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(make_engine, tiny_parts,
+                                                                                reference_greedy, run_to_completion,
+                                                                                monkeypatch):
+    """What the engine does where MLX runs on CUDA, with the CPU standing in: the runner is built first,
+    its decode is paged (here `ReferenceAttention` in the kernel's place), so the memory model counts
+    paged decodes (the ops-8 CUDA set is fitted on them), the forwards' bound is smaller than with
+    gathering decodes and the KV budget no smaller; decode is still mlx-lm's greedy."""
+    import engine.engine as engine_module
+    import engine.runner as runner_module
+
+    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "8")
+    monkeypatch.setattr(runner_module, "CudaPagedAttention", ReferenceAttention)
+    monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
+    # small chunks, many long rows: the decode term decides the bound
+    paged = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0)
+    gathering = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0,
+                            paged_attention=False)
+    assert paged.runner.paged_attention and paged.memory.paged_decode
+    assert not gathering.runner.paged_attention and not gathering.memory.paged_decode
+    assert paged.memory.coefficients.decode_paged is not None  # the ops-8 CUDA set
+    assert paged.memory.decode_bytes([2048] * 16) < gathering.memory.decode_bytes([2048] * 16) / 4
+    forwards = [e.memory.transient_bound_bytes(16, 16, 2048) for e in (paged, gathering)]
+    assert forwards[0] < forwards[1]  # (here a full pool's growth copy is the larger bound for both)
+    assert paged.stats().kv_budget_bytes >= gathering.stats().kv_budget_bytes
+    assert paged.runner.blocks.max_blocks * 256 * paged.memory.kv_bytes_per_token <= paged.stats().kv_budget_bytes
+    prompt = random_prompts([40], paged.memory.shape.vocab_size, seed=11)[0]
+    paged.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert run_to_completion(paged)["a"] == reference_greedy(tiny_parts[0], prompt, 6)
