@@ -1,4 +1,5 @@
-"""scripts/bench_memory_grid.py's backend fit on a synthetic grid (numpy only; no measuring)."""
+"""Pure logic of the benchmark scripts (numpy only, no measuring): bench_memory_grid.py's backend fit on a
+synthetic grid, and bench_serving.py's comparison over timed passes."""
 
 import json
 import sys
@@ -65,3 +66,19 @@ def test_largest_per_chunk_keeps_one_prefill_point_per_chunk_size():
     kept = grid.largest_per_chunk(pts)
     assert sorted((p["kind"], p.get("c"), p["measured"]) for p in kept) == [
         ("decode", None, 1), ("prefill", 128, 9), ("prefill", 256, 3)]
+
+
+def test_serving_comparison_uses_the_median_of_the_passes():
+    serving = pytest.importorskip("bench_serving")
+    runs = {}
+    for rep, (ours, theirs) in enumerate([(400, 300), (410, 420), (390, 250)]):
+        suffix = f"#{rep}" if rep else ""
+        runs[f"engine@4{suffix}"] = dict(ttft_mean_s=0.07, output_tok_per_s=ours)
+        runs[f"mlx_lm@4{suffix}"] = dict(ttft_mean_s=0.10, output_tok_per_s=theirs)
+    out = serving.compare(runs, [4, 8], "engine", "mlx_lm")["4"]
+    assert "8" not in serving.compare(runs, [4, 8], "engine", "mlx_lm")  # no run at 8
+    assert out["passes"] == 3
+    assert out["tok_per_s_ratio"] == pytest.approx(400 / 300)  # median over median, not the first pass
+    assert [round(r, 3) for r in out["tok_per_s_ratio_per_pass"]] == [1.333, 0.976, 1.56]
+    assert out["ttft_ratio"] == pytest.approx(0.7) and out["engine_ttft_le_mlx_lm"]
+    assert out["engine_tok_per_s_ge_1_2x_mlx_lm"]
