@@ -5,9 +5,8 @@ forwards against mlx-lm; the CUDA kernels are checked against `ReferenceOps` by 
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine.decode_path import DecodePath, ReferenceOps, self_check, unsupported
@@ -29,8 +28,8 @@ class CountingOps(ReferenceOps):
 
 
 def prompts_of(lengths, vocab, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("async_decode", [False, True])
