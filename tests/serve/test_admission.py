@@ -278,14 +278,17 @@ def test_disconnect_while_queued_never_reaches_the_engine(cluster):
     assert after["counters"]["num_admitted"] == before["num_admitted"]
 
 
-def test_controller_killed_under_load(cluster):
+class _Raced(Exception):
+    """The streams ended before the restarted controller had rebuilt: the run says nothing; run it again."""
+
+
+def _kill_controller_under_load(url: str, step: int, attempt: int) -> float:
     import ray
 
-    url = cluster["url"]
-    step = cluster["step_bytes"]
     with httpx.Client(timeout=60) as http:
         # 1510 tokens each: 6 of a replica's 6.5 steps, long enough to outlive the controller's restart
-        streams = [http.stream("POST", f"{url}/v1/completions", json=body(10, 1500, stream=True, offset=200 + i))
+        streams = [http.stream("POST", f"{url}/v1/completions",
+                               json=body(10, 1500, stream=True, offset=200 + 10 * attempt + i))
                    for i in range(2)]
         responses = [s.__enter__() for s in streams]
         lines = [r.iter_lines() for r in responses]  # kept: a dropped iterator closes the connection
@@ -296,8 +299,13 @@ def test_controller_killed_under_load(cluster):
                 ids.append(json.loads(next(it)[len("data: "):])["id"] + "-0")
             killed = time.monotonic()
             ray.kill(controller(), no_restart=False)
-            rebuilt = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 and s["num_reservations"] == 2
-                                        else None)(stats()), what="rebuild from heartbeats")
+            try:
+                rebuilt = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 and s["num_reservations"] == 2
+                                            else None)(stats()), what="rebuild from heartbeats")
+            except AssertionError:
+                if stats()["counters"]["num_released"] > 0:  # a stream ended before the rebuild saw it
+                    raise _Raced()
+                raise
             rebuild_s = time.monotonic() - killed
             assert rebuilt["counters"]["num_adopted"] == 2 and rebuilt["counters"]["num_admitted"] == 0
             assert sorted(i for r in rebuilt["replicas"] for i in r["request_ids"]) == sorted(ids)
@@ -312,6 +320,21 @@ def test_controller_killed_under_load(cluster):
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
+    return rebuild_s
+
+
+def test_controller_killed_under_load(cluster):
+    """Reservations of in-flight requests survive a controller crash: the restarted controller adopts
+    them from the replicas' heartbeats. On a loaded machine the streams can end before the restart
+    completes; that run proves nothing either way and is run again (once)."""
+    for attempt in range(2):
+        try:
+            rebuild_s = _kill_controller_under_load(cluster["url"], cluster["step_bytes"], attempt)
+            break
+        except _Raced:
+            wait_for(lambda: stats()["num_reservations"] == 0, what="releases after the raced run")
+            if attempt == 1:
+                raise AssertionError("both runs raced: the streams ended before the controller rebuilt")
     print(f"controller rebuilt {rebuild_s:.1f} s after the kill")
     wait_for(lambda: stats()["num_reservations"] == 0, what="releases after the restart")
 
