@@ -233,8 +233,7 @@ class DecodePath:
         y = mx.fast.rms_norm(h, first.weight, first.eps)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            qkv = attn.qkv_proj.weight
-            qkv = (mx.addmm(attn.qkv_proj.bias, y, qkv.T) if "bias" in attn.qkv_proj else y @ qkv.T)
+            qkv = attn.qkv_proj(y)  # engine/fused.py: the q/k/v product in one matmul
             q, k, v = self.ops.rope_qkv(qkv, offsets, self.ropes[i], self.heads, self.kv_heads)
             view.write_and_read(i, k, v)
             out = view.attend(i, q, attn.scale)  # [B, H, 1, d]
@@ -251,7 +250,7 @@ def self_check(ops: ReferenceOps, model: nn.Module, dtype) -> None:
     """Run `ops`' kernels on a small case of this model's shapes against `ReferenceOps`; raise if they
     fail or disagree (the runner then keeps mlx-lm's modules)."""
     path = DecodePath(model, ReferenceOps())
-    ref = ReferenceOps()
+    ref = path.ops
     heads, kv_heads, d = path.heads, path.kv_heads, path.head_dim
     qkv = mx.random.normal((3, 1, (heads + 2 * kv_heads) * d), key=mx.random.key(4)).astype(dtype)
     offsets = mx.array([0, 257, 70000], mx.int32)

@@ -44,8 +44,8 @@ class ForwardsMixin:
 
     def _slice_reads(self, prefills) -> set[str]:
         """Requests whose prompt chunk the runner reads as a view of the pool (no gathered copy;
-        engine/kv.py `slice_start`). Decodes are predicted with a gathered copy, also when the paged
-        kernel reads the pool in place (an over-estimate: docs/memory.md)."""
+        engine/kv.py `slice_start`). Decodes are predicted by the memory model as the runner reads
+        them: paged or gathered (`MemoryModel.paged_decode`)."""
         return {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.num_tokens)}
 
     def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:

@@ -61,6 +61,10 @@ class FusedLinear(nn.Module):
         """Rows [a, b) of the concatenated weight that are part `index`'s."""
         return self._cache.bounds[index]
 
+    def __call__(self, x: mx.array) -> mx.array:
+        """The whole product, every part's columns: x @ W^T (+ b)."""
+        return mx.addmm(self.bias, x, self.weight.T) if "bias" in self else x @ self.weight.T
+
     def part(self, index: int, x: mx.array) -> mx.array:
         a, b = self.bounds(index)
         if not getattr(_state, "active", False):  # the original layer: x @ W_i^T (+ b_i)
@@ -70,7 +74,7 @@ class FusedLinear(nn.Module):
         cache = self._cache.mine()
         if cache.x is not x:
             cache.x = x
-            cache.y = mx.addmm(self.bias, x, self.weight.T) if "bias" in self else x @ self.weight.T
+            cache.y = self(x)
             cache.left = len(self._cache.bounds)
         out = cache.y[..., a:b]
         cache.left -= 1

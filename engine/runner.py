@@ -119,8 +119,10 @@ class ModelRunner:
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
     def _enable_decode_kernels(self, dtype) -> None:
-        why_not = None if (self.fused and self.pool.paged is not None) else "needs fused projections and paged attention"
-        why_not = why_not or decode_unsupported(self.model)
+        if not (self.fused and self.paged_attention):
+            why_not = "needs fused projections and paged attention"
+        else:
+            why_not = decode_unsupported(self.model)
         if why_not is None:
             try:
                 ops = CudaOps()

@@ -107,17 +107,25 @@ class LaunchTimer:
         self.seconds.append(time.perf_counter() - t0)
 
 
-def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True, fuse: bool = True,
-              kernels: bool = False) -> dict:
-    total_steps = args.warmup + args.steps + 2
-    engine = make_engine(lm, batch, args.prompt_tokens + total_steps + 4, async_decode, paged, fuse, kernels)
+def decoding_engine(lm, batch: int, prompt_tokens: int, decode_steps: int, async_decode: bool = True,
+                    paged: bool = True, fuse: bool = True, kernels: bool = False) -> Engine:
+    """An engine whose `batch` random prompts of `prompt_tokens` have prefilled: every later step is a
+    decode of all rows, for at least `decode_steps` steps."""
+    engine = make_engine(lm, batch, prompt_tokens + decode_steps + 4, async_decode, paged, fuse, kernels)
     rng = random.Random(0)
     vocab = engine.memory.shape.vocab_size
     for i in range(batch):
-        prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=total_steps + 4, ignore_eos=True))
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=decode_steps + 4, ignore_eos=True))
     while any(r.is_prefilling for r in engine.scheduler.requests.values()) or engine.scheduler.num_waiting:
         engine.step()
+    return engine
+
+
+def bench_one(lm, batch: int, args, async_decode: bool = True, paged: bool = True, fuse: bool = True,
+              kernels: bool = False) -> dict:
+    engine = decoding_engine(lm, batch, args.prompt_tokens, args.warmup + args.steps + 2, async_decode,
+                             paged, fuse, kernels)
     for _ in range(args.warmup):
         engine.step()
     counter = OpCounter(engine.runner)

@@ -20,8 +20,11 @@ model alone (a per-deployment calibration, EngineConfig.memory_coefficients):
 
     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
 
-Replay mode (--replay-prefill a.json,b.json): the engine steps of bench_prefill_memory.py results,
-predicted again from their recorded plans with --backend's coefficients (default cuda).
+Replay mode (--replay-prefill a.json,b.json [--replay-views]): the engine steps of bench_prefill_memory.py
+results, predicted again from their recorded plans with --backend's coefficients (default cuda; on CUDA
+the ops-8 set):
+
+    python scripts/bench_memory_grid.py --replay-prefill scripts/data/h200_s5_prefill_default.json --replay-views
 """
 
 from __future__ import annotations
@@ -400,8 +403,6 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     for p in pts:
         m = min(shapes[p["variant"]]["L"], layers_in_flight)
         prompt_chunk = p["kind"] == "prefill" and p["c"] > 1
-        if p["kind"] == "prefill" and "prefill_layer_rows" not in p["terms"]:  # a grid older than the term
-            p["terms"]["prefill_layer_rows"] = shapes[p["variant"]]["I"] * shapes[p["variant"]]["s"] * prompt_chunk
         rows.append([(m if scaled else 1) * p["terms"].get(term, 0) if kind == p["kind"] else 0
                      for _, kind, term, scaled in BACKEND_COLUMNS] + [float(prompt_chunk), 1.0])
     a = np.array(rows, dtype=float)
@@ -475,6 +476,9 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     pts = [p for p in data["points"] if p["variant"] != "warmup" and p["measured"] > 0
            and (not keep or p["variant"] in keep)]
     shapes = data["shapes"]
+    for p in pts:  # grids measured before a term existed: its value from the point's shape
+        if p["kind"] == "prefill":
+            p["terms"] = {**prefill_terms(shapes[p["variant"]], p["c"], p["n"], bool(p["logits"])), **p["terms"]}
     every = pts
     if chunk_maxima:
         pts = largest_per_chunk(pts)
@@ -515,12 +519,13 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
 
 
 # --------------------------------------------------------------------------- replay (--replay-prefill)
-def prefill_bench_plans(data: dict) -> list:
+def prefill_bench_plans(data: dict, views: bool = False) -> list:
     """StepPlans of the engine way of a bench_prefill_memory.py JSON, rebuilt from what each step
     recorded (chunks as (tokens, context end), number of decoding rows) and the prompt lengths: a chunk
     computes logits when it ends a prompt; a prompt of P tokens whose last chunk ran j steps ago decodes
-    with P + j keys; rows are greedy (the bench's SamplingParams). Checked by recomputing the recorded
-    CPU prediction of every step (`replay_prefill`)."""
+    with P + j keys; rows are greedy (the bench's SamplingParams); `views`: every chunk read its row as a
+    view of the pool (the JSON does not record it). Checked by recomputing the recorded predictions
+    (`replay_prefill`)."""
     from engine.memory import PrefillChunkPlan, StepPlan
 
     lengths = sorted(data["lengths"])
@@ -529,7 +534,8 @@ def prefill_bench_plans(data: dict) -> list:
     for i, st in enumerate(data["ways"]["engine"]["steps"]):
         ends = [end for _, end in st["chunks"]]
         pending = [n for n in lengths if n not in finished]
-        chunks = tuple(PrefillChunkPlan(c, end, computes_logits=end in pending) for c, end in st["chunks"])
+        chunks = tuple(PrefillChunkPlan(c, end, computes_logits=end in pending, gathers=not views)
+                       for c, end in st["chunks"])
         decoding = sorted(finished.items())
         if len(decoding) != st["decodes"]:
             raise ValueError(f"step {i}: {st['decodes']} decoding rows recorded, {len(decoding)} rebuilt")
@@ -540,32 +546,54 @@ def prefill_bench_plans(data: dict) -> list:
     return plans
 
 
-def replay_prefill(path: str, backend: str = "cuda") -> dict:
+def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dict:
     """Predicted / measured transient of every engine step of a prefill benchmark JSON, with the
-    recorded plans and `backend`'s coefficients (pure arithmetic on engine/memory.py)."""
+    recorded plans and `backend`'s coefficients (pure arithmetic on engine/memory.py). Decodes are
+    paged when the run's engine asked for it on a GPU. The rebuilt plans are checked first: they must
+    give the predictions the run recorded, with the coefficients it ran with. Those are known for a run on
+    the CPU (the CPU set) and for one with `memory_coefficients` in its config (complete sets, as the fit
+    prints them), or the CPU set for GPU runs from before the CUDA sets; for other runs
+    `recorded_predictions_reproduced` is None."""
     from engine import memory as mem
 
     data = json.loads(Path(path).read_text())
     if data["model"] != "llama-8b":  # the JSON records the model's name, not its shape
         raise ValueError(f"model {data['model']!r}: only llama-8b's shape is known here")
     shape = mem.ModelShape.from_config(LLAMA_8B, DTYPES[data["dtype"]].size)
-    steps = data["ways"]["engine"]["steps"]
-    plans = prefill_bench_plans(data)
-    cpu = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend("cpu"))
-    cpu_pred = [cpu.step_transient_bytes(pl) for pl in plans]
-    if cpu_pred != [st["predicted"] for st in steps]:  # the rebuilt plans are the engine's
-        raise ValueError(f"rebuilt plans do not reproduce the recorded CPU predictions: {cpu_pred}")
-    model = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend(backend))
+    engine = data["ways"]["engine"]
+    steps, config = engine["steps"], engine.get("config", {})
+    on_gpu = "gpu" in str(data["environment"].get("device", ""))
+    paged = bool(config.get("paged_attention")) and on_gpu
+    plans = prefill_bench_plans(data, views)
+    recorded = None
+    if not on_gpu:
+        recorded = mem.coefficients_for_backend("cpu")
+    elif config.get("memory_coefficients"):
+        recorded = mem.with_overrides(mem.CPU_COEFFICIENTS, config["memory_coefficients"])
+    wanted = [st["predicted"] for st in steps]
+    reproduced = None
+    if recorded is not None:
+        check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged)
+        again = [check.step_transient_bytes(pl) for pl in plans]
+        if again != wanted:  # the rebuilt plans are the engine's
+            raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")
+        reproduced = True
+    else:  # GPU runs of engines that predicted with the CPU set (before the CUDA sets existed)
+        cpu = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend("cpu"))
+        if [cpu.step_transient_bytes(pl) for pl in plans] == wanted:
+            reproduced = True
+    model = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend(backend, 8), paged_decode=paged)
     pred = [model.step_transient_bytes(pl) for pl in plans]
     meas = [st["measured"] for st in steps]
     peak = max(range(len(steps)), key=lambda i: meas[i])
     ratios = [p / m for p, m in zip(pred, meas)]
-    return dict(file=path, backend=backend, mlx_env=data["environment"].get("mlx_env"),
-                cpu_predictions_reproduced=True,
+    return dict(file=path, backend=backend, mlx_env=data["environment"].get("mlx_env"), views=views,
+                paged_decodes=paged, recorded_predictions_reproduced=reproduced,
                 steps=[dict(predicted=p, measured=m, ratio=round(r, 3)) for p, m, r in zip(pred, meas, ratios)],
                 peak_step=peak, ratio_at_peak_step=round(ratios[peak], 3),
                 max_predicted_over_max_measured=round(max(pred) / max(meas), 3),
-                min_step_ratio=round(min(ratios), 3), underpredicted_steps=sum(r < 1 for r in ratios),
+                min_step_ratio=round(min(ratios), 3), max_step_ratio=round(max(ratios), 3),
+                underpredicted_steps=sum(r < 1 for r in ratios),
                 max_predicted_bytes=max(pred), max_measured_bytes=max(meas))
 
 
@@ -577,6 +605,8 @@ def main(argv=None):
     p.add_argument("--backend", default=None,
                    help="--fit: fit a whole TransientCoefficients set for this backend (e.g. cuda) with "
                         "layers_in_flight and step_overhead_bytes; prints its Python literal")
+    p.add_argument("--replay-views", action="store_true",
+                   help="--replay-prefill: the run's prompt chunks read their rows as views of the pool")
     p.add_argument("--replay-prefill", default=None,
                    help="bench_prefill_memory.py JSONs (comma-separated): the engine steps' predicted / "
                         "measured with --backend's coefficients (default cuda), from the recorded plans")
@@ -601,7 +631,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.replay_prefill:
-        result = [replay_prefill(f, args.backend or "cuda") for f in args.replay_prefill.split(",")]
+        result = [replay_prefill(f, args.backend or "cuda", args.replay_views) for f in args.replay_prefill.split(",")]
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
                              args.exclude_terms, args.chunk_maxima)

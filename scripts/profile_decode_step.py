@@ -18,7 +18,6 @@ import csv
 import ctypes
 import glob
 import json
-import random
 import sys
 import time
 from collections import defaultdict
@@ -49,20 +48,11 @@ def cudart():
 def profile(args) -> dict:
     import mlx.core as mx
     from bench_common import emit, environment, load_bench_model
-    from bench_decode_step import make_engine
-    from engine.request import SamplingParams
+    from bench_decode_step import decoding_engine
 
     lm = load_bench_model(args.model, args.dtype)
-    total = args.warmup + 2
-    engine = make_engine(lm, args.batch, args.prompt_tokens + total + 8, async_decode=False,
-                         kernels=bool(args.decode_kernels))
-    rng = random.Random(0)
-    vocab = engine.memory.shape.vocab_size
-    for i in range(args.batch):
-        engine.add_request(str(i), [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
-                           SamplingParams(max_tokens=total + 4, ignore_eos=True))
-    while any(r.is_prefilling for r in engine.scheduler.requests.values()) or engine.scheduler.num_waiting:
-        engine.step()
+    engine = decoding_engine(lm, args.batch, args.prompt_tokens, args.warmup + 2, async_decode=False,
+                             kernels=bool(args.decode_kernels))
     walls = []
     for _ in range(args.warmup):
         t = time.perf_counter()

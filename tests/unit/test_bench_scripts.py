@@ -82,3 +82,14 @@ def test_serving_comparison_uses_the_median_of_the_passes():
     assert [round(r, 3) for r in out["tok_per_s_ratio_per_pass"]] == [1.333, 0.976, 1.56]
     assert out["ttft_ratio"] == pytest.approx(0.7) and out["engine_ttft_le_mlx_lm"]
     assert out["engine_tok_per_s_ge_1_2x_mlx_lm"]
+
+
+def test_replay_reproduces_a_recorded_h200_run_before_predicting_it_again():
+    """The calibrated H200 run recorded its coefficients: its step plans rebuilt from the JSON (chunks
+    read as views, decodes paged) give exactly the predictions it recorded; without views they do not."""
+    path = str(Path(__file__).resolve().parents[2] / "scripts/data/h200_s5_prefill_calibrated.json")
+    out = grid.replay_prefill(path, "cuda", views=True)
+    assert out["recorded_predictions_reproduced"] is True and out["paged_decodes"] is True
+    assert out["underpredicted_steps"] == 0 and out["min_step_ratio"] >= 1.0
+    with pytest.raises(ValueError, match="do not reproduce"):
+        grid.replay_prefill(path, "cuda", views=False)
