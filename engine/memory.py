@@ -50,6 +50,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 FLOAT32_BYTES = 4
+# keys per partial of the paged decode kernel (engine/paged_attention.py): each pool block of kv_step
+# tokens gives kv_step / PAGED_PARTIAL_KEYS partials per row and query head
+PAGED_PARTIAL_KEYS = 64
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class TransientCoefficients:
     # x I*s per layer in flight, whatever the chunk's size (prompt chunks of more than one token): a
     # per-layer constant that scales with the MLP width (fitted on CUDA; 0 on CPU)
     prefill_layer_rows: float = 0.0
-    # x B*H*ceil(n/kv_step)*(d+2)*4, the paged kernel's float32 partials; None: the set was not fitted on
+    # x B*H*ceil(n/kv_step)*(kv_step/64)*(d+2)*4, the paged kernel's float32 partials; None: not fitted on
     # paged decodes, which it then predicts as gathering ones (an over-estimate)
     decode_paged: Optional[float] = None
 
@@ -268,10 +271,11 @@ class MemoryModel:
 
     def paged_partials_bytes(self, num_rows: int, context_len: int) -> int:
         """One layer's float32 partials of the paged decode kernel (engine/paged_attention.py): per row,
-        query head and pool block of `kv_step` tokens, a partial output of d values and 2 statistics."""
+        query head and span of PAGED_PARTIAL_KEYS keys of its pool blocks (of `kv_step` tokens), a partial
+        output of d values and 2 statistics."""
         s = self.shape
-        blocks = -(-context_len // self.kv_step)
-        return num_rows * s.num_heads * blocks * (s.head_dim + 2) * FLOAT32_BYTES
+        spans = -(-context_len // self.kv_step) * max(1, self.kv_step // PAGED_PARTIAL_KEYS)
+        return num_rows * s.num_heads * spans * (s.head_dim + 2) * FLOAT32_BYTES
 
     def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: Optional[bool] = None) -> int:
         """Hidden states, the rows' KV as attention reads it, scores, MLP and logits (module docstring).

@@ -7,8 +7,9 @@ a dozen separate operations per layer. With it, per layer and forward: two kerne
 row's keys and values where they lie in the pool, through the rows' block table (the idea of vLLM's
 PagedAttention, with the split over the sequence of flash-decoding):
 
-1. `partial`: one thread block per (row, KV head, pool block of the row): the softmax statistics
-   (max, sum) and the unnormalised output of the GQA group's queries over that block's keys;
+1. `partial`: one thread block per (row, KV head, span of `PAGED_PARTIAL_KEYS` keys of the row, within
+   one pool block): the softmax statistics (max, sum) and the unnormalised output of the GQA group's
+   queries over that span's keys;
 2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output.
 
 `install(model)` routes mlx-lm's attention call (`scaled_dot_product_attention` of the model's module)
@@ -28,6 +29,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from .memory import PAGED_PARTIAL_KEYS
+
 _HEADER = """
 __device__ __forceinline__ float pa_warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
@@ -39,65 +42,95 @@ __device__ __forceinline__ float pa_warp_sum(float v) {
 }
 """
 
-# grid: B * HKV * NB thread blocks of THREADS; block g = ((b * HKV) + h) * NB + j covers positions
-# [j * BLOCK, (j + 1) * BLOCK) of row b, which lie in pool block table[b, j] (rows h * S + slot).
+# grid: B * HKV * NP thread blocks of THREADS (NW = THREADS / 32 warps), NP = NB * (BLOCK / CH); block
+# g = ((b * HKV) + h) * NP + j covers positions [j * CH, (j + 1) * CH) of row b, which lie in pool block
+# table[b, j * CH / BLOCK] (rows h * S + slot). Short spans of keys give many small blocks: a decode's
+# attention is a few MB per layer, so the kernel's time is its longest dependent chain, not bandwidth.
+# Lane i of a warp holds dims [i * DPL, (i + 1) * DPL) of the queries, keys and values (lanes past D / DPL
+# idle when D < 32 * DPL); warp w takes keys w, w + NW, ... and loads all of them before using any (KPW
+# independent loads in flight per lane).
 _PARTIAL = """
-  constexpr int VEC = 16 / sizeof(T);
+  constexpr int DPL = D <= 32 ? 1 : D <= 64 ? 2 : D <= 128 ? 4 : 8;  // D % DPL == 0 for D % 8 == 0
+  constexpr int NW = THREADS / 32;
+  constexpr int KPW = CH / NW;
+  constexpr int SUBS = BLOCK / CH;
+  struct alignas(sizeof(T) * DPL) Vec { T v[DPL]; };
   const float NEG_INF = -__int_as_float(0x7f800000);
-  __shared__ float qs[NREP][D];
-  __shared__ float ps[NREP][BLOCK];
+  __shared__ float ps[NREP][CH];
+  __shared__ float red[NW][NREP][D];
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int nwarps = blockDim.x / 32;
+  const bool active = lane * DPL < D;
   const int NB = table_shape[1];
+  const int NP = NB * SUBS;
   const int g = blockIdx.x;
-  const int j = g % NB;
-  const int b = g / (NB * HKV);
-  const int h = (g / NB) % HKV;
-  const int n = min(BLOCK, lengths[b] - j * BLOCK);  // keys in this block (<= 0: none)
+  const int j = g % NP;
+  const int b = g / (NP * HKV);
+  const int h = (g / NP) % HKV;
+  const int n = min(CH, lengths[b] - j * CH);  // keys in this span (<= 0: none)
   float* part_out = part + (size_t)g * NREP * D;
   float* stats_out = stats + (size_t)g * NREP * 2;
   if (n <= 0) {
-    for (int i = tid; i < NREP * D; i += blockDim.x) part_out[i] = 0.0f;
+    for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
     if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
     return;
   }
-  const float sc = scale[0];
-  for (int i = tid; i < NREP * D; i += blockDim.x) {
-    qs[i / D][i % D] = static_cast<float>(q[((size_t)(b * HKV + h) * NREP) * D + i]) * sc;
-  }
-  __syncthreads();
   const size_t S = k_pool_shape[0] / HKV;
-  const size_t base = (size_t)h * S + (size_t)table[b * NB + j] * BLOCK;  // pool row of key 0
-  for (int k = tid; k < BLOCK; k += blockDim.x) {
-    float s[NREP];
+  const size_t base = (size_t)h * S + (size_t)table[b * NB + j / SUBS] * BLOCK + (size_t)(j % SUBS) * CH;
+  const float sc = scale[0];
+  float qr[NREP][DPL];
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
     #pragma unroll
-    for (int r = 0; r < NREP; ++r) s[r] = 0.0f;
-    if (k < n) {
-      const T* krow = k_pool + (base + k) * D;
-      for (int d0 = 0; d0 < D; d0 += VEC) {
-        uint4 raw = *reinterpret_cast<const uint4*>(krow + d0);
-        const T* kv = reinterpret_cast<const T*>(&raw);
+    for (int e = 0; e < DPL; ++e) qr[r][e] = 0.0f;
+    if (active) {  // scalar loads: q may be a view at any element offset
+      const T* qp = q + ((size_t)(b * HKV + h) * NREP + r) * D + lane * DPL;
+      #pragma unroll
+      for (int e = 0; e < DPL; ++e) qr[r][e] = static_cast<float>(qp[e]) * sc;
+    }
+  }
+  Vec kv[KPW];
+  Vec vv[KPW];
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {
+    #pragma unroll
+    for (int e = 0; e < DPL; ++e) { kv[i].v[e] = static_cast<T>(0.0f); vv[i].v[e] = static_cast<T>(0.0f); }
+    const int k = warp + i * NW;
+    if (k < n && active) kv[i] = *reinterpret_cast<const Vec*>(k_pool + (base + k) * D + lane * DPL);
+  }
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {
+    const int k = warp + i * NW;
+    if (k < n) {  // uniform over the warp
+      float s[NREP];
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        s[r] = 0.0f;
         #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          float kf = static_cast<float>(kv[e]);
-          #pragma unroll
-          for (int r = 0; r < NREP; ++r) s[r] += qs[r][d0 + e] * kf;
-        }
+        for (int e = 0; e < DPL; ++e) s[r] += qr[r][e] * static_cast<float>(kv[i].v[e]);
+      }
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) s[r] = pa_warp_sum(s[r]);
+      if (lane == 0) {
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) ps[r][k] = s[r];
       }
     }
-    #pragma unroll
-    for (int r = 0; r < NREP; ++r) ps[r][k] = (k < n) ? s[r] : NEG_INF;
+  }
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {  // V's loads go out before the softmax's barrier
+    const int k = warp + i * NW;
+    if (k < n && active) vv[i] = *reinterpret_cast<const Vec*>(v_pool + (base + k) * D + lane * DPL);
   }
   __syncthreads();
-  for (int r = warp; r < NREP; r += nwarps) {
+  for (int r = warp; r < NREP; r += NW) {
     float m = NEG_INF;
     for (int k = lane; k < n; k += 32) m = fmaxf(m, ps[r][k]);
     m = pa_warp_max(m);
     float l = 0.0f;
-    for (int k = lane; k < BLOCK; k += 32) {
-      float p = (k < n) ? __expf(ps[r][k] - m) : 0.0f;
+    for (int k = lane; k < n; k += 32) {
+      const float p = __expf(ps[r][k] - m);
       ps[r][k] = p;
       l += p;
     }
@@ -105,75 +138,37 @@ _PARTIAL = """
     if (lane == 0) { stats_out[2 * r] = m; stats_out[2 * r + 1] = l; }
   }
   __syncthreads();
-  // V: thread (kg, c) sums dims [4c, 4c + 4) over keys kg, kg + KG, ...: KG groups of D / 4 threads,
-  // so every thread has several independent loads in flight; the groups' sums meet in qs (free now).
-  constexpr int DV = D / 4;
-  constexpr bool SPLIT = (D % 4 == 0) && (DV <= THREADS) && (THREADS % DV == 0);
-  if constexpr (SPLIT) {
-    constexpr int KG = THREADS / DV;
-    const int c = tid % DV;
-    const int kg = tid / DV;
-    float acc[NREP][4];
+  float acc[NREP][DPL];
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
     #pragma unroll
-    for (int r = 0; r < NREP; ++r) {
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
-    }
-    const T* vbase = v_pool + base * D + 4 * c;
-    #pragma unroll 4
-    for (int k = kg; k < n; k += KG) {
-      const T* vp = vbase + (size_t)k * D;
-      float v[4];
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = static_cast<float>(vp[e]);
+    for (int e = 0; e < DPL; ++e) acc[r][e] = 0.0f;
+  }
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {
+    const int k = warp + i * NW;
+    if (k < n) {
       #pragma unroll
       for (int r = 0; r < NREP; ++r) {
         const float p = ps[r][k];
         #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][e] += p * v[e];
+        for (int e = 0; e < DPL; ++e) acc[r][e] += p * static_cast<float>(vv[i].v[e]);
       }
     }
-    float* red = &qs[0][0];  // NREP * D floats
-    for (int grp = 1; grp < KG; ++grp) {
-      __syncthreads();
-      if (kg == grp) {
-        #pragma unroll
-        for (int r = 0; r < NREP; ++r) {
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) red[r * D + 4 * c + e] = acc[r][e];
-        }
-      }
-      __syncthreads();
-      if (kg == 0) {
-        #pragma unroll
-        for (int r = 0; r < NREP; ++r) {
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][e] += red[r * D + 4 * c + e];
-        }
-      }
+  }
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
+    #pragma unroll
+    for (int e = 0; e < DPL; ++e) {
+      if (active) red[warp][r][lane * DPL + e] = acc[r][e];
     }
-    if (kg == 0) {
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) {
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) part_out[r * D + 4 * c + e] = acc[r][e];
-      }
-    }
-  } else {
-    for (int d = tid; d < D; d += THREADS) {
-      float acc[NREP];
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) acc[r] = 0.0f;
-      const T* vcol = v_pool + base * D + d;
-      #pragma unroll 8
-      for (int k = 0; k < n; ++k) {
-        float v = static_cast<float>(vcol[(size_t)k * D]);
-        #pragma unroll
-        for (int r = 0; r < NREP; ++r) acc[r] += ps[r][k] * v;
-      }
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) part_out[r * D + d] = acc[r];
-    }
+  }
+  __syncthreads();
+  for (int i = tid; i < NREP * D; i += THREADS) {
+    float sum = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) sum += red[w][i / D][i % D];
+    part_out[i] = sum;
   }
 """
 
@@ -199,7 +194,8 @@ _COMBINE = """
   out[(size_t)bq * D + d] = static_cast<T>(acc / L);
 """
 
-_THREADS = 128
+_THREADS = 128  # 4 warps, 16 keys each
+_CH = PAGED_PARTIAL_KEYS
 
 
 class PagedAttention:
@@ -246,14 +242,14 @@ class CudaPagedAttention(PagedAttention):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
         B, hq, _, d = queries.shape
-        hkv, nb = self.num_kv_heads, table.shape[1]
+        hkv, np_ = self.num_kv_heads, table.shape[1] * (self.block_size // _CH)
         nrep = hq // hkv
         template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
-                    ("THREADS", _THREADS)]
+                    ("CH", _CH), ("THREADS", _THREADS)]
         part, stats = self._partial(
             inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
-            grid=(B * hkv * nb * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-            output_shapes=[(B, hkv, nb, nrep, d), (B, hkv, nb, nrep, 2)],
+            grid=(B * hkv * np_ * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+            output_shapes=[(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)],
             output_dtypes=[mx.float32, mx.float32])
         (out,) = self._combine(
             inputs=[part, stats], template=[("T", queries.dtype), ("D", d), ("NREP", nrep)],
@@ -289,7 +285,9 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
     if head_dim % 8 or head_dim > 256:
         return f"head_dim {head_dim} is not a multiple of 8 up to 256"
-    if (num_heads // num_kv_heads) * (head_dim + block_size) * 4 > 40_000:
+    if block_size % _CH:
+        return f"block_size {block_size} is not a multiple of {_CH}"
+    if (num_heads // num_kv_heads) * (_CH + (_THREADS // 32) * head_dim) * 4 > 40_000:
         return "the kernel's shared memory would exceed 40 kB"
     if dtype not in (mx.bfloat16, mx.float16, mx.float32):
         return f"dtype {dtype} is not a float type"

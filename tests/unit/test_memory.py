@@ -181,15 +181,16 @@ def test_paged_decode_counts_the_kernels_partials_not_a_gather():
     gathering = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS)
     paged = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True)
     assert paged.paged_decode and not gathering.paged_decode
-    # 3 rows at 8192 keys: 32 pool blocks each; per layer B * H * blocks * (d + 2) float32
-    assert paged.paged_partials_bytes(3, 8192) == 3 * 32 * 32 * 130 * 4
+    # 3 rows at 8192 keys: 32 pool blocks of 4 spans of 64 keys each; per layer B * H * spans * (d + 2)
+    # float32
+    assert paged.paged_partials_bytes(3, 8192) == 3 * 32 * 128 * 130 * 4
     assert paged.decode_bytes([8192] * 3) < gathering.decode_bytes([8192] * 3) / 10
     m, k = paged.layer_factor, CUDA_OPS8_COEFFICIENTS
     diff = paged.decode_bytes([8192] * 3, gathers=True) - paged.decode_bytes([8192] * 3)
     expected = m * (k.decode_gather * 3 * 8192 * 8 * (2 * 128 * 2 + 4)
                     - k.decode_paged * paged.paged_partials_bytes(3, 8192))
     assert abs(diff - expected) <= 1
-    # one more pool block of context costs one more block of partials per row and head
+    # one more pool block of context costs its spans' partials per row and head
     assert paged.decode_bytes([257]) > paged.decode_bytes([256])
     # a one-token prompt chunk is the same kind of forward
     assert paged.prefill_chunk_bytes(1, 8192) < gathering.prefill_chunk_bytes(1, 8192)
