@@ -47,8 +47,8 @@ __device__ __forceinline__ float pa_warp_sum(float v) {
 # table[b, j * CH / BLOCK] (rows h * S + slot). Short spans of keys give many small blocks: a decode's
 # attention is a few MB per layer, so the kernel's time is its longest dependent chain, not bandwidth.
 # Lane i of a warp holds dims [i * DPL, (i + 1) * DPL) of the queries, keys and values (lanes past D / DPL
-# idle when D < 32 * DPL); warp w takes keys w, w + NW, ... and loads all of them before using any (KPW
-# independent loads in flight per lane).
+# idle when D < 32 * DPL); warp w takes keys w, w + NW, ... and loads all of their keys and values before
+# using any (2 * KPW independent loads in flight per lane).
 _PARTIAL = """
   constexpr int DPL = D <= 32 ? 1 : D <= 64 ? 2 : D <= 128 ? 4 : 8;  // D % DPL == 0 for D % 8 == 0
   constexpr int NW = THREADS / 32;
@@ -97,7 +97,10 @@ _PARTIAL = """
     #pragma unroll
     for (int e = 0; e < DPL; ++e) { kv[i].v[e] = static_cast<T>(0.0f); vv[i].v[e] = static_cast<T>(0.0f); }
     const int k = warp + i * NW;
-    if (k < n && active) kv[i] = *reinterpret_cast<const Vec*>(k_pool + (base + k) * D + lane * DPL);
+    if (k < n && active) {  // V's loads go out with K's: one memory round trip for the whole block
+      kv[i] = *reinterpret_cast<const Vec*>(k_pool + (base + k) * D + lane * DPL);
+      vv[i] = *reinterpret_cast<const Vec*>(v_pool + (base + k) * D + lane * DPL);
+    }
   }
   #pragma unroll
   for (int i = 0; i < KPW; ++i) {
@@ -117,11 +120,6 @@ _PARTIAL = """
         for (int r = 0; r < NREP; ++r) ps[r][k] = s[r];
       }
     }
-  }
-  #pragma unroll
-  for (int i = 0; i < KPW; ++i) {  // V's loads go out before the softmax's barrier
-    const int k = warp + i * NW;
-    if (k < n && active) vv[i] = *reinterpret_cast<const Vec*>(v_pool + (base + k) * D + lane * DPL);
   }
   __syncthreads();
   for (int r = warp; r < NREP; r += NW) {
@@ -227,8 +225,14 @@ class ReferenceAttention(PagedAttention):
 class CudaPagedAttention(PagedAttention):
     """The two CUDA kernels (module docstring)."""
 
-    def __init__(self, num_kv_heads: int, block_size: int):
+    def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS):
+        """`keys_per_partial` and `threads` other than the defaults are for timing variants
+        (scripts/check_paged_attention.py --variants): the memory model counts PAGED_PARTIAL_KEYS."""
         super().__init__(num_kv_heads, block_size)
+        if block_size % keys_per_partial or keys_per_partial % (threads // 32):
+            raise ValueError(f"keys_per_partial={keys_per_partial} must divide block_size={block_size} "
+                             f"and be a multiple of threads / 32 = {threads // 32}")
+        self.keys_per_partial, self.threads = keys_per_partial, threads
         self._scales: dict[float, mx.array] = {}  # the kernel takes the scale as a [1] array
         self._partial = mx.fast.cuda_kernel(
             name="pool_attention_partial",
@@ -242,13 +246,14 @@ class CudaPagedAttention(PagedAttention):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
         B, hq, _, d = queries.shape
-        hkv, np_ = self.num_kv_heads, table.shape[1] * (self.block_size // _CH)
+        ch, threads = self.keys_per_partial, self.threads
+        hkv, np_ = self.num_kv_heads, table.shape[1] * (self.block_size // ch)
         nrep = hq // hkv
         template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
-                    ("CH", _CH), ("THREADS", _THREADS)]
+                    ("CH", ch), ("THREADS", threads)]
         part, stats = self._partial(
             inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
-            grid=(B * hkv * np_ * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+            grid=(B * hkv * np_ * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)],
             output_dtypes=[mx.float32, mx.float32])
         (out,) = self._combine(

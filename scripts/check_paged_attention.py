@@ -9,7 +9,8 @@ in the pool), the largest absolute difference between the kernel's output and `R
 (gather through the block table, mask, MLX attention), and the largest output magnitude.
 Time (Llama-3-8B attention shape, `--layers` layers a step, B rows of `--context` keys): per step,
 `gather_ms` (each layer: gather K and V, MLX attention with the `[B, 1, 1, L]` mask, what a decode did
-before) and `paged_ms` (each layer: the kernel).
+before), `paged_ms` (each layer: the kernel), `empty_kernels_ms` (as many launches of a custom kernel
+that does nothing: the floor of two kernels a layer) and `paged_<KEYS>x<THREADS>_ms` for `--variants`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from engine.paged_attention import CudaPagedAttention, ReferenceAttention  # noq
 CASES = [[1], [255], [256], [257], [1, 700, 256, 3], [518] * 8, [8192], [8192, 100, 4000, 2049]]
 
 
-def make_case(lengths, hq, hkv, d, block, dtype, rng):
+def make_case(lengths, hq, hkv, d, block, dtype, rng, spare_blocks: int = 3):
     nb = [-(-n // block) for n in lengths]
-    total = sum(nb) + 3
+    total = sum(nb) + spare_blocks
     order = rng.permutation(total)  # each row's blocks scattered over the pool
     table = np.zeros((len(lengths), max(nb)), np.int32)
     used = 0
@@ -77,14 +78,20 @@ def timed(fn, steps: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
+_EMPTY = "  if (threadIdx.x == 0) out[blockIdx.x] = 0.0f;"
+
+
 def bench(args) -> list[dict]:
     rng = np.random.default_rng(1)
     dtype = mx.bfloat16
     kernel = CudaPagedAttention(args.kv_heads, args.block)
+    variants = {v: CudaPagedAttention(args.kv_heads, args.block, *map(int, v.split("x")))
+                for v in args.variants.split(",") if v}
+    empty = mx.fast.cuda_kernel(name="empty_kernel", input_names=["x"], output_names=["out"], source=_EMPTY)
     out = []
     for B in [int(x) for x in args.batches.split(",")]:
         q, k, v, table, lens = make_case([args.context] * B, args.heads, args.kv_heads, args.head_dim,
-                                         args.block, dtype, rng)
+                                         args.block, dtype, rng, args.spare_blocks)
         ks, vs = [k] * args.layers, [v] * args.layers
         scale = args.head_dim ** -0.5
         hkv, slots, bs = args.kv_heads, k.shape[0] // args.kv_heads, args.block
@@ -101,9 +108,20 @@ def bench(args) -> list[dict]:
         def paged():
             return [kernel(q, ks[i], vs[i], table, lens, scale) for i in range(args.layers)]
 
-        row = {"batch": B, "context": args.context, "layers": args.layers,
+        def launches_floor():  # as many launches of a kernel that does nothing, on the partial's grid
+            nblocks = B * args.kv_heads * table.shape[1] * (args.block // kernel.keys_per_partial)
+            return [empty(inputs=[q], grid=(nblocks * 128, 1, 1), threadgroup=(128, 1, 1),
+                          output_shapes=[(nblocks,)], output_dtypes=[mx.float32])[0]
+                    for _ in range(2 * args.layers)]
+
+        row = {"batch": B, "context": args.context, "layers": args.layers, "pool_slots": slots,
                "gather_ms": round(timed(gather, args.steps, args.warmup), 3),
-               "paged_ms": round(timed(paged, args.steps, args.warmup), 3)}
+               "paged_ms": round(timed(paged, args.steps, args.warmup), 3),
+               "empty_kernels_ms": round(timed(launches_floor, args.steps, args.warmup), 3)}
+        for name, impl in variants.items():
+            row[f"paged_{name}_ms"] = round(timed(
+                lambda impl=impl: [impl(q, ks[i], vs[i], table, lens, scale) for i in range(args.layers)],
+                args.steps, args.warmup), 3)
         out.append(row)
         print(row, file=sys.stderr, flush=True)
     return out
@@ -118,6 +136,10 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--context", type=int, default=518)
     p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--spare-blocks", type=int, default=3,
+                   help="pool blocks besides the rows' (a larger pool spreads the rows' blocks wider)")
+    p.add_argument("--variants", default="",
+                   help="kernel variants to time besides the default, KEYSxTHREADS,... (e.g. 32x64,128x256)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None)
