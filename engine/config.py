@@ -87,6 +87,13 @@ class EngineConfig(BaseModel):
         "default: on the H200 it did not make decode steps consistently faster. False, or elsewhere: "
         "mlx-lm's modules.",
     )
+    mixed_batches: bool = Field(
+        True,
+        description="A step that prefills while other rows decode runs its decode rows in the same forward "
+        "as its first prompt chunk: the linear layers read the weights once for both (llama-shaped models "
+        "with fuse_projections; engine/mixed.py). False, or other models: the decode rows run their own "
+        "forward.",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

@@ -113,11 +113,13 @@ class Engine(ForwardsMixin):
         self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS, max_kv_tokens=0,
                                   paged_attention=config.paged_attention and mlx_backend() == "cuda",
                                   fuse=config.fuse_projections,
-                                  decode_kernels=config.decode_kernels and mlx_backend() == "cuda")
+                                  decode_kernels=config.decode_kernels and mlx_backend() == "cuda",
+                                  mixed=config.mixed_batches)
         self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
                                   kv_step=KV_BLOCK_TOKENS,
                                   coefficients=with_overrides(backend_coefficients(), config.memory_coefficients),
-                                  paged_decode=self.runner.paged_attention)
+                                  paged_decode=self.runner.paged_attention,
+                                  mixed=self.runner.mixed is not None)
         model_max = model_config.get("max_position_embeddings") or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (

@@ -55,7 +55,7 @@ class ForwardsMixin:
         if not slices:
             return plan
         return dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
-            plan.decodes, plan.prefills, slices))
+            plan.decodes, plan.prefills, slices, mixed=plan.mixed))
 
     # --- pipelined decode -----------------------------------------------------------------------
 
@@ -66,10 +66,13 @@ class ForwardsMixin:
     def _build_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
         """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
         last tokens."""
-        requests = self.scheduler.requests
-        work = [DecodeWork(i, requests[i].output_token_ids[-1] if inputs is None else -1)
-                for i in plan.decodes]
+        work = self._decode_work(plan) if inputs is None else [DecodeWork(i, -1) for i in plan.decodes]
         return _Inflight(plan, self.runner.decode(work, inputs))
+
+    def _decode_work(self, plan: SchedulerOutput) -> list[DecodeWork]:
+        """The plan's decode rows, each with its last token as input."""
+        requests = self.scheduler.requests
+        return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
 
     def _launch(self, decode: _Inflight) -> None:
         """Start a built decode; the device is idle (its transient is measured from here)."""
@@ -125,7 +128,8 @@ class ForwardsMixin:
 
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
         """Run the decode forward, then each prefill chunk, one at a time on the device (runner.finish)
-        but each built while the previous one runs. A prefill chunk whose graph cannot be built touches
+        but each built while the previous one runs (a mixed runner's decode rows run with the first
+        chunk). A prefill chunk whose graph cannot be built touches
         its own row only: its request goes into `failed`, the others go on. The step's transient is
         MLX's peak over what was alive before, less KV the step allocated. `admitted`: this step's
         pool growth and prefix copies (`_add_rows`)."""
@@ -134,12 +138,26 @@ class ForwardsMixin:
         kv_before = self.runner.kv_allocated_bytes
         mx.reset_peak_memory()
         builds = []  # (request ids whose tokens the forward samples, a function that builds it)
-        if plan.decodes:
-            builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
+        works = []
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            work = PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt)
-            builds.append(((chunk.request_id,), chunk.request_id, lambda work=work: self.runner.prefill(work)))
+            works.append(PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt))
+        if plan.mixed and plan.decodes and works and self.runner.mixed is not None:
+            # the decode rows ride with the first chunk (engine/mixed.py); if that forward cannot be
+            # built, the two run apart, so that a chunk's error still fails its own row only
+            try:
+                mixed = self.runner.mixed_forward(works[0], self._decode_work(plan))
+            except Exception:
+                logger.exception("forward of %s with %d decode rows failed to build; running them apart",
+                                 works[0].request_id, len(plan.decodes))
+            else:
+                first = works.pop(0)
+                ids = ((first.request_id,) if first.sample else ()) + tuple(plan.decodes)
+                builds.append((ids, None, lambda: mixed))
+        if plan.decodes and not builds:
+            builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
+        for work in works:
+            builds.append(((work.request_id,), work.request_id, lambda work=work: self.runner.prefill(work)))
         sampled: dict[str, mx.array] = {}
         running = None  # (request ids, Forward) on the device
         for ids, chunk_id, build in builds:

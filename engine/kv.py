@@ -228,11 +228,20 @@ class ForwardView:
     def write_and_read(self, layer: int, keys: mx.array, values: mx.array):
         """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]. A paged
         forward reads nothing here (`attend` does): it returns its arguments."""
-        out = []
+        self.write(layer, keys, values)
+        return (keys, values) if self._paged is not None else self.read(layer)
+
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Scatter this forward's new keys/values [B, H_kv, T, D] into the pool, in place. A forward
+        that writes through two views (engine/mixed.py) makes both writes of a layer before either view
+        reads it: a read holds the pool array, and MLX would copy it for a later write."""
         for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
             pool_arrays[layer][self._write] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
-            out.append(new if self._paged is not None else self._read_layer(pool_arrays[layer]))
-        return out[0], out[1]
+
+    def read(self, layer: int):
+        """All rows' KV, right-padded [B, H_kv, L_max, D] (a gathered copy, or a view of a consecutive
+        row): what mlx-lm's attention takes."""
+        return self._read_layer(self.pool.keys[layer]), self._read_layer(self.pool.values[layer])
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> Optional[mx.array]:
         """queries [B, H, 1, D] -> attention over each row's KV in the pool, [B, H, 1, D]; None if this

@@ -202,9 +202,12 @@ def round_up(n: int, step: int) -> int:
 
 class MemoryModel:
     def __init__(self, shape: ModelShape, kv_step: int = 256,
-                 coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False):
+                 coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
+                 mixed: bool = False):
         """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
-        of `kv_step` tokens) instead of gathering it."""
+        of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
+        the same forward as its first prompt chunk (engine/mixed.py); the scheduler has it do so when
+        that forward's transient, both's, stays within the bound of separate forwards."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -214,6 +217,7 @@ class MemoryModel:
         self.coefficients = coefficients
         # paged decodes are predicted as such only by a coefficient set fitted on them
         self.paged_decode = paged_decode and coefficients.decode_paged is not None
+        self.mixed = mixed
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -299,19 +303,28 @@ class MemoryModel:
         # runs (runner.launch), so the last layer's gathered KV and the logits can be alive together.
         return int(hidden + layers + logits + k.step_overhead_bytes)
 
-    def step_transient_bytes(self, plan: StepPlan) -> int:
-        """Decode and each prefill chunk are evaluated one after another: the peak is their max."""
-        parts = [self.decode_bytes(plan.decode_context_lens, plan.decode_samples)]
-        parts += [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
+    def step_transient_bytes(self, plan: StepPlan, mixed: bool = False) -> int:
+        """Decode and each prefill chunk are evaluated one after another: the peak is their max.
+        `mixed`: the decode rows run with the first chunk, a forward that holds both transients (a sum:
+        the decode rows' share of the layers is counted twice, a small over-estimate) and, per layer, one
+        more copy of the attention output, the chunk's and the rows' concatenated (engine/mixed.py)."""
+        decode = self.decode_bytes(plan.decode_context_lens, plan.decode_samples)
+        chunks = [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
                   for p in plan.prefill_chunks]
-        return max(parts)
+        if mixed and chunks and plan.decode_context_lens:
+            s = self.shape
+            rows = plan.prefill_chunks[0].num_tokens + len(plan.decode_context_lens)
+            concat = self.layer_factor * rows * s.num_heads * s.head_dim * s.dtype_bytes
+            return max([chunks[0] + decode + concat] + chunks[1:])
+        return max([decode] + chunks)
 
     def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:
         """Largest transient of any step the scheduler can produce under this configuration.
 
         Both formulas grow with every argument; a chunk attends to at most max_model_len keys and a
         decode step has at most max_num_seqs rows of at most max_model_len keys each. Forwards never
-        overlap on the device (runner.finish), pipelined decode included.
+        overlap on the device (runner.finish), pipelined decode included; a step mixes its decode rows
+        into a chunk's forward only within this bound (Scheduler.schedule).
         """
         chunk = min(prefill_chunk_size, max_model_len)
         return max(

@@ -26,6 +26,7 @@ from engine.decode_path import self_check as decode_self_check
 from engine.decode_path import unsupported as decode_unsupported
 from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
+from engine.mixed import MixedForward
 from engine.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
 from engine.sampling import RequestSampler, sample_rows
 
@@ -71,7 +72,8 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
-                 paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False):
+                 paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
+                 mixed: bool = True):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
         asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
@@ -80,7 +82,9 @@ class ModelRunner:
         this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before).
         `decode_kernels`: decode forwards run engine/decode_path.py's loop with its CUDA kernels (the
         engine asks for them where MLX runs on CUDA), if the model is supported, its decode is paged
-        and fused, and the kernels pass their self-check; else mlx-lm's modules."""
+        and fused, and the kernels pass their self-check; else mlx-lm's modules.
+        `mixed`: a prompt chunk and decode rows can run as one forward (`mixed_forward`,
+        engine/mixed.py), if the model is supported and fused (`self.mixed`)."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -96,6 +100,13 @@ class ModelRunner:
         self.decode_path: Optional[DecodePath] = None
         if decode_kernels:
             self._enable_decode_kernels(dtype)
+        self.mixed: Optional[MixedForward] = None
+        if mixed and self.fused:
+            why_not = decode_unsupported(self.model)
+            if why_not is None:
+                self.mixed = MixedForward(self.model, self.decode_path.ops if self.decode_path else ReferenceOps())
+            else:
+                logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
@@ -137,6 +148,8 @@ class ModelRunner:
         """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules).
         ValueError if the model is not supported; it needs paged decode attention."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops)
+        if ops is not None and getattr(self, "mixed", None) is not None:
+            self.mixed = MixedForward(self.model, ops)
 
     @property
     def paged_attention(self) -> bool:
@@ -270,6 +283,31 @@ class ModelRunner:
         view.advance()
         # The hidden states are their own batch, so the last layer's gathered KV is freed before the
         # logits exist.
+        return Forward([[hidden], [sampled]], sampled)
+
+    def mixed_forward(self, work: PrefillWork, decodes: list[DecodeWork]) -> "Forward":
+        """Build (only) one forward of a prompt chunk and decode rows (engine/mixed.py; `self.mixed`
+        must be set). Its `tokens`: the chunk's sampled token if it ends the prompt, then one per
+        decode row, in `decodes` order."""
+        row = self.rows[work.request_id]
+        if row.offset != work.start:
+            raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
+        T = len(work.token_ids)
+        chunk_view = ForwardView(self.pool, [row], T)
+        decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1)
+        tokens = mx.array(list(work.token_ids) + [w.token_id for w in decodes])
+        self.num_forward_calls += 1
+        self.num_tokens_computed += tokens.size
+        with fused_forward():
+            hidden = self.mixed.forward(tokens, chunk_view, decode_view)  # [1, T + B, D]
+        chunk_view.advance()
+        decode_view.advance()
+        first = T - 1 if work.sample else T  # the prompt's last position only if it samples
+        samplers = ([self.samplers[work.request_id]] if work.sample else []) + [
+            self.samplers[w.request_id] for w in decodes]
+        # 2-D: MLX's matmul of a [1, n, D] slice would hold the [n, V] logits twice
+        logits = self._head(hidden[0, first:, :])  # [(1 +) B, V]
+        sampled = sample_rows(logits, samplers)
         return Forward([[hidden], [sampled]], sampled)
 
     @staticmethod

@@ -56,6 +56,7 @@ class SchedulerOutput:
     prefills: tuple[ScheduledChunk, ...]
     new_rows: tuple[NewRow, ...]
     predicted_transient_bytes: int
+    mixed: bool = False  # the decode rows run in the first prompt chunk's forward (engine/mixed.py)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -153,15 +154,20 @@ class Scheduler:
         new_rows: list[NewRow] = []
         while budget > 0 and self.waiting and self._try_admit(self.waiting[0], new_rows):
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
+        # the decode rows ride with the first chunk where the runner can (memory.mixed) and that forward
+        # stays within the bound of separate ones
+        mixed = (self.memory.mixed and bool(decodes) and bool(prefills)
+                 and self.predict(decodes, prefills, mixed=True) <= self.transient_bound_bytes)
         return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
-                               predicted_transient_bytes=self.predict(decodes, prefills))
+                               predicted_transient_bytes=self.predict(decodes, prefills, mixed=mixed),
+                               mixed=mixed)
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
-                slice_reads: Collection[str] = (), ahead: int = 0) -> int:
+                slice_reads: Collection[str] = (), ahead: int = 0, mixed: bool = False) -> int:
         """The memory model's transient of a step. `slice_reads`: requests whose prompt chunk the runner
         reads as a view of the pool (no gathered copy; the engine knows once their blocks are
         allocated, `schedule` assumes none); `ahead`: tokens each decoding row has beyond what
-        `update` committed."""
+        `update` committed; `mixed`: the decode rows run in the first chunk's forward."""
         requests = self.requests
         plan = StepPlan(
             decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
@@ -172,7 +178,7 @@ class Scheduler:
                                  gathers=c.request_id not in slice_reads)
                 for c in prefills),
         )
-        return self.memory.step_transient_bytes(plan)
+        return self.memory.step_transient_bytes(plan, mixed=mixed)
 
     def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0) -> SchedulerOutput:
         """A decode-only step of these running requests (the engine's pipelined decode)."""

@@ -173,4 +173,5 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
         eng.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
-    assert state["launches"] > 20 and not state["in_flight"]
+    # every forward built was launched (a mixed runner runs fewer: decode rows ride with prompt chunks)
+    assert state["launches"] == eng.runner.num_forward_calls > 15 and not state["in_flight"]

@@ -1,8 +1,8 @@
 """Fault injection for the reliability tests: an engine factory whose model forward fails or hangs.
 
 `FaultyEngineFactory` is passed to `build_app_with(args, engine_factory=...)`. It builds the real engine
-on the tiny model and wraps its runner: a prompt chunk holding `fail_token_id` raises in prefill; a
-prompt holding `fail_decode_token_id` makes the decode forward raise once that request has decoded
+on the tiny model and wraps its runner: a prompt chunk holding `fail_token_id` raises in prefill (and a
+forward of it with decode rows, which the engine then runs apart); a prompt holding `fail_decode_token_id` makes the decode forward raise once that request has decoded
 `decodes_before_fault` tokens (mid-stream); one holding `hang_token_id` blocks the engine thread for good
 (AsyncEngine's `hang_timeout_s` then reports the engine unhealthy). Ray pickles the factory by reference,
 so the replicas import this module as `tests.serve.faults` (the repository root is on their PYTHONPATH).
@@ -41,14 +41,17 @@ class FaultyEngineFactory:
         return AsyncEngine(engine, hang_timeout_s=self.hang_timeout_s)
 
     def wrap(self, runner: Any) -> None:
-        prefill, decode = runner.prefill, runner.decode
+        prefill, decode, mixed = runner.prefill, runner.decode, runner.mixed_forward
         marked: dict[str, int] = {}  # request_id -> decodes so far, for prompts with fail_decode_token_id
 
-        def faulty_prefill(work: Any) -> Any:
+        def check_prefill(work: Any) -> None:
             if self.fail_token_id in work.token_ids:
                 raise InjectedFault(f"injected fault: token {self.fail_token_id} in the prompt")
             if self.hang_token_id in work.token_ids:
                 threading.Event().wait()  # never set: the engine loop hangs here
+
+        def faulty_prefill(work: Any) -> Any:
+            check_prefill(work)
             if self.fail_decode_token_id in work.token_ids:
                 marked[work.request_id] = 0
             return prefill(work)
@@ -62,4 +65,12 @@ class FaultyEngineFactory:
                         raise InjectedFault(f"injected decode fault for {w.request_id}")
             return decode(works, *args)
 
-        runner.prefill, runner.decode = faulty_prefill, faulty_decode
+        def faulty_mixed(work: Any, works: list) -> Any:
+            # a chunk with decode rows (engine/mixed.py): a fault in either makes the engine run them
+            # apart, where the faulty part raises again
+            check_prefill(work)
+            if self.fail_decode_token_id in work.token_ids or any(w.request_id in marked for w in works):
+                raise InjectedFault("injected fault: a marked row in a mixed forward")
+            return mixed(work, works)
+
+        runner.prefill, runner.decode, runner.mixed_forward = faulty_prefill, faulty_decode, faulty_mixed

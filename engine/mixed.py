@@ -1,0 +1,77 @@
+"""One forward for a prompt chunk and the step's decodes together (vLLM's chunked prefill batches them
+the same way).
+
+Without it a step that has both runs the decode rows' forward and then the chunk's, and each reads
+every weight of the model: on a GPU a decode forward is bound by that read (an 8B llama's 16 GB, some
+5-8 ms on an H200), so every step that prefills while other rows decode paid a second weight read.
+Here the chunk's T tokens and the B decode tokens go through the linear layers as one sequence of T + B
+rows (the norms, q/k/v, o, MLP and the LM head read the weights once); only attention runs apart, each
+part against its own rows' KV:
+- the chunk: its row's keys through its `ForwardView` (a view of the pool, or a gathered copy), MLX's
+  causal attention, as mlx-lm's attention module computes it;
+- the decodes: RoPE at each row's own position, then the paged kernel (or, without it, mlx-lm's
+  attention over the gathered rows with their mask), as `decode_path.DecodePath` computes it.
+Both views write a layer's keys and values before either reads them (`ForwardView.write`).
+
+Only models the engine's decode loop takes (`decode_path.unsupported`: mlx-lm's llama blocks with fused
+projections) are batched so; others run the two forwards. The memory model counts a mixed forward's
+transient as the chunk's plus the decodes' (`MemoryModel(mixed=True)`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .decode_path import DecodePath, ReferenceOps
+
+
+class MixedForward:
+    """The combined forward of a supported model (module docstring); `ops` rotates the decode rows'
+    q and k (`ReferenceOps`, or the decode path's CUDA kernels)."""
+
+    def __init__(self, model: nn.Module, ops: ReferenceOps):
+        self.path = DecodePath(model, ops)  # raises ValueError for a model it does not take
+
+    def forward(self, tokens: mx.array, chunk_view, decode_view) -> mx.array:
+        """tokens [T + B]: the chunk's T tokens, then one per decode row -> the final-normed hidden
+        states [1, T + B, D]. `chunk_view`: one row, T new tokens; `decode_view`: B rows, one each."""
+        path = self.path
+        backbone, ops = path.backbone, path.ops
+        H, H_kv, d = path.heads, path.kv_heads, path.head_dim
+        B = len(decode_view.rows)
+        T = tokens.shape[0] - B
+        offsets = decode_view.offset if isinstance(decode_view.offset, mx.array) else mx.array([decode_view.offset])
+        offsets = offsets.astype(mx.int32)
+        layers = backbone.layers
+        h = backbone.embed_tokens(tokens[None])  # [1, T + B, D]
+        first = layers[0].input_layernorm
+        y = mx.fast.rms_norm(h, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            qkv = attn.qkv_proj(y)  # [1, T + B, (H + 2 H_kv) d]
+            # the chunk: mlx-lm's attention module, step by step
+            q, k, v = mx.split(qkv[:, :T], [H * d, (H + H_kv) * d], axis=-1)
+            q = attn.rope(q.reshape(1, T, H, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            k = attn.rope(k.reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            v = v.reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
+            # the decode rows: [B, 1, ...] each at its own position
+            dq, dk, dv = ops.rope_qkv(qkv[0, T:][:, None, :], offsets, path.ropes[i], H, H_kv)
+            decode_view.write(i, dk, dv)
+            chunk_view.write(i, k, v)
+            out = chunk_view.attend(i, q, attn.scale)  # a one-token chunk of a paged pool
+            if out is None:
+                keys, values = chunk_view.read(i)
+                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask="causal")
+            out = out.transpose(0, 2, 1, 3).reshape(1, T, H * d)
+            d_out = decode_view.attend(i, dq, attn.scale)  # the paged kernel, None when gathering
+            if d_out is None:
+                dkeys, dvalues = decode_view.read(i)
+                d_out = mx.fast.scaled_dot_product_attention(dq, dkeys, dvalues, scale=attn.scale,
+                                                             mask=decode_view.mask)
+            out = mx.concatenate([out, d_out.reshape(1, B, H * d)], axis=1)
+            post = layer.post_attention_layernorm
+            h, y = ops.add_rms_norm(h, attn.o_proj(out), post.weight, post.eps)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else backbone.norm
+            h, y = ops.add_rms_norm(h, layer.mlp(y), norm.weight, norm.eps)
+        return y

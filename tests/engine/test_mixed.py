@@ -1,0 +1,128 @@
+"""engine/mixed.py: a step's decode rows run in the same forward as its first prompt chunk. Real forwards
+of the tiny llama: greedy output equals mlx-lm's with and without the paged path (its CPU stand-in),
+the step really mixes (fewer forwards than separate ones), the scheduler mixes only within the
+transient bound, and a mixed forward that cannot be built falls back to separate forwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.memory import MemoryModel, PrefillChunkPlan, StepPlan
+from engine.paged_attention import ReferenceAttention
+from engine.request import SamplingParams
+
+
+def prompts_of(lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def count_mixed(engine) -> dict:
+    """Count the runner's mixed forwards as the engine builds them."""
+    state = {"mixed": 0}
+    real = engine.runner.mixed_forward
+
+    def counted(work, decodes):
+        state["mixed"] += 1
+        return real(work, decodes)
+
+    engine.runner.mixed_forward = counted
+    return state
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["gather", "paged"])
+def test_mixed_steps_greedy_equal_mlx_lm(make_engine, tiny_parts, reference_greedy, run_to_completion, paged):
+    # 16-token chunks and staggered prompt lengths: rows decode while later prompts still prefill
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, max_num_seqs=4,
+                         prefix_cache_fraction=0.0)
+    assert engine.runner.mixed is not None and engine.memory.mixed
+    if paged:
+        runner = engine.runner
+        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+    state = count_mixed(engine)
+    prompts = prompts_of([5, 70, 33, 1], engine.memory.shape.vocab_size, seed=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True))
+    tokens = run_to_completion(engine)
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 10), i
+    assert state["mixed"] >= 3
+
+
+def test_mixing_saves_forwards_and_changes_no_token(make_engine, run_to_completion):
+    def run(mixed: bool):
+        engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, max_num_seqs=4,
+                             prefix_cache_fraction=0.0, mixed_batches=mixed)
+        assert (engine.runner.mixed is not None) == mixed
+        prompts = prompts_of([9, 60, 41], engine.memory.shape.vocab_size, seed=5)
+        for i, p in enumerate(prompts):
+            # one sampling row: its PRNG stream must not depend on which forward computed its logits
+            engine.add_request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                         temperature=0.8 if i == 1 else 0.0, seed=11))
+        return run_to_completion(engine), engine.runner.num_forward_calls
+
+    (mixed_tokens, mixed_forwards), (apart_tokens, apart_forwards) = run(True), run(False)
+    assert mixed_tokens == apart_tokens
+    assert mixed_forwards < apart_forwards
+
+
+def test_a_mixed_forward_that_fails_to_build_runs_apart(make_engine, tiny_parts, reference_greedy,
+                                                        run_to_completion):
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, prefix_cache_fraction=0.0)
+    calls = {"n": 0}
+
+    def broken(work, decodes):
+        calls["n"] += 1
+        raise RuntimeError("cannot build")
+
+    engine.runner.mixed_forward = broken
+    prompts = prompts_of([4, 50], engine.memory.shape.vocab_size, seed=9)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = run_to_completion(engine)
+    assert calls["n"] >= 2
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 6)
+
+
+def test_scheduler_mixes_only_within_the_bound(make_engine):
+    def plan_with_bound(shrink: int):
+        """The second step of a decoding row and a new prompt, with the bound lowered by `shrink`."""
+        engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, max_num_seqs=4,
+                             prefix_cache_fraction=0.0)
+        prompts = prompts_of([3, 40], engine.memory.shape.vocab_size, seed=1)
+        engine.add_request("a", prompts[0], SamplingParams(max_tokens=5, ignore_eos=True))
+        engine.step()  # "a" prefilled: it decodes from now on
+        engine.add_request("b", prompts[1], SamplingParams(max_tokens=5, ignore_eos=True))
+        engine.scheduler.transient_bound_bytes -= shrink
+        return engine.scheduler, engine.scheduler.schedule()
+
+    scheduler, plan = plan_with_bound(0)
+    assert plan.decodes == ("a",) and plan.prefills and plan.mixed
+    mixed_bytes = scheduler.predict(plan.decodes, plan.prefills, mixed=True)
+    assert plan.predicted_transient_bytes == mixed_bytes
+    assert mixed_bytes > scheduler.predict(plan.decodes, plan.prefills)
+    # the same step where the combined forward would exceed the bound: separate forwards
+    scheduler, plan = plan_with_bound(scheduler.transient_bound_bytes - mixed_bytes + 1)
+    assert plan.decodes == ("a",) and plan.prefills and not plan.mixed
+    assert plan.predicted_transient_bytes == scheduler.predict(plan.decodes, plan.prefills)
+
+
+def test_memory_model_counts_a_mixed_forward_as_both():
+    from engine.memory import ModelShape
+
+    shape = ModelShape(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                       intermediate_size=512, vocab_size=1000, dtype_bytes=4)
+    model = MemoryModel(shape, mixed=True)
+    plan = StepPlan(decode_context_lens=(100, 200), prefill_chunks=(PrefillChunkPlan(16, 300),
+                                                                     PrefillChunkPlan(16, 16)))
+    decode = model.decode_bytes([100, 200])
+    first = model.prefill_chunk_bytes(16, 300)
+    concat = model.layer_factor * (16 + 2) * 4 * 64 * 4
+    assert model.step_transient_bytes(plan, mixed=True) == max(first + decode + concat,
+                                                               model.prefill_chunk_bytes(16, 16))
+    assert model.step_transient_bytes(plan) == max(decode, first, model.prefill_chunk_bytes(16, 16))
+    # without decodes or chunks there is nothing to mix
+    only_chunks = StepPlan(prefill_chunks=plan.prefill_chunks)
+    assert model.step_transient_bytes(only_chunks, mixed=True) == model.step_transient_bytes(only_chunks)
