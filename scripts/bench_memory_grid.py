@@ -565,6 +565,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dic
     on_gpu = "gpu" in str(data["environment"].get("device", ""))
     paged = bool(config.get("paged_attention")) and on_gpu
     plans = prefill_bench_plans(data, views)
+    mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
     recorded = None
     if not on_gpu:
         recorded = mem.coefficients_for_backend("cpu")
@@ -574,16 +575,16 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dic
     reproduced = None
     if recorded is not None:
         check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged)
-        again = [check.step_transient_bytes(pl) for pl in plans]
+        again = [check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
         if again != wanted:  # the rebuilt plans are the engine's
             raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")
         reproduced = True
     else:  # GPU runs of engines that predicted with the CPU set (before the CUDA sets existed)
         cpu = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend("cpu"))
-        if [cpu.step_transient_bytes(pl) for pl in plans] == wanted:
+        if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
             reproduced = True
     model = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend(backend, 8), paged_decode=paged)
-    pred = [model.step_transient_bytes(pl) for pl in plans]
+    pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     meas = [st["measured"] for st in steps]
     peak = max(range(len(steps)), key=lambda i: meas[i])
     ratios = [p / m for p, m in zip(pred, meas)]
