@@ -305,17 +305,14 @@ class MemoryModel:
 
     def step_transient_bytes(self, plan: StepPlan, mixed: bool = False) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max.
-        `mixed`: the decode rows run with the first chunk, a forward that holds both transients (a sum:
-        the decode rows' share of the layers is counted twice, a small over-estimate) and, per layer, one
-        more copy of the attention output, the chunk's and the rows' concatenated (engine/mixed.py)."""
+        `mixed`: the decode rows run with the first chunk (engine/mixed.py), a forward that holds both
+        transients: their sum (the rows' share of the norms, projections and MLP is counted in both,
+        a small over-estimate)."""
         decode = self.decode_bytes(plan.decode_context_lens, plan.decode_samples)
         chunks = [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
                   for p in plan.prefill_chunks]
         if mixed and chunks and plan.decode_context_lens:
-            s = self.shape
-            rows = plan.prefill_chunks[0].num_tokens + len(plan.decode_context_lens)
-            concat = self.layer_factor * rows * s.num_heads * s.head_dim * s.dtype_bytes
-            return max([chunks[0] + decode + concat] + chunks[1:])
+            return max([chunks[0] + decode] + chunks[1:])
         return max([decode] + chunks)
 
     def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:

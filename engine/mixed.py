@@ -63,13 +63,15 @@ class MixedForward:
             if out is None:
                 keys, values = chunk_view.read(i)
                 out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask="causal")
-            out = out.transpose(0, 2, 1, 3).reshape(1, T, H * d)
             d_out = decode_view.attend(i, dq, attn.scale)  # the paged kernel, None when gathering
             if d_out is None:
                 dkeys, dvalues = decode_view.read(i)
                 d_out = mx.fast.scaled_dot_product_attention(dq, dkeys, dvalues, scale=attn.scale,
                                                              mask=decode_view.mask)
-            out = mx.concatenate([out, d_out.reshape(1, B, H * d)], axis=1)
+            # one copy of both parts' outputs, [1, T + B, H, d], straight from their head-major layouts
+            # (mlx-lm's module makes the same one copy of the chunk's alone)
+            out = mx.concatenate([out.transpose(0, 2, 1, 3), d_out.transpose(2, 0, 1, 3)], axis=1)
+            out = out.reshape(1, T + B, H * d)
             post = layer.post_attention_layernorm
             h, y = ops.add_rms_norm(h, attn.o_proj(out), post.weight, post.eps)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else backbone.norm
