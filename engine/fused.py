@@ -65,12 +65,17 @@ class FusedLinear(nn.Module):
         """The whole product, every part's columns: x @ W^T (+ b)."""
         return mx.addmm(self.bias, x, self.weight.T) if "bias" in self else x @ self.weight.T
 
-    def part(self, index: int, x: mx.array) -> mx.array:
+    def alone(self, index: int, x: mx.array) -> mx.array:
+        """Part `index`'s own product, the original layer: x @ W_i^T (+ b_i), a contiguous array."""
         a, b = self.bounds(index)
-        if not getattr(_state, "active", False):  # the original layer: x @ W_i^T (+ b_i)
-            if "bias" in self:
-                return mx.addmm(self.bias[a:b], x, self.weight[a:b].T)
-            return x @ self.weight[a:b].T
+        if "bias" in self:
+            return mx.addmm(self.bias[a:b], x, self.weight[a:b].T)
+        return x @ self.weight[a:b].T
+
+    def part(self, index: int, x: mx.array) -> mx.array:
+        if not getattr(_state, "active", False):
+            return self.alone(index, x)
+        a, b = self.bounds(index)
         cache = self._cache.mine()
         if cache.x is not x:
             cache.x = x

@@ -49,14 +49,16 @@ class MixedForward:
         y = mx.fast.rms_norm(h, first.weight, first.eps)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            qkv = attn.qkv_proj(y)  # [1, T + B, (H + 2 H_kv) d]
-            # the chunk: mlx-lm's attention module, step by step
-            q, k, v = mx.split(qkv[:, :T], [H * d, (H + H_kv) * d], axis=-1)
-            q = attn.rope(q.reshape(1, T, H, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
-            k = attn.rope(k.reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
-            v = v.reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
+            # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
+            # are then a contiguous array, where slices of one fused product would be copied per layer
+            q, k, v = (attn.qkv_proj.alone(j, y) for j in range(3))  # [1, T + B, H d | H_kv d]
             # the decode rows: [B, 1, ...] each at its own position
-            dq, dk, dv = ops.rope_qkv(qkv[0, T:][:, None, :], offsets, path.ropes[i], H, H_kv)
+            dqkv = mx.concatenate([q[0, T:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
+            dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv)
+            # the chunk: mlx-lm's attention module, step by step
+            q = attn.rope(q[:, :T].reshape(1, T, H, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            k = attn.rope(k[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
             out = chunk_view.attend(i, q, attn.scale)  # a one-token chunk of a paged pool
