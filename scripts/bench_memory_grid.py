@@ -77,9 +77,14 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
 
 
 def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256) -> dict:
-    """`paged`: attention read the pool in place (no gathered copy; the kernel's partials instead)."""
+    """`paged`: attention read the pool in place (no gathered copy; the kernel's partials instead, one
+    per span of PAGED_PARTIAL_KEYS keys: grids before session 6 were measured with one per pool block and
+    keep the terms they recorded)."""
+    from engine.memory import PAGED_PARTIAL_KEYS
+
+    spans = -(-n // block) * max(1, block // PAGED_PARTIAL_KEYS)
     return dict(decode_gather=0 if paged else b * n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
-                decode_paged=b * sh["H"] * -(-n // block) * (sh["d"] + 2) * 4 if paged else 0,
+                decode_paged=b * sh["H"] * spans * (sh["d"] + 2) * 4 if paged else 0,
                 decode_scores=4 * b * sh["H"] * n, decode_logits=4 * b * sh["V"],
                 decode_mlp=b * sh["I"] * sh["s"], decode_hidden=b * sh["D"] * sh["s"])
 
@@ -598,9 +603,30 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dic
                 max_predicted_bytes=max(pred), max_measured_bytes=max(meas))
 
 
+def merge_grids(prefill_path: str, decode_path: str) -> dict:
+    """One grid of the prefill points of `prefill_path` and the decode points of `decode_path` (same
+    variants), e.g. to refit after a change of the decode kernel alone. The decode points' terms are
+    recomputed from their shapes with this script's formulas: `decode_path` must have been measured with
+    the current kernel."""
+    pre, dec = (json.loads(Path(f).read_text()) for f in (prefill_path, decode_path))
+    missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
+    if missing:
+        raise ValueError(f"variants {sorted(missing)} of {decode_path} are not in {prefill_path}")
+    points = [p for p in pre["points"] if p["kind"] == "prefill"]
+    for p in dec["points"]:
+        if p["kind"] == "decode":
+            terms = decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))
+            points.append({**p, "terms": terms})
+    return dict(bench="memory_grid_merged", prefill_from=prefill_path, decode_from=decode_path,
+                model=pre.get("model"), dtype=pre.get("dtype"), environment=dec["environment"],
+                shapes=pre["shapes"], points=points)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", default=None, help="fit coefficients to a grid JSON (no measuring)")
+    p.add_argument("--merge", default=None, metavar="PREFILL_GRID,DECODE_GRID",
+                   help="write (--out) one grid of the first's prefill points and the second's decode points")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
     p.add_argument("--layer-scaled", action="store_true", help="--fit: the layer-aware CUDA formula")
     p.add_argument("--backend", default=None,
@@ -631,6 +657,10 @@ def main(argv=None):
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.merge:
+        result = merge_grids(*args.merge.split(","))
+        emit(result, args.json, args.out)
+        return
     if args.replay_prefill:
         result = [replay_prefill(f, args.backend or "cuda", args.replay_views) for f in args.replay_prefill.split(",")]
     elif args.fit and args.backend:
