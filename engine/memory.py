@@ -131,8 +131,8 @@ CUDA_COEFFICIENTS = TransientCoefficients(
 # The same under MLX_MAX_OPS_PER_BUFFER=8 (what scripts/serve sets on CUDA: MLX commits every 8 ops,
 # so fewer layers' temporaries coexist), this engine (slice reads, paged decode attention), fitted from
 # above on each chunk size's largest point, without context-dependent prefill terms (cuDNN's attention
-# never materializes the scores), on the prefill points of the grid of session 5 and the decode points
-# of session 6 (the paged kernel's partials per 64-key span), 8B and three 2-layer shapes:
+# never materializes the scores), on the prefill points of the grids of sessions 5 and 6 and the decode
+# points of session 6 (the paged kernel's partials per 64-key span), 8B and three 2-layer shapes:
 #     python scripts/bench_memory_grid.py --merge scripts/data/h200_s5_grid_paged.json,\
 #         scripts/data/h200_s6_grid_decode.json --out scripts/data/h200_s6_grid_merged.json
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_s6_grid_merged.json --backend cuda \
@@ -140,9 +140,9 @@ CUDA_COEFFICIENTS = TransientCoefficients(
 # One set for every model shape over-predicts each one (1.25x an 8B 512-token chunk); a fit on the served
 # model alone (--fit-variants, then EngineConfig.memory_coefficients) is tighter: docs/memory.md.
 CUDA_OPS8_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.138, prefill_hidden=5.925, prefill_logits=0.0,
+    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.057, prefill_hidden=6.208, prefill_logits=0.0,
     decode_gather=1.001, decode_scores=0.01799, decode_logits=1.465, decode_mlp=2.729, decode_hidden=2.585,
-    sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=50890,
+    sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=50710,
     prefill_overhead_bytes=0, prefill_layer_rows=132.5, decode_paged=1.018,
 )
 

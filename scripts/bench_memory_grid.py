@@ -604,15 +604,15 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dic
 
 
 def merge_grids(prefill_path: str, decode_path: str) -> dict:
-    """One grid of the prefill points of `prefill_path` and the decode points of `decode_path` (same
-    variants), e.g. to refit after a change of the decode kernel alone. The decode points' terms are
-    recomputed from their shapes with this script's formulas: `decode_path` must have been measured with
-    the current kernel."""
+    """One grid of the prefill points of both grids and the decode points of `decode_path` (same
+    variants), e.g. to refit after a change of the decode kernel alone (a second machine's prefill
+    points widen the fit's envelope). The decode points' terms are recomputed from their shapes with
+    this script's formulas: `decode_path` must have been measured with the current kernel."""
     pre, dec = (json.loads(Path(f).read_text()) for f in (prefill_path, decode_path))
     missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
     if missing:
         raise ValueError(f"variants {sorted(missing)} of {decode_path} are not in {prefill_path}")
-    points = [p for p in pre["points"] if p["kind"] == "prefill"]
+    points = [p for p in pre["points"] + dec["points"] if p["kind"] == "prefill"]
     for p in dec["points"]:
         if p["kind"] == "decode":
             terms = decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))
@@ -625,8 +625,8 @@ def merge_grids(prefill_path: str, decode_path: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", default=None, help="fit coefficients to a grid JSON (no measuring)")
-    p.add_argument("--merge", default=None, metavar="PREFILL_GRID,DECODE_GRID",
-                   help="write (--out) one grid of the first's prefill points and the second's decode points")
+    p.add_argument("--merge", default=None, metavar="GRID,DECODE_GRID",
+                   help="write (--out) one grid of both's prefill points and the second's decode points")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
     p.add_argument("--layer-scaled", action="store_true", help="--fit: the layer-aware CUDA formula")
     p.add_argument("--backend", default=None,
