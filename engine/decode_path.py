@@ -180,8 +180,10 @@ class CudaOps(ReferenceOps):
         return h, y
 
 
-def unsupported(model: nn.Module) -> Optional[str]:
-    """Why this loop cannot run `model`'s decode (None: it can)."""
+def unsupported(model: nn.Module, kernels: bool = True) -> Optional[str]:
+    """Why this loop cannot run `model`'s decode (None: it can); `kernels`: with the CUDA kernels, which
+    take only full, non-traditional RoPE and some hidden sizes (`ReferenceOps` takes any of mlx-lm's
+    RoPE and RMSNorm)."""
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None) or []
     if not layers or not hasattr(backbone, "embed_tokens") or type(getattr(backbone, "norm", None)) is not nn.RMSNorm:
@@ -197,12 +199,12 @@ def unsupported(model: nn.Module) -> Optional[str]:
         if not (type(layer.input_layernorm) is nn.RMSNorm and type(layer.post_attention_layernorm) is nn.RMSNorm):
             return "norms are not nn.RMSNorm"
         rope = attn.rope
-        if type(rope).__name__ not in ("RoPE", "Llama3RoPE") or rope.traditional:
+        if type(rope).__name__ not in ("RoPE", "Llama3RoPE") or (kernels and rope.traditional):
             return f"rotary embedding {type(rope).__name__} (traditional={getattr(rope, 'traditional', None)})"
         head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
-        if rope.dims != head_dim or head_dim % 2 or head_dim > 2048:
+        if kernels and (rope.dims != head_dim or head_dim % 2 or head_dim > 2048):
             return f"partial rotary embedding ({rope.dims} of {head_dim} dims)"
-    if norm_threads(backbone.norm.weight.shape[0]) is None:
+    if kernels and norm_threads(backbone.norm.weight.shape[0]) is None:
         return f"hidden size {backbone.norm.weight.shape[0]} is not a multiple of 32 up to 16384"
     return None
 
@@ -211,7 +213,7 @@ class DecodePath:
     """The decode forward of a supported model (module docstring) with `ops`' two steps."""
 
     def __init__(self, model: nn.Module, ops: ReferenceOps):
-        why = unsupported(model)
+        why = unsupported(model, kernels=isinstance(ops, CudaOps))
         if why is not None:
             raise ValueError(f"decode path: {why}")
         self.backbone = model.model

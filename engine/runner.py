@@ -102,7 +102,7 @@ class ModelRunner:
             self._enable_decode_kernels(dtype)
         self.mixed: Optional[MixedForward] = None
         if mixed and self.fused:
-            why_not = decode_unsupported(self.model)
+            why_not = decode_unsupported(self.model, kernels=self.decode_path is not None)
             if why_not is None:
                 self.mixed = MixedForward(self.model, self.decode_path.ops if self.decode_path else ReferenceOps())
             else:
@@ -148,8 +148,8 @@ class ModelRunner:
         """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules).
         ValueError if the model is not supported; it needs paged decode attention."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops)
-        if ops is not None and getattr(self, "mixed", None) is not None:
-            self.mixed = MixedForward(self.model, ops)
+        if getattr(self, "mixed", None) is not None:  # the mixed forward rotates its decode rows alike
+            self.mixed = MixedForward(self.model, ops or ReferenceOps())
 
     @property
     def paged_attention(self) -> bool:
