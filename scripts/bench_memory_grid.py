@@ -35,6 +35,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (LLAMA_8B, LLAMA_TEST, DTYPES, LoadedModel, build_random_llama,  # noqa: E402
@@ -551,7 +552,7 @@ def prefill_bench_plans(data: dict, views: bool = False) -> list:
     return plans
 
 
-def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dict:
+def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coefficients: Optional[dict] = None) -> dict:
     """Predicted / measured transient of every engine step of a prefill benchmark JSON, with the
     recorded plans and `backend`'s coefficients (pure arithmetic on engine/memory.py). Decodes are
     paged when the run's engine asked for it on a GPU. The rebuilt plans are checked first: they must
@@ -588,7 +589,9 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False) -> dic
         cpu = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend("cpu"))
         if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
             reproduced = True
-    model = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend(backend, 8), paged_decode=paged)
+    coef = (mem.with_overrides(mem.CPU_COEFFICIENTS, coefficients) if coefficients
+            else mem.coefficients_for_backend(backend, 8))
+    model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged)
     pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     meas = [st["measured"] for st in steps]
     peak = max(range(len(steps)), key=lambda i: meas[i])
@@ -632,6 +635,8 @@ def main(argv=None):
     p.add_argument("--backend", default=None,
                    help="--fit: fit a whole TransientCoefficients set for this backend (e.g. cuda) with "
                         "layers_in_flight and step_overhead_bytes; prints its Python literal")
+    p.add_argument("--replay-coefficients", default=None, metavar="FIT_JSON",
+                   help="--replay-prefill with the coefficients of a --fit --json output (e.g. a per-model fit)")
     p.add_argument("--replay-views", action="store_true",
                    help="--replay-prefill: the run's prompt chunks read their rows as views of the pool")
     p.add_argument("--replay-prefill", default=None,
@@ -662,7 +667,12 @@ def main(argv=None):
         emit(result, args.json, args.out)
         return
     if args.replay_prefill:
-        result = [replay_prefill(f, args.backend or "cuda", args.replay_views) for f in args.replay_prefill.split(",")]
+        coefficients = None
+        if args.replay_coefficients:
+            fitted = Path(args.replay_coefficients).read_text().strip().splitlines()[-1]
+            coefficients = json.loads(fitted)["coefficients"]
+        result = [replay_prefill(f, args.backend or "cuda", args.replay_views, coefficients)
+                  for f in args.replay_prefill.split(",")]
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
                              args.exclude_terms, args.chunk_maxima)

@@ -93,3 +93,15 @@ def test_replay_reproduces_a_recorded_h200_run_before_predicting_it_again():
     assert out["underpredicted_steps"] == 0 and out["min_step_ratio"] >= 1.0
     with pytest.raises(ValueError, match="do not reproduce"):
         grid.replay_prefill(path, "cuda", views=False)
+
+
+def test_replay_with_given_coefficients_predicts_with_them():
+    """--replay-coefficients: the calibrated run replayed with its own coefficients, passed explicitly
+    (the backend's set would differ), gives the predictions it recorded."""
+    path = Path(__file__).resolve().parents[2] / "scripts/data/h200_s5_prefill_calibrated.json"
+    data = json.loads(path.read_text())
+    coefficients = data["ways"]["engine"]["config"]["memory_coefficients"]
+    out = grid.replay_prefill(str(path), "cuda", views=True, coefficients=coefficients)
+    assert [s["predicted"] for s in out["steps"]] == [s["predicted"] for s in data["ways"]["engine"]["steps"]]
+    shipped = grid.replay_prefill(str(path), "cuda", views=True)
+    assert shipped["max_predicted_bytes"] != out["max_predicted_bytes"]
