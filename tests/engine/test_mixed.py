@@ -157,3 +157,25 @@ def test_traditional_rope_models_mix_too(tiny_parts, reference_greedy, run_to_co
     for i, prompt in enumerate(prompts):
         assert tokens[str(i)] == reference_greedy(model, prompt, 8), i
     assert state["mixed"] >= 2
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["gather", "paged"])
+def test_a_one_token_prompt_mixes_with_decoding_rows(make_engine, tiny_parts, reference_greedy,
+                                                     run_to_completion, paged):
+    """A one-token chunk is itself a one-query forward (paged on CUDA): in a mixed forward it attends
+    through its own view, beside the decode rows."""
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, prefix_cache_fraction=0.0)
+    if paged:
+        runner = engine.runner
+        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+    sizes = []
+    real = engine.runner.mixed_forward
+    engine.runner.mixed_forward = lambda work, decodes: (sizes.append(len(work.token_ids)), real(work, decodes))[1]
+    first, one = prompts_of([5, 1], engine.memory.shape.vocab_size, seed=6)
+    engine.add_request("a", first, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()  # "a" decodes from now on
+    engine.add_request("b", one, SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = run_to_completion(engine)
+    assert sizes == [1]
+    assert tokens["b"] == reference_greedy(tiny_parts[0], one, 6)
+    assert tokens["a"] == reference_greedy(tiny_parts[0], first, 6)[1:]  # its first came from engine.step()
