@@ -17,25 +17,24 @@ Only models the engine's decode loop takes (`decode_path.unsupported(model, kern
 llama blocks with fused projections, any of their RoPE) are batched so; others run the two forwards.
 The memory model counts a mixed forward's transient as the chunk's plus the decodes'
 (`MemoryModel.step_transient_bytes(plan, mixed=True)`), and the scheduler mixes a step only when that
-stays within the bound of separate forwards (`SchedulerOutput.mixed`). Measured on an H200 (8B): a mixed
-step's transient is the chunk's plus 4 MB, and it takes 4-8 ms less than the two forwards
-(docs/benchmarks.md, session 6).
+stays within the bound of separate forwards (`SchedulerOutput.mixed`). Measured on an H200 (8B,
+docs/benchmarks.md, session 6): a mixed step's transient is the chunk's plus 4 MB, and its time below
+that of the two forwards (51.6-60.0 ms against 58.7-63.9 ms with one decode row).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from .decode_path import DecodePath, ReferenceOps
+from .decode_path import DecodePath
 
 
 class MixedForward:
-    """The combined forward of a supported model (module docstring); `ops` rotates the decode rows'
-    q and k (`ReferenceOps`, or the decode path's CUDA kernels)."""
+    """The combined forward of a supported model (module docstring), with `path`'s model, RoPE specs
+    and ops (`ReferenceOps`, or the decode path's CUDA kernels) for the decode rows."""
 
-    def __init__(self, model: nn.Module, ops: ReferenceOps):
-        self.path = DecodePath(model, ops)  # raises ValueError for a model it does not take
+    def __init__(self, path: DecodePath):
+        self.path = path
 
     def forward(self, tokens: mx.array, chunk_view, decode_view) -> mx.array:
         """tokens [T + B]: the chunk's T tokens, then one per decode row -> the final-normed hidden

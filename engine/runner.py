@@ -98,13 +98,13 @@ class ModelRunner:
         if paged_attention:
             self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
         self.decode_path: Optional[DecodePath] = None
+        self.mixed: Optional[MixedForward] = None
         if decode_kernels:
             self._enable_decode_kernels(dtype)
-        self.mixed: Optional[MixedForward] = None
         if mixed and self.fused:
-            why_not = decode_unsupported(self.model, kernels=self.decode_path is not None)
+            why_not = decode_unsupported(self.model, kernels=False)
             if why_not is None:
-                self.mixed = MixedForward(self.model, self.decode_path.ops if self.decode_path else ReferenceOps())
+                self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
             else:
                 logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
@@ -148,8 +148,8 @@ class ModelRunner:
         """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules).
         ValueError if the model is not supported; it needs paged decode attention."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops)
-        if getattr(self, "mixed", None) is not None:  # the mixed forward rotates its decode rows alike
-            self.mixed = MixedForward(self.model, ops or ReferenceOps())
+        if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
 
     @property
     def paged_attention(self) -> bool:
@@ -255,12 +255,17 @@ class ModelRunner:
         with fused_forward():
             return self.decode_path.forward(tokens, view)
 
-    def prefill(self, work: PrefillWork) -> "Forward":
-        """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
-        the sampled token ([1]) when the chunk ends the prompt, else None."""
+    def _chunk_row(self, work: PrefillWork) -> Row:
+        """The row a prompt chunk extends; its KV must end where the chunk starts."""
         row = self.rows[work.request_id]
         if row.offset != work.start:
             raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
+        return row
+
+    def prefill(self, work: PrefillWork) -> "Forward":
+        """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
+        the sampled token ([1]) when the chunk ends the prompt, else None."""
+        row = self._chunk_row(work)
         view = ForwardView(self.pool, [row], len(work.token_ids))
         hidden = self._forward(mx.array(work.token_ids)[None], view.layers())  # [1, T, D]
         view.advance()
@@ -289,9 +294,7 @@ class ModelRunner:
         """Build (only) one forward of a prompt chunk and decode rows (engine/mixed.py; `self.mixed`
         must be set). Its `tokens`: the chunk's sampled token if it ends the prompt, then one per
         decode row, in `decodes` order."""
-        row = self.rows[work.request_id]
-        if row.offset != work.start:
-            raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
+        row = self._chunk_row(work)
         T = len(work.token_ids)
         chunk_view = ForwardView(self.pool, [row], T)
         decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1)

@@ -156,11 +156,12 @@ class Scheduler:
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
         # the decode rows ride with the first chunk where the runner can (memory.mixed) and that forward
         # stays within the bound of separate ones
-        mixed = (self.memory.mixed and bool(decodes) and bool(prefills)
-                 and self.predict(decodes, prefills, mixed=True) <= self.transient_bound_bytes)
+        mixed = self.memory.mixed and bool(decodes) and bool(prefills)
+        predicted = self.predict(decodes, prefills, mixed=mixed)
+        if mixed and predicted > self.transient_bound_bytes:
+            mixed, predicted = False, self.predict(decodes, prefills)
         return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
-                               predicted_transient_bytes=self.predict(decodes, prefills, mixed=mixed),
-                               mixed=mixed)
+                               predicted_transient_bytes=predicted, mixed=mixed)
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
                 slice_reads: Collection[str] = (), ahead: int = 0, mixed: bool = False) -> int:

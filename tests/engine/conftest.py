@@ -17,6 +17,27 @@ def model_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def random_llama():
+    """Build a random-weight mlx-lm llama from ModelArgs fields (2 layers, 4 heads, 2 KV heads unless
+    given): (model, the config.json-style dict an Engine takes)."""
+    def build(**fields):
+        import mlx.core as mx
+        from mlx_lm.models import llama
+
+        args = llama.ModelArgs(**{**dict(model_type="llama", num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096),
+                                  **fields})
+        model = llama.Model(args)
+        mx.eval(model.parameters())
+        config = {k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                                "max_position_embeddings")}
+        return model, config
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tiny_parts(model_cache_dir):
     from engine.models import load_model, resolve_model_path
 

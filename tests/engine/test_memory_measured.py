@@ -14,9 +14,7 @@ from __future__ import annotations
 import gc
 import random
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -26,16 +24,8 @@ VOCAB = 32000
 
 
 @pytest.fixture(scope="module")
-def small_llama():
-    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                           vocab_size=VOCAB, max_position_embeddings=4096)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    config = {k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                                            "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                            "max_position_embeddings")}
-    return model, config
+def small_llama(random_llama):
+    return random_llama(hidden_size=256, intermediate_size=512, vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("read_slices", [False, True], ids=["gather", "slices"])

@@ -126,24 +126,15 @@ def test_memory_model_counts_a_mixed_forward_as_both():
     assert model.step_transient_bytes(only_chunks, mixed=True) == model.step_transient_bytes(only_chunks)
 
 
-def test_traditional_rope_models_mix_too(tiny_parts, reference_greedy, run_to_completion, model_cache_dir):
+def test_traditional_rope_models_mix_too(tiny_parts, random_llama, reference_greedy, run_to_completion,
+                                         model_cache_dir):
     """The embedded SmolLM2 (from its GGUF) rotates with traditional RoPE, which the CUDA decode kernels
     do not take; the mixed forward rotates with mlx-lm's own module and takes it."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
     from engine.config import EngineConfig
     from engine.decode_path import unsupported
     from engine.engine import Engine
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=1000,
-                           rope_traditional=True, max_position_embeddings=4096)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    config = {k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                                            "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                            "max_position_embeddings")}
+    model, config = random_llama(hidden_size=64, intermediate_size=128, vocab_size=1000, rope_traditional=True)
     engine = Engine(model, tiny_parts[1], EngineConfig(model="tiny", cache_dir=model_cache_dir,
                                                        prefill_chunk_size=16, max_num_batched_tokens=24,
                                                        prefix_cache_fraction=0.0, memory_limit_bytes=1 << 30),
