@@ -198,11 +198,81 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
     return points
 
 
+def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,
+               label: str) -> list[dict]:
+    """Mixed steps (engine/mixed.py): a probe prompt of two chunks of c tokens, each in one forward with
+    B decoding rows of context n, then the same probe with mixing off (the step's chunk and decode
+    forwards apart: `apart_measured`, what the mixed forward adds to). One engine per context: its
+    rows are prefilled in large chunks, then the chunk size is set per probe and the scheduler's bound
+    lifted, so that every probe step mixes (bench instrumentation; the engine's code is untouched)."""
+    from engine.request import SamplingParams
+
+    points = []
+    rows = sorted(rows, reverse=True)
+    b_max, big = rows[0], max(max(chunks), 512)
+    for n in contexts:
+        prompts = random_prompts([n] * b_max, lm.config["vocab_size"], seed=n)
+        max_tokens = (n * b_max) // big + len(rows) * len(chunks) * 8 + 16
+        engine = make_engine(lm, [n] * b_max + [2 * max(chunks)], max_tokens, chunk=big,
+                             max_num_batched_tokens=max(big, 2048), max_num_seqs=max(64, b_max + 1),
+                             async_decode=False)
+        recorder = StepRecorder(engine)
+        meter = Meter()
+        ids = [f"d{i}" for i in range(b_max)]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        run_steps(engine, recorder, meter,
+                  lambda: all(engine.scheduler.requests[i].num_output_tokens >= 1 for i in ids))
+        engine.scheduler.transient_bound_bytes = 1 << 62  # every probe step mixes
+        mixes = engine.memory.mixed
+        alive = list(ids)
+        for b in rows:
+            for rid in alive[b:]:
+                engine.abort(rid)
+            alive = [i for i in alive[:b] if i in engine.scheduler.requests]
+            if len(alive) < b:
+                raise RuntimeError(f"mixed grid: rows finished early ({len(alive)} < {b})")
+            for c in chunks:
+                engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_chunk_size=c)
+                found = {}
+                for mode in (True, False):
+                    engine.memory.mixed = mode and mixes
+                    free_memory()
+                    probe = f"m{b}-{c}-{int(mode)}"
+                    prompt = random_prompts([2 * c], lm.config["vocab_size"], seed=n + 10 * c + b + mode)[0]
+                    engine.add_request(probe, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                    steps = run_steps(engine, recorder, meter, lambda: probe not in engine.scheduler.requests)
+                    found[mode] = [st for st in steps if st["decodes"] == b and len(st["chunks"]) == 1]
+                engine.memory.mixed = mixes
+                for st, apart in zip(found[True], found[False]):
+                    cc, end, logits = st["chunks"][0]
+                    ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
+                    paged = engine.runner.paged_attention
+                    gathers = not any(s.startswith("m") for s in st["slice_reads"])
+                    terms = prefill_terms(shape, cc, end, logits)
+                    terms["prefill_gather"] *= gathers
+                    points.append(dict(kind="mixed", variant=label, c=cc, n=end, logits=logits, B=b,
+                                       decode_n=ctx, gathers=gathers, paged=paged, mixed=mixes,
+                                       measured=st["measured"], predicted=st["predicted"],
+                                       apart_measured=apart["measured"], apart_predicted=apart["predicted"],
+                                       step_s=st["step_s"], apart_step_s=apart["step_s"], terms=terms,
+                                       decode_terms=decode_terms(shape, b, ctx, paged, engine.memory.kv_step)))
+        meter.result(0, None, [0.0], 0.0)
+        for rid in alive:
+            engine.abort(rid)
+        engine = recorder = None
+        free_memory()
+    return points
+
+
 def measure(args) -> dict:
     lm = load_bench_model(args.model, args.dtype, args.layers, args.init, args.seed)
     chunks = [int(x) for x in args.chunks.split(",")]
     rows = [int(x) for x in args.decode_rows.split(",")]
     contexts = [int(x) for x in args.decode_contexts.split(",")]
+    grids = set(args.grids.split(","))
+    if grids - {"prefill", "decode", "mixed"}:
+        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,decode,mixed")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     result = dict(bench="memory_grid", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
                   environment=environment(), points=[], shapes={})
@@ -225,10 +295,15 @@ def measure(args) -> dict:
                             sum(p.nbytes for _, p in params), sum(p.size for _, p in params), 0.0)
         sh = shape_of(m.config, DTYPES[m.dtype].size)
         result["shapes"][label] = sh
-        for _ in range(args.repeat - 1):  # earlier passes build each shape's kernels: time the last
+        for _ in range(args.repeat - 1 if "prefill" in grids else 0):  # earlier passes build each shape's kernels: time the last
             prefill_grid(m, chunks, args.prefill_length, sh, label)
-        pts = prefill_grid(m, chunks, args.prefill_length, sh, label)
-        pts += decode_grid(m, rows, contexts, sh, label)
+        pts = prefill_grid(m, chunks, args.prefill_length, sh, label) if "prefill" in grids else []
+        if "decode" in grids:
+            pts += decode_grid(m, rows, contexts, sh, label)
+        if "mixed" in grids:
+            pts += mixed_grid(m, [int(x) for x in args.mixed_chunks.split(",")],
+                              [int(x) for x in args.mixed_rows.split(",")],
+                              [int(x) for x in args.mixed_contexts.split(",")], sh, label)
         result["points"] += pts
         log(f"{label}: {len(pts)} points in {time.perf_counter() - t:.1f} s")
         if args.out:
@@ -656,6 +731,12 @@ def main(argv=None):
     p.add_argument("--prefill-length", type=int, default=8192, help="one prompt per chunk size, this long")
     p.add_argument("--decode-rows", default="16,8,4,2,1")
     p.add_argument("--decode-contexts", default="1024,4096,8192")
+    p.add_argument("--grids", default="prefill,decode",
+                   help="which grids to measure: some of prefill,decode,mixed (mixed: a chunk's forward "
+                        "with decoding rows, engine/mixed.py, beside the same step apart)")
+    p.add_argument("--mixed-chunks", default="16,128,512,2048")
+    p.add_argument("--mixed-rows", default="32,8,2")
+    p.add_argument("--mixed-contexts", default="1024,8192")
     p.add_argument("--variants", action="store_true", help="also 2-layer models of other shapes")
     p.add_argument("--repeat", type=int, default=1, help="prefill passes per model (the last is kept)")
     p.add_argument("--seed", type=int, default=0)
