@@ -201,7 +201,8 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
 def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,
                label: str) -> list[dict]:
     """Mixed steps (engine/mixed.py): a probe prompt of two chunks of c tokens, each in one forward with
-    B decoding rows of context n, then the same probe with mixing off (the step's chunk and decode
+    B decoding rows of context n (after a first such probe, unmeasured: on CUDA every new shape builds
+    kernels and attention graphs once, and the pool may grow), then the same probe with mixing off (the step's chunk and decode
     forwards apart: `apart_measured`, what the mixed forward adds to). One engine per context: its
     rows are prefilled in large chunks, then the chunk size is set per probe and the scheduler's bound
     lifted, so that every probe step mixes (bench instrumentation; the engine's code is untouched)."""
@@ -235,16 +236,17 @@ def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: li
             for c in chunks:
                 engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_chunk_size=c)
                 found = {}
-                for mode in (True, False):
-                    engine.memory.mixed = mode and mixes
+                for mode in ("warm", True, False):  # the warm probe builds the shapes' kernels, grows the pool
+                    engine.memory.mixed = bool(mode) and mixes
                     free_memory()
-                    probe = f"m{b}-{c}-{int(mode)}"
-                    prompt = random_prompts([2 * c], lm.config["vocab_size"], seed=n + 10 * c + b + mode)[0]
+                    probe = f"m{b}-{c}-{mode}"
+                    prompt = random_prompts([2 * c], lm.config["vocab_size"],
+                                            seed=n + 10 * c + b + {"warm": 2, True: 1, False: 0}[mode])[0]
                     engine.add_request(probe, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
                     steps = run_steps(engine, recorder, meter, lambda: probe not in engine.scheduler.requests)
                     found[mode] = [st for st in steps if st["decodes"] == b and len(st["chunks"]) == 1]
                 engine.memory.mixed = mixes
-                for st, apart in zip(found[True], found[False]):
+                for st, apart, warm in zip(found[True], found[False], found["warm"]):
                     cc, end, logits = st["chunks"][0]
                     ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
                     paged = engine.runner.paged_attention
@@ -255,6 +257,7 @@ def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: li
                                        decode_n=ctx, gathers=gathers, paged=paged, mixed=mixes,
                                        measured=st["measured"], predicted=st["predicted"],
                                        apart_measured=apart["measured"], apart_predicted=apart["predicted"],
+                                       warm_measured=warm["measured"], warm_step_s=warm["step_s"],
                                        step_s=st["step_s"], apart_step_s=apart["step_s"], terms=terms,
                                        decode_terms=decode_terms(shape, b, ctx, paged, engine.memory.kv_step)))
         meter.result(0, None, [0.0], 0.0)
