@@ -111,6 +111,12 @@ class TransientCoefficients:
     # x B*H*ceil(n/kv_step)*(kv_step/64)*(d+2)*4, the paged kernel's float32 partials; None: not fitted on
     # paged decodes, which it then predicts as gathering ones (an over-estimate)
     decode_paged: Optional[float] = None
+    # A step's decode rows run in its first chunk's forward (engine/mixed.py) only for models with more
+    # layers than this. On CUDA, which frees per committed batch, a model no deeper than the batches in
+    # flight holds every layer's temporaries at once, and there a mixed forward measured above
+    # `MemoryModel.mixed_bytes` (2-layer shapes on an H200 under ops 8: up to 1.46x; 8 and 32 layers: at
+    # most 0.78x of it; docs/memory.md). Not a fitted coefficient: a per-model fit leaves it as it is.
+    mixed_min_layers: int = 0
 
 
 CPU_COEFFICIENTS = TransientCoefficients(
@@ -127,6 +133,7 @@ CUDA_COEFFICIENTS = TransientCoefficients(
     prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=1.939, prefill_hidden=6.829, prefill_logits=123.0,
     decode_gather=0.9141, decode_scores=2.491, decode_logits=6.371, decode_mlp=0.0, decode_hidden=0.0,
     sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1064000,
+    mixed_min_layers=29,  # not measured without ops 8: its window, as under ops 8
 )
 # The same under MLX_MAX_OPS_PER_BUFFER=8 (what scripts/serve sets on CUDA: MLX commits every 8 ops,
 # so fewer layers' temporaries coexist), this engine (slice reads, paged decode attention), fitted from
@@ -143,7 +150,7 @@ CUDA_OPS8_COEFFICIENTS = TransientCoefficients(
     prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.057, prefill_hidden=6.208, prefill_logits=0.0,
     decode_gather=1.001, decode_scores=0.01799, decode_logits=1.465, decode_mlp=2.729, decode_hidden=2.585,
     sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=50710,
-    prefill_overhead_bytes=0, prefill_layer_rows=132.5, decode_paged=1.018,
+    prefill_overhead_bytes=0, prefill_layer_rows=132.5, decode_paged=1.018, mixed_min_layers=7,
 )
 
 
@@ -160,8 +167,9 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
     values = dict(overrides)
-    if "layers_in_flight" in values:
-        values["layers_in_flight"] = int(values["layers_in_flight"])
+    for name in ("layers_in_flight", "mixed_min_layers"):
+        if name in values:
+            values[name] = int(values[name])
     for name in ("step_overhead_bytes", "prefill_overhead_bytes"):
         if name in values:
             values[name] = int(values[name])
@@ -220,7 +228,7 @@ class MemoryModel:
         self.coefficients = coefficients
         # paged decodes are predicted as such only by a coefficient set fitted on them
         self.paged_decode = paged_decode and coefficients.decode_paged is not None
-        self.mixed = mixed
+        self.mixed = mixed and shape.num_layers > coefficients.mixed_min_layers
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -284,6 +292,21 @@ class MemoryModel:
         spans = -(-context_len // self.kv_step) * max(1, self.kv_step // PAGED_PARTIAL_KEYS)
         return num_rows * s.num_heads * spans * (s.head_dim + 2) * FLOAT32_BYTES
 
+    def _decode_attention_bytes(self, context_lens: Sequence[int], gathers: Optional[bool] = None) -> float:
+        """One layer's attention temporaries of decoding rows: their KV as attention reads it (a gathered
+        copy, or the paged kernel's partials) and their scores."""
+        s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
+        if gathers is None:
+            gathers = not self.paged_decode
+        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
+        paged = self.paged_partials_bytes(b, n) if self.paged_decode and not gathers else 0
+        return (k.decode_gather * gather + (k.decode_paged or 0.0) * paged
+                + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n)
+
+    def _decode_head_bytes(self, num_rows: int, samples: int = 0) -> float:
+        k = self.coefficients
+        return (k.decode_logits * num_rows + k.sampling * samples) * FLOAT32_BYTES * self.shape.vocab_size
+
     def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: Optional[bool] = None) -> int:
         """Hidden states, the rows' KV as attention reads it, scores, MLP and logits (module docstring).
         `samples`: rows that sample (a bool counts as one). `gathers`: whether attention reads a gathered
@@ -291,32 +314,44 @@ class MemoryModel:
         points recorded when one-row decodes read a view of the pool."""
         if not context_lens:
             return 0
-        s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
-        if gathers is None:
-            gathers = not self.paged_decode
-        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
-        paged = self.paged_partials_bytes(b, n) if self.paged_decode and not gathers else 0
+        s, k, b = self.shape, self.coefficients, len(context_lens)
         m = self.layer_factor
-        layers = m * (k.decode_gather * gather + (k.decode_paged or 0.0) * paged
-                      + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n
+        layers = m * (self._decode_attention_bytes(context_lens, gathers)
                       + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
-        logits = (k.decode_logits * b + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         hidden = m * k.decode_hidden * b * s.hidden_size * s.dtype_bytes
         # A sum, not the larger of the two phases: the head's graph is launched while the layers' still
         # runs (runner.launch), so the last layer's gathered KV and the logits can be alive together.
-        return int(hidden + layers + logits + k.step_overhead_bytes)
+        return int(hidden + layers + self._decode_head_bytes(b, samples) + k.step_overhead_bytes)
+
+    def mixed_bytes(self, chunk: PrefillChunkPlan, context_lens: Sequence[int], samples: int = 0) -> int:
+        """One forward of a prompt chunk (T tokens) and B decoding rows (engine/mixed.py): the larger of
+        - the chunk's forward over T + B rows up to the LM head (no layer's MLP skipped), with one
+          layer's attention temporaries of the rows and their logits: the peak among the MLPs;
+        - the rows' decode forward with one layer's share of the chunk's: the peak among the rows'
+          attention temporaries, which on CUDA coexist over layers like a decode step's.
+        On the CPU (one layer at a time, m = 1) the second is the plain sum of the two forwards. Measured on an H200
+        (docs/memory.md): 68 mixed steps of an 8B llama and an 8-layer one, predicted / measured >= 1.28."""
+        if not context_lens:
+            return self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
+                                            chunk.samples, chunk.gathers)
+        b = len(context_lens)
+        rows = (self.prefill_chunk_bytes(chunk.num_tokens + b, chunk.context_len, True, chunk.samples,
+                                         chunk.gathers)
+                + self._decode_attention_bytes(context_lens) + self._decode_head_bytes(b, samples))
+        alone = self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
+                                         chunk.samples, chunk.gathers)
+        attention = self.decode_bytes(context_lens, samples) + alone / self.layer_factor
+        return int(max(rows, attention))
 
     def step_transient_bytes(self, plan: StepPlan, mixed: bool = False) -> int:
         """Decode and each prefill chunk are evaluated one after another: the peak is their max.
-        `mixed`: the decode rows run with the first chunk (engine/mixed.py), a forward that holds both
-        transients: their sum (the rows' share of the norms, projections and MLP is counted in both,
-        a small over-estimate)."""
-        decode = self.decode_bytes(plan.decode_context_lens, plan.decode_samples)
+        `mixed`: the decode rows run with the first chunk (engine/mixed.py), one forward (`mixed_bytes`)."""
         chunks = [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
                   for p in plan.prefill_chunks]
         if mixed and chunks and plan.decode_context_lens:
-            return max([chunks[0] + decode] + chunks[1:])
-        return max([decode] + chunks)
+            first = self.mixed_bytes(plan.prefill_chunks[0], plan.decode_context_lens, plan.decode_samples)
+            return max([first] + chunks[1:])
+        return max([self.decode_bytes(plan.decode_context_lens, plan.decode_samples)] + chunks)
 
     def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:
         """Largest transient of any step the scheduler can produce under this configuration.

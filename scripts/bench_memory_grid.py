@@ -420,7 +420,36 @@ def _model_of(sh: dict, coefficients, paged: bool = False):
 
     shape = ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
                        head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
-    return MemoryModel(shape, coefficients=coefficients, paged_decode=paged)
+    return MemoryModel(shape, coefficients=coefficients, paged_decode=paged, mixed=True)
+
+
+def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
+    """engine/memory.py's prediction of every mixed grid point; None where the engine would run that
+    step apart (a model no deeper than the set's layers_in_flight, `MemoryModel.mixed`)."""
+    from engine.memory import PrefillChunkPlan
+
+    out = []
+    for p in pts:
+        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")))
+        chunk = PrefillChunkPlan(p["c"], p["n"], bool(p["logits"]), gathers=p.get("gathers", True))
+        out.append(m.mixed_bytes(chunk, [p["decode_n"]] * p["B"]) if m.mixed else None)
+    return out
+
+
+def mixed_check(path: str, coefficients) -> dict:
+    """Predicted / measured of a grid's mixed points (--grids mixed) with `coefficients`, by variant."""
+    data = json.loads(Path(path).read_text())
+    pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
+    pred = mixed_predictions(pts, data["shapes"], coefficients)
+    out: dict = {}
+    for v in sorted({p["variant"] for p in pts}):
+        idx = [i for i, p in enumerate(pts) if p["variant"] == v]
+        if pred[idx[0]] is None:
+            out[v] = "runs apart (no deeper than mixed_min_layers)"
+            continue
+        out[v] = dict(_ratio_stats([pred[i] for i in idx], [pts[i]["measured"] for i in idx]),
+                      underpredicted=sum(pred[i] < pts[i]["measured"] for i in idx))
+    return out
 
 
 def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]:
@@ -596,6 +625,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
             if idx:
                 out["by_group"][f"{v}/{kind}"] = _ratio_stats([pred[i] for i in idx], [meas[i] for i in idx])
     fields = dataclasses.asdict(coef)
+    fields.pop("mixed_min_layers")  # not fitted: EngineConfig.memory_coefficients keeps the backend's
     out["coefficients"] = fields
     out["python"] = (f"{backend.upper()}_COEFFICIENTS = TransientCoefficients(\n    "
                      + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ",\n)")
@@ -713,6 +743,9 @@ def main(argv=None):
     p.add_argument("--backend", default=None,
                    help="--fit: fit a whole TransientCoefficients set for this backend (e.g. cuda) with "
                         "layers_in_flight and step_overhead_bytes; prints its Python literal")
+    p.add_argument("--check-mixed", default=None, metavar="GRID_JSON",
+                   help="predicted / measured of grids' mixed points (comma-separated) with --backend's set "
+                        "(default cuda, the ops-8 set)")
     p.add_argument("--replay-coefficients", default=None, metavar="FIT_JSON",
                    help="--replay-prefill with the coefficients of a --fit --json output (e.g. a per-model fit)")
     p.add_argument("--replay-views", action="store_true",
@@ -749,6 +782,13 @@ def main(argv=None):
     if args.merge:
         result = merge_grids(*args.merge.split(","))
         emit(result, args.json, args.out)
+        return
+    if args.check_mixed:
+        from engine import memory as mem
+
+        result = {f: mixed_check(f, mem.coefficients_for_backend(args.backend or "cuda", 8))
+                  for f in args.check_mixed.split(",")}
+        emit(result, True, None)
         return
     if args.replay_prefill:
         coefficients = None

@@ -109,21 +109,42 @@ def test_scheduler_mixes_only_within_the_bound(make_engine):
     assert plan.predicted_transient_bytes == scheduler.predict(plan.decodes, plan.prefills)
 
 
-def test_memory_model_counts_a_mixed_forward_as_both():
-    from engine.memory import ModelShape
+def test_memory_model_predicts_a_mixed_forward():
+    """On the CPU (one layer at a time) a mixed forward is at least both forwards' sum; where layers'
+    temporaries coexist (CUDA) it is the larger of the chunk's forward over T + B rows with one layer of
+    the rows' attention, and the rows' decode with one layer's share of the chunk: below the sum, above
+    each forward alone. Models no deeper than the set's `mixed_min_layers` do not mix."""
+    from dataclasses import replace
+
+    from engine.memory import CUDA_OPS8_COEFFICIENTS, ModelShape
 
     shape = ModelShape(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                        intermediate_size=512, vocab_size=1000, dtype_bytes=4)
-    model = MemoryModel(shape, mixed=True)
     plan = StepPlan(decode_context_lens=(100, 200), prefill_chunks=(PrefillChunkPlan(16, 300),
                                                                      PrefillChunkPlan(16, 16)))
-    decode = model.decode_bytes([100, 200])
-    first = model.prefill_chunk_bytes(16, 300)
-    assert model.step_transient_bytes(plan, mixed=True) == max(first + decode, model.prefill_chunk_bytes(16, 16))
+    model = MemoryModel(shape, mixed=True)
+    decode, first = model.decode_bytes([100, 200]), model.prefill_chunk_bytes(16, 300)
+    mixed = model.step_transient_bytes(plan, mixed=True)
+    assert mixed == max(model.mixed_bytes(plan.prefill_chunks[0], (100, 200)), model.prefill_chunk_bytes(16, 16))
+    assert mixed >= first + decode
     assert model.step_transient_bytes(plan) == max(decode, first, model.prefill_chunk_bytes(16, 16))
     # without decodes or chunks there is nothing to mix
     only_chunks = StepPlan(prefill_chunks=plan.prefill_chunks)
     assert model.step_transient_bytes(only_chunks, mixed=True) == model.step_transient_bytes(only_chunks)
+
+    deep = replace(shape, num_layers=32, dtype_bytes=2)
+    cuda = MemoryModel(deep, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True, mixed=True)
+    assert cuda.mixed
+    chunk, rows = PrefillChunkPlan(512, 4096), [4096] * 3
+    both = cuda.mixed_bytes(chunk, rows)
+    assert both < cuda.prefill_chunk_bytes(512, 4096) + cuda.decode_bytes(rows)
+    assert both >= cuda.prefill_chunk_bytes(515, 4096) and both >= cuda.decode_bytes(rows)
+    many = [8192] * 64  # the rows' attention temporaries dominate: the decode forward's, not one layer's
+    assert cuda.mixed_bytes(PrefillChunkPlan(16, 16), many) > cuda.decode_bytes(many)
+    # shallow models run the two apart where layers' temporaries coexist; on the CPU any model mixes
+    assert not MemoryModel(replace(deep, num_layers=7), coefficients=CUDA_OPS8_COEFFICIENTS, mixed=True).mixed
+    assert MemoryModel(replace(deep, num_layers=8), coefficients=CUDA_OPS8_COEFFICIENTS, mixed=True).mixed
+    assert MemoryModel(replace(shape, num_layers=1), mixed=True).mixed
 
 
 def test_traditional_rope_models_mix_too(tiny_parts, random_llama, reference_greedy, run_to_completion,

@@ -105,3 +105,18 @@ def test_replay_with_given_coefficients_predicts_with_them():
     assert [s["predicted"] for s in out["steps"]] == [s["predicted"] for s in data["ways"]["engine"]["steps"]]
     shipped = grid.replay_prefill(str(path), "cuda", views=True)
     assert shipped["max_predicted_bytes"] != out["max_predicted_bytes"]
+
+
+def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():
+    """The mixed grid of session 7 (scripts/data/h200_s7_grid_mixed*.json: a chunk's forward with 2-32
+    decoding rows, 8B llama, its 8-layer cut and three 2-layer shapes): the shipped CUDA set predicts
+    every mixed step of the 8- and 32-layer models from above; the 2-layer shapes, where a mixed forward
+    measured above the formula, are run apart."""
+    from engine.memory import CUDA_OPS8_COEFFICIENTS
+
+    data = Path(__file__).resolve().parents[2] / "scripts/data"
+    deep = grid.mixed_check(str(data / "h200_s7_grid_mixed.json"), CUDA_OPS8_COEFFICIENTS)
+    assert deep["llama-8b"]["underpredicted"] == 0 and deep["llama-8b"]["num_points"] == 54
+    assert all(isinstance(deep[v], str) for v in ("8b-2layers", "d2048-h16-i8192-v32k", "d4096-h64-i4096"))
+    eight = grid.mixed_check(str(data / "h200_s7_grid_mixed_8layers.json"), CUDA_OPS8_COEFFICIENTS)
+    assert eight["llama-8b"]["underpredicted"] == 0 and eight["llama-8b"]["min"] >= 1.0
