@@ -36,9 +36,12 @@ class MixedForward:
     def __init__(self, path: DecodePath):
         self.path = path
 
-    def forward(self, tokens: mx.array, chunk_view, decode_view) -> mx.array:
+    def forward(self, tokens: mx.array, chunk_view, decode_view, sample: bool = True) -> mx.array:
         """tokens [T + B]: the chunk's T tokens, then one per decode row -> the final-normed hidden
-        states [1, T + B, D]. `chunk_view`: one row, T new tokens; `decode_view`: B rows, one each."""
+        states of the rows that go on to the LM head, [1, (1 +) B, D]: the chunk's last position if it
+        `sample`s, then the decode rows. `chunk_view`: one row, T new tokens; `decode_view`: B rows,
+        one each. The last layer computes the other chunk positions' keys and values only (as
+        engine/last_row.py does for a chunk alone)."""
         path = self.path
         backbone, ops = path.backbone, path.ops
         H, H_kv, d = path.heads, path.kv_heads, path.head_dim
@@ -52,31 +55,43 @@ class MixedForward:
         y = mx.fast.rms_norm(h, first.weight, first.eps)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
+            # chunk positions whose queries, attention, MLP this layer computes: all but in the last
+            # layer, where only the sampled one's output is read
+            q_from = T - int(sample) if i == len(layers) - 1 else 0
             # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
             # are then a contiguous array, where slices of one fused product would be copied per layer
-            q, k, v = (attn.qkv_proj.alone(j, y) for j in range(3))  # [1, T + B, H d | H_kv d]
+            q = attn.qkv_proj.alone(0, y[:, q_from:] if q_from else y)  # [1, T - q_from + B, H d]
+            k, v = (attn.qkv_proj.alone(j, y) for j in (1, 2))  # [1, T + B, H_kv d]
+            Tq = T - q_from
             # the decode rows: [B, 1, ...] each at its own position
-            dqkv = mx.concatenate([q[0, T:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
+            dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
             dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv)
             # the chunk: mlx-lm's attention module, step by step
-            q = attn.rope(q[:, :T].reshape(1, T, H, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
             k = attn.rope(k[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
             v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
-            out = chunk_view.attend(i, q, attn.scale)  # a one-token chunk of a paged pool
-            if out is None:
-                keys, values = chunk_view.read(i)
-                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask="causal")
             d_out = decode_view.attend(i, dq, attn.scale)  # the paged kernel, None when gathering
             if d_out is None:
                 dkeys, dvalues = decode_view.read(i)
                 d_out = mx.fast.scaled_dot_product_attention(dq, dkeys, dvalues, scale=attn.scale,
                                                              mask=decode_view.mask)
-            # one copy of both parts' outputs, [1, T + B, H, d], straight from their head-major layouts
+            parts = [d_out.transpose(2, 0, 1, 3)]  # [1, B, H, d]
+            if Tq:
+                q = attn.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
+                              offset=chunk_view.offset + q_from)
+                out = chunk_view.attend(i, q, attn.scale)  # a one-token chunk of a paged pool
+                if out is None:
+                    keys, values = chunk_view.read(i)
+                    # the chunk's queries are its last Tq positions: causal, or (one query) every key
+                    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale,
+                                                               mask="causal" if Tq > 1 else None)
+                parts.insert(0, out.transpose(0, 2, 1, 3))
+            # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
             # (mlx-lm's module makes the same one copy of the chunk's alone)
-            out = mx.concatenate([out.transpose(0, 2, 1, 3), d_out.transpose(2, 0, 1, 3)], axis=1)
-            out = out.reshape(1, T + B, H * d)
+            out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
+            if q_from:
+                h = h[:, q_from:]
             post = layer.post_attention_layernorm
             h, y = ops.add_rms_norm(h, attn.o_proj(out), post.weight, post.eps)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else backbone.norm

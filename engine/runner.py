@@ -26,6 +26,7 @@ from engine.decode_path import self_check as decode_self_check
 from engine.decode_path import unsupported as decode_unsupported
 from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
+from engine.last_row import last_row_forward
 from engine.mixed import MixedForward
 from engine.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
 from engine.sampling import RequestSampler, sample_rows
@@ -101,6 +102,8 @@ class ModelRunner:
         self.mixed: Optional[MixedForward] = None
         if decode_kernels:
             self._enable_decode_kernels(dtype)
+        # prompt chunks that sample run their last layer for the last position only (engine/last_row.py)
+        self.last_row = decode_unsupported(self.model, kernels=False) is None
         if mixed and self.fused:
             why_not = decode_unsupported(self.model, kernels=False)
             if why_not is None:
@@ -266,8 +269,15 @@ class ModelRunner:
         """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
         the sampled token ([1]) when the chunk ends the prompt, else None."""
         row = self._chunk_row(work)
-        view = ForwardView(self.pool, [row], len(work.token_ids))
-        hidden = self._forward(mx.array(work.token_ids)[None], view.layers())  # [1, T, D]
+        T = len(work.token_ids)
+        view = ForwardView(self.pool, [row], T)
+        tokens = mx.array(work.token_ids)[None]
+        if work.sample and self.last_row and T > 1:
+            self.num_forward_calls += 1
+            self.num_tokens_computed += T
+            hidden = last_row_forward(self._backbone, tokens, view.layers())  # [1, 1, D]
+        else:
+            hidden = self._forward(tokens, view.layers())  # [1, T, D]
         view.advance()
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
             return Forward([self.pool.keys + self.pool.values], None)
@@ -302,14 +312,14 @@ class ModelRunner:
         self.num_forward_calls += 1
         self.num_tokens_computed += tokens.size
         with fused_forward():
-            hidden = self.mixed.forward(tokens, chunk_view, decode_view)  # [1, T + B, D]
+            # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
+            hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample)
         chunk_view.advance()
         decode_view.advance()
-        first = T - 1 if work.sample else T  # the prompt's last position only if it samples
         samplers = ([self.samplers[work.request_id]] if work.sample else []) + [
             self.samplers[w.request_id] for w in decodes]
         # 2-D: MLX's matmul of a [1, n, D] slice would hold the [n, V] logits twice
-        logits = self._head(hidden[0, first:, :])  # [(1 +) B, V]
+        logits = self._head(hidden[0])  # [(1 +) B, V]
         sampled = sample_rows(logits, samplers)
         return Forward([[hidden], [sampled]], sampled)
 

@@ -191,3 +191,44 @@ def test_a_one_token_prompt_mixes_with_decoding_rows(make_engine, tiny_parts, re
     assert sizes == [1]
     assert tokens["b"] == reference_greedy(tiny_parts[0], one, 6)
     assert tokens["a"] == reference_greedy(tiny_parts[0], first, 6)[1:]  # its first came from engine.step()
+
+
+@pytest.mark.parametrize("sample", [True, False], ids=["chunk-samples", "chunk-goes-on"])
+def test_mixed_forward_logits_equal_mlx_lm(tiny_parts, sample):
+    """The mixed forward's output rows, through the LM head, equal mlx-lm's logits: the chunk's last
+    position (when it samples; its last layer computes that position alone) and each decode row."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.fused import fused_forward
+    from engine.kv import ForwardView, Row
+    from engine.runner import ModelRunner
+
+    model = tiny_parts[0]
+    runner = ModelRunner(model, block_size=4, max_kv_tokens=128)
+    assert runner.mixed is not None
+    runner.grow_pool(32)
+    prompts = prompts_of([9, 7, 21], model.args.vocab_size, seed=9)
+    rows = [Row(runner.blocks.allocate(8), 4, runner.pool.block_bytes) for _ in prompts]
+    for row, prompt in zip(rows[:2], prompts[:2]):  # two decoding rows, their prompts' KV in the pool
+        view = ForwardView(runner.pool, [row], len(prompt))
+        mx.eval(runner._forward(mx.array(prompt)[None], view.layers()), runner.pool.keys, runner.pool.values)
+        view.advance()
+    chunk = prompts[2]
+    view = ForwardView(runner.pool, [rows[2]], 12)  # the third prompt's first 12 tokens, then 9 mixed
+    mx.eval(runner._forward(mx.array(chunk[:12])[None], view.layers()), runner.pool.keys, runner.pool.values)
+    view.advance()
+    fed = [5, 6]  # each decoding row's next token
+    chunk_view = ForwardView(runner.pool, [rows[2]], 9)
+    decode_view = ForwardView(runner.pool, rows[:2], 1)
+    with fused_forward():
+        hidden = runner.mixed.forward(mx.array(chunk[12:] + fed), chunk_view, decode_view, sample=sample)
+    got = runner._head(hidden[0])
+    assert got.shape[0] == 2 + sample
+
+    def last_logits(tokens):
+        return model(mx.array(tokens)[None], cache=make_prompt_cache(model))[0, -1]
+
+    want = ([last_logits(chunk)] if sample else []) + [last_logits(p + [t]) for p, t in zip(prompts[:2], fed)]
+    for g, w in zip(got, want):
+        assert mx.allclose(g, w, atol=1e-4, rtol=1e-4).item()
