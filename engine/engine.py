@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
 from engine.forwards import ForwardsMixin, StepMemory, _Inflight
-from engine.memory import MemoryModel, ModelShape, coefficients_for_backend, with_overrides
+from engine.memory import MemoryModel, ModelShape, coefficients_for, with_overrides
 from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
@@ -75,10 +75,11 @@ def mlx_backend() -> str:
 KV_BLOCK_TOKENS = 256
 
 
-def backend_coefficients():
-    """The memory model's coefficients for this process's MLX backend and settings."""
+def backend_coefficients(shape: Optional[ModelShape] = None):
+    """(the memory model's coefficients, what they are) for this process's MLX backend and settings,
+    calibrated for `shape` where a calibration ships (memory.SHAPE_CALIBRATIONS)."""
     ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "")
-    return coefficients_for_backend(mlx_backend(), int(ops) if ops.isdigit() else None)
+    return coefficients_for(mlx_backend(), int(ops) if ops.isdigit() else None, shape)
 
 
 def resolve_dtype(name: str) -> str:
@@ -115,9 +116,13 @@ class Engine(ForwardsMixin):
                                   fuse=config.fuse_projections,
                                   decode_kernels=config.decode_kernels and mlx_backend() == "cuda",
                                   mixed=config.mixed_batches)
-        self.memory = MemoryModel(ModelShape.from_config(model_config, dtype_bytes, weights_bytes),
-                                  kv_step=KV_BLOCK_TOKENS,
-                                  coefficients=with_overrides(backend_coefficients(), config.memory_coefficients),
+        shape = ModelShape.from_config(model_config, dtype_bytes, weights_bytes)
+        coefficients, self.memory_coefficients_source = backend_coefficients(shape)
+        if config.memory_coefficients:
+            self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
+        logger.info("memory model: %s", self.memory_coefficients_source)
+        self.memory = MemoryModel(shape, kv_step=KV_BLOCK_TOKENS,
+                                  coefficients=with_overrides(coefficients, config.memory_coefficients),
                                   paged_decode=self.runner.paged_attention,
                                   mixed=self.runner.mixed is not None)
         model_max = model_config.get("max_position_embeddings") or 4096

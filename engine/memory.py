@@ -176,6 +176,32 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
     return replace(base, **values)
 
 
+def shape_key(shape: "ModelShape") -> tuple:
+    """What a shape calibration is keyed by: every dimension the formulas read (not the weights' bytes)."""
+    return (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+            shape.intermediate_size, shape.vocab_size, shape.dtype_bytes)
+
+
+# Calibrations of one model shape under one backend set: that shape's own grid points fitted alone are
+# tighter than the set fitted for every shape (vLLM ships its tuned kernel configurations per shape and
+# device the same way). Used in place of the backend's set for a model of that shape; a deployment's
+# EngineConfig.memory_coefficients still applies on top. The Llama-3-8B shape in bf16 (Llama 3 / 3.1
+# 8B), CUDA under ops 8, from the 8B points of session 6's merged grid (173 points, predicted /
+# measured 1.0-4.75), with the backend set's layers_in_flight (so the terms no grid point fits, such
+# as a fragmented row's gathered KV, count as many layers as in that set; docs/memory.md):
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_s6_grid_merged.json --backend cuda \
+#         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
+#         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
+LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
+SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the set)
+    ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
+        CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_gather=1.001,
+        decode_scores=2.109, decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524,
+        prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=1187000,
+        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
+}
+
+
 def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None) -> TransientCoefficients:
     """The coefficient set of an MLX backend: "cpu", "cuda", or "metal" (no Metal data yet: the CPU
     set, whose one-layer-at-a-time freeing Metal's per-command-buffer release may not match).
@@ -187,6 +213,17 @@ def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None
     if key == "cuda" and max_ops_per_buffer is not None and 0 < max_ops_per_buffer <= 8:
         return CUDA_OPS8_COEFFICIENTS
     return table[key]
+
+
+def coefficients_for(name: str, max_ops_per_buffer: Optional[int] = None,
+                     shape: Optional["ModelShape"] = None) -> tuple[TransientCoefficients, str]:
+    """(the set, what it is): the backend's set (`coefficients_for_backend`), or its calibration for
+    `shape` where one ships (SHAPE_CALIBRATIONS)."""
+    base = coefficients_for_backend(name, max_ops_per_buffer)
+    set_name = ("cuda-ops8" if base is CUDA_OPS8_COEFFICIENTS else "cuda" if base is CUDA_COEFFICIENTS
+                else name.strip().lower())
+    entry = SHAPE_CALIBRATIONS.get((set_name, shape_key(shape))) if shape is not None else None
+    return (entry[1], entry[0]) if entry else (base, f"{set_name} set")
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,8 @@ def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None):
     from engine.memory import MemoryModel, ModelShape, with_overrides
 
     dtype_bytes = DTYPES[loaded.dtype].size
-    return MemoryModel(ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes),
-                       coefficients=with_overrides(backend_coefficients(), overrides))
+    shape = ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes)
+    return MemoryModel(shape, coefficients=with_overrides(backend_coefficients(shape)[0], overrides))
 
 
 # --------------------------------------------------------------------------- output

@@ -436,14 +436,23 @@ def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optio
     return out
 
 
-def mixed_check(path: str, coefficients) -> dict:
-    """Predicted / measured of a grid's mixed points (--grids mixed) with `coefficients`, by variant."""
+def mixed_check(path: str, coefficients=None, backend: str = "cuda") -> dict:
+    """Predicted / measured of a grid's mixed points (--grids mixed) by variant, with `coefficients`, or
+    (None) what the engine would use for each variant's shape on `backend` under ops 8."""
+    from engine.memory import ModelShape, coefficients_for
+
     data = json.loads(Path(path).read_text())
     pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
-    pred = mixed_predictions(pts, data["shapes"], coefficients)
     out: dict = {}
     for v in sorted({p["variant"] for p in pts}):
         idx = [i for i, p in enumerate(pts) if p["variant"] == v]
+        coef = coefficients
+        if coef is None:
+            sh = data["shapes"][v]
+            shape = ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
+                               head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
+            coef = coefficients_for(backend, 8, shape)[0]
+        pred = {i: q for i, q in zip(idx, mixed_predictions([pts[i] for i in idx], data["shapes"], coef))}
         if pred[idx[0]] is None:
             out[v] = "runs apart (no deeper than mixed_min_layers)"
             continue
@@ -574,12 +583,14 @@ def largest_per_chunk(pts: list[dict]) -> list[dict]:
 
 
 def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0,
-                exclude: str = "", chunk_maxima: bool = False) -> dict:
+                exclude: str = "", chunk_maxima: bool = False, layers_in_flight: int = 0) -> dict:
     """Fit a backend's TransientCoefficients (engine/memory.py's formulas, with layers_in_flight and
     step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
     grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
     measured. With one depth in the grid layers_in_flight is not identifiable (it only rescales the
-    per-layer coefficients): it is then that depth (valid for models up to that depth)."""
+    per-layer coefficients): it is then that depth (valid for models up to that depth), or
+    `layers_in_flight` if given (e.g. the window a multi-depth fit found, so that the terms the grid
+    does not fit, kept at their base values, count as many layers as in the backend's set)."""
     import numpy as np
 
     from engine import memory as mem
@@ -598,6 +609,8 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     depths = sorted({shapes[p["variant"]]["L"] for p in pts})
     top = max_layers_in_flight or depths[-1]
     candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
+    if layers_in_flight:
+        candidates = [layers_in_flight]
     base = mem.coefficients_for_backend("cpu")  # sampling: the CPU value (no sampled rows in the grid)
     best = None
     scan = {}
@@ -698,7 +711,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
         if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
             reproduced = True
     coef = (mem.with_overrides(mem.CPU_COEFFICIENTS, coefficients) if coefficients
-            else mem.coefficients_for_backend(backend, 8))
+            else mem.coefficients_for(backend, 8, shape)[0])  # the 8B's shape calibration where it ships
     model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged)
     pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     meas = [st["measured"] for st in steps]
@@ -758,6 +771,8 @@ def main(argv=None):
                         "prefill_scores,prefill_mask where attention never materializes the scores)")
     p.add_argument("--chunk-maxima", action="store_true",
                    help="--backend: fit each chunk size's largest prefill point only (largest_per_chunk)")
+    p.add_argument("--layers-in-flight", type=int, default=0,
+                   help="--backend: fit with this layers_in_flight only (default: scan, or the grid's depth)")
     p.add_argument("--max-layers-in-flight", type=int, default=0, help="--backend: scan 1..this (default: deepest)")
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--dtype", default="auto")
@@ -786,7 +801,9 @@ def main(argv=None):
     if args.check_mixed:
         from engine import memory as mem
 
-        result = {f: mixed_check(f, mem.coefficients_for_backend(args.backend or "cuda", 8))
+        result = {f: {"engine's sets": mixed_check(f, None, args.backend or "cuda"),
+                      "backend set (no shape calibration)": mixed_check(
+                          f, mem.coefficients_for_backend(args.backend or "cuda", 8))}
                   for f in args.check_mixed.split(",")}
         emit(result, True, None)
         return
@@ -799,7 +816,7 @@ def main(argv=None):
                   for f in args.replay_prefill.split(",")]
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
-                             args.exclude_terms, args.chunk_maxima)
+                             args.exclude_terms, args.chunk_maxima, args.layers_in_flight)
         if not args.json:
             print(result.pop("python"))
     else:

@@ -330,6 +330,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
                           engine_stats=dataclasses.asdict(stats))
     peak_step = max(steps, key=lambda s: s["measured"])
     result["peak_step"] = peak_step
+    result["memory_coefficients"] = getattr(engine, "memory_coefficients_source", None)
     result["step_ratio_min"] = min(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
     result["step_ratio_at_peak"] = peak_step["predicted"] / max(peak_step["measured"], 1)
     result["underpredicted_steps"] = sum(1 for s in steps if s["predicted"] < s["measured"])

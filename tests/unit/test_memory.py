@@ -85,6 +85,29 @@ def test_coefficients_for_backend_picks_the_set():
     assert coefficients_for_backend("cpu", 8) is CPU_COEFFICIENTS
 
 
+def test_a_shape_calibration_replaces_the_backend_set_for_that_shape_only():
+    """memory.SHAPE_CALIBRATIONS: the Llama-3-8B shape in bf16 under CUDA's ops-8 set takes its own fit
+    (tighter for it); another shape, dtype or backend set keeps the backend's."""
+    from engine.memory import coefficients_for
+
+    bf16 = LLAMA3_8B
+    calibrated, what = coefficients_for("cuda", 8, bf16)
+    assert calibrated is not CUDA_OPS8_COEFFICIENTS and "llama-3-8b" in what
+    # tighter on the 8B's default 512-token chunk, and still an upper bound the scheduler bounds with
+    models = [MemoryModel(bf16, coefficients=c, paged_decode=True) for c in (calibrated, CUDA_OPS8_COEFFICIENTS)]
+    tight, generic = (m.prefill_chunk_bytes(512, 8192, computes_logits=False, gathers=False) for m in models)
+    assert 335_562_440 <= tight < generic  # 335.56 MB: that chunk measured on an H200 (docs/memory.md)
+    # the terms no 8B grid point fits (a fragmented row's gathered KV) count as in the backend's set: the
+    # bound, and so the KV budget, is no worse than with it
+    assert models[0].transient_bound_bytes(16, 512, 131072) <= models[1].transient_bound_bytes(16, 512, 131072)
+    assert calibrated.mixed_min_layers == CUDA_OPS8_COEFFICIENTS.mixed_min_layers
+    for args in (("cuda", 8, dataclasses.replace(bf16, dtype_bytes=4)), ("cuda", 8, dataclasses.replace(bf16, num_layers=16)),
+                 ("cuda", None, bf16), ("cpu", None, bf16)):
+        got, what = coefficients_for(*args)
+        assert got is coefficients_for_backend(args[0], args[1]) and what.endswith("set")
+    assert coefficients_for("cuda", 8) == (CUDA_OPS8_COEFFICIENTS, "cuda-ops8 set")
+
+
 @pytest.mark.parametrize("name", ["rocm", "", "gpu"])
 def test_coefficients_for_backend_rejects_unknown_names(name):
     with pytest.raises(ValueError, match=repr(name)):
