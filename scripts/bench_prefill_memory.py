@@ -133,16 +133,22 @@ def run_sequential(lm: LoadedModel, prompts: list[list[int]], chunk: int, memory
         for start in range(0, body, chunk):
             end = min(start + chunk, body)
             meter.begin(kv_bytes())
+            t = time.perf_counter()
             model(tokens[None, start:end], cache=cache)  # logits never evaluated: never computed
             mx.eval([c.state for c in cache])
+            step_s = time.perf_counter() - t
             pred = chunk_bytes(memory, end - start, end, False)
-            chunks.append(dict(tokens=end - start, context=end, predicted=pred, measured=meter.end(kv_bytes())))
+            chunks.append(dict(tokens=end - start, context=end, predicted=pred, measured=meter.end(kv_bytes()),
+                               step_s=round(step_s, 6)))
             predicted = max(predicted, pred)
         meter.begin(kv_bytes())
+        t = time.perf_counter()
         logits = model(tokens[None, body:], cache=cache)  # [1, 1, V]
         mx.argmax(logits[0, -1]).item()
+        step_s = time.perf_counter() - t
         pred = chunk_bytes(memory, 1, len(prompt), True)
-        chunks.append(dict(tokens=1, context=len(prompt), predicted=pred, measured=meter.end(kv_bytes())))
+        chunks.append(dict(tokens=1, context=len(prompt), predicted=pred, measured=meter.end(kv_bytes()),
+                           step_s=round(step_s, 6)))
         predicted = max(predicted, pred)
         ttft.append(meter.elapsed())
     prefill_s = meter.elapsed()
@@ -267,6 +273,27 @@ class StepRecorder:
         engine._slice_reads = self._record_slices
         self._refine = engine._refine_prediction
         engine._refine_prediction = self._record_refined
+        # each forward's launch and the end of its wait, relative to the step's start (where the step's
+        # time goes: the device's forwards, or the host between them)
+        self.t0 = time.perf_counter()
+        self.forwards: list = []
+        launch, retire = engine.runner.launch, engine._retire
+
+        def timed_launch(forward):
+            self.forwards.append([time.perf_counter() - self.t0, None])
+            launch(forward)
+
+        def timed_retire(running, sampled):
+            retire(running, sampled)
+            if self.forwards and self.forwards[-1][1] is None:
+                self.forwards[-1][1] = time.perf_counter() - self.t0
+
+        engine.runner.launch = timed_launch
+        engine._retire = timed_retire
+
+    def begin_step(self) -> None:
+        self.t0 = time.perf_counter()
+        self.forwards = []
 
     def _record_refined(self, plan):
         """The engine's own prediction: the plan refined once its chunks' view-or-gather is known."""
@@ -299,9 +326,11 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
     steps = []
     while len(first) < len(prompts):
         meter.begin(engine.runner.kv_allocated_bytes)
+        recorder.begin_step()
         t = time.perf_counter()
         outputs = engine.step()
         step_s = time.perf_counter() - t
+        forwards = [(round(a, 5), None if b is None else round(b, 5)) for a, b in recorder.forwards]
         whole_step = meter.end(engine.runner.kv_allocated_bytes)  # across the engine's per-forward resets
         now = meter.elapsed()
         for out in outputs:
@@ -318,6 +347,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
             whole_step_measured=whole_step,
             decodes=len(plan.decodes), chunks=[(c.num_tokens, c.start + c.num_tokens) for c in plan.prefills],
             mixed=getattr(plan, "mixed", False),
+            forwards_s=forwards,  # (launch, waited) of each forward, seconds from the step's start
         ))
         if not engine.has_unfinished():
             break
