@@ -43,10 +43,18 @@ class ForwardsMixin:
     """Step execution for `Engine` (see the module docstring)."""
 
     def _slice_reads(self, prefills) -> set[str]:
-        """Requests whose prompt chunk the runner reads as a view of the pool (no gathered copy;
-        engine/kv.py `slice_start`). Decodes are predicted by the memory model as the runner reads
-        them: paged or gathered (`MemoryModel.paged_decode`)."""
-        return {c.request_id for c in prefills if self.runner.reads_slice(c.request_id, c.num_tokens)}
+        """Requests whose prompt chunks (a step can hold several of one request, one after another) the
+        runner all reads as views of the pool (no gathered copy; engine/kv.py `slice_start`). Decodes are
+        predicted by the memory model as the runner reads them: paged or gathered
+        (`MemoryModel.paged_decode`)."""
+        before: dict[str, int] = {}  # tokens of the request's earlier chunks in this step
+        views, gathers = set(), set()
+        for c in prefills:
+            done = before.get(c.request_id, 0)
+            reads_view = c.num_tokens > 1 and self.runner.reads_slice(c.request_id, done + c.num_tokens)
+            (views if reads_view else gathers).add(c.request_id)
+            before[c.request_id] = done + c.num_tokens
+        return views - gathers
 
     def _refine_prediction(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The scheduler predicted before the rows had blocks (every read a gather); now that they do,
@@ -161,6 +169,8 @@ class ForwardsMixin:
         sampled: dict[str, mx.array] = {}
         running = None  # (request ids, Forward) on the device
         for ids, chunk_id, build in builds:
+            if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
+                continue
             try:
                 forward = build()
             except Exception as exc:

@@ -5,7 +5,9 @@ Every step:
 2. the rest of the `max_num_batched_tokens` budget goes to prompt chunks, first come first served,
    each at most `prefill_chunk_size` tokens: partially prefilled requests first (in arrival order),
    then waiting requests. The oldest prompt always gets its chunk first, so a long prompt at the head
-   always progresses; shorter prompts behind it share what is left of the budget.
+   always progresses; shorter prompts behind it share what is left of the budget. A budget that every
+   prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
+   chunk is its own forward, evaluated after the previous one: the memory bound is per chunk).
 
 KV policy: refuse at add time, wait for room, never preempt. A request is admitted to the running
 set only when KV for its whole life (prompt + max_tokens - 1, rounded up to the cache step) fits in
@@ -154,6 +156,16 @@ class Scheduler:
         new_rows: list[NewRow] = []
         while budget > 0 and self.waiting and self._try_admit(self.waiting[0], new_rows):
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
+        # What is left goes to further chunks of the same prompts, oldest first, each its own forward
+        # after the others: fewer, fuller steps (each step costs the host its scheduling and its first
+        # forward's graph before the device has work; on an H200 4-7 ms, docs/benchmarks.md). Not for
+        # a sliver: a chunk of at least half `prefill_chunk_size`, or the prompt's end.
+        least = max(1, self.config.prefill_chunk_size // 2)
+        for request in self.running:
+            while budget > 0 and 0 < (left := request.num_prompt_tokens - self._scheduled_end(request, prefills)):
+                if min(budget, left, self.config.prefill_chunk_size) < min(least, left):
+                    break
+                budget -= self._add_chunk(request, budget, prefills)
         # the decode rows ride with the first chunk where the runner can (memory.mixed) and that forward
         # stays within the bound of separate ones
         mixed = self.memory.mixed and bool(decodes) and bool(prefills)
@@ -186,10 +198,17 @@ class Scheduler:
         return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
                                predicted_transient_bytes=self.predict(request_ids, (), ahead=ahead))
 
+    @staticmethod
+    def _scheduled_end(request: Request, chunks: list[ScheduledChunk]) -> int:
+        """Prompt position up to which `request`'s KV will exist after `chunks` (this step's so far)."""
+        ends = [c.start + c.num_tokens for c in chunks if c.request_id == request.request_id]
+        return max(ends, default=request.num_computed_tokens)
+
     def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk]) -> int:
-        remaining = request.num_prompt_tokens - request.num_computed_tokens
+        start = self._scheduled_end(request, out)
+        remaining = request.num_prompt_tokens - start
         n = min(remaining, self.config.prefill_chunk_size, budget)
-        out.append(ScheduledChunk(request.request_id, request.num_computed_tokens, n, n == remaining))
+        out.append(ScheduledChunk(request.request_id, start, n, n == remaining))
         return n
 
     def _try_admit(self, request: Request, new_rows: list[NewRow]) -> bool:

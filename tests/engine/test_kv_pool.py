@@ -210,3 +210,34 @@ def test_a_chunk_that_samples_computes_its_last_position_alone_to_the_same_logit
     for arrays in (runner.pool.keys, runner.pool.values):
         for layer in arrays:
             assert mx.array_equal(layer[a], layer[b]).item()
+
+
+def test_a_request_with_two_chunks_in_a_step_is_predicted_as_gathering_if_either_chunk_gathers(make_engine,
+                                                                                                tiny_parts,
+                                                                                                reference_greedy):
+    """The budget left after a prompt's first chunk gives it a second one in the same step; its row in
+    blocks 0 and 2 reads the first chunk's keys as a view of block 0 and the second's, past the end of
+    block 0, as a gathered copy: the step is predicted with the gather (no under-prediction)."""
+    engine = make_engine(prefill_chunk_size=200, max_num_seqs=4, prefix_cache_fraction=0.0)
+    runner = engine.runner
+    runner.grow_pool(4)
+    held = [runner.blocks.allocate(1) for _ in range(4)]
+    runner.blocks.free(held[0])
+    runner.blocks.free(held[2])
+    prompt = random_prompts([300], engine.memory.shape.vocab_size, seed=8)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    seen = []
+    refine = engine._refine_prediction
+
+    def record(plan):
+        seen.append(([(c.start, c.num_tokens) for c in plan.prefills], engine._slice_reads(plan.prefills)))
+        return refine(plan)
+
+    engine._refine_prediction = record
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert runner.rows.get("a") is None and tokens == reference_greedy(tiny_parts[0], prompt, 3)
+    assert seen[0] == ([(0, 200), (200, 100)], set())
+    assert engine.stats().max_measured_transient_bytes <= engine.stats().max_predicted_transient_bytes

@@ -51,6 +51,7 @@ def test_decode_first_then_prefill():
     s.add(req("b", 30))
     out = s.schedule()
     assert out.decodes == ("a",)
+    # one chunk of b, then what the budget leaves (1 token) is less than half a chunk: not scheduled
     assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("b", 8)]
     assert out.num_batched_tokens == 9
 
@@ -71,11 +72,36 @@ def test_long_head_prompt_always_progresses_and_short_ones_share_budget():
 def test_chunks_cover_prompt_exactly():
     s = make(budget=16, chunk=5)
     s.add(req("a", 23, max_tokens=1))
-    starts = []
+    steps = []
     while s.has_unfinished():
         out = run_step(s)
-        starts += [(c.start, c.num_tokens, c.completes_prompt) for c in out.prefills]
-    assert starts == [(0, 5, False), (5, 5, False), (10, 5, False), (15, 5, False), (20, 3, True)]
+        steps.append([(c.start, c.num_tokens, c.completes_prompt) for c in out.prefills])
+    # the budget left after a's first chunk goes to its next ones (one forward each, in order), down to
+    # half a chunk: 5 + 5 + 5 (1 left), then the rest
+    assert steps == [[(0, 5, False), (5, 5, False), (10, 5, False)], [(15, 5, False), (20, 3, True)]]
+
+
+def test_unused_budget_goes_to_further_chunks_oldest_first():
+    s = make(budget=32, chunk=8)
+    s.add(req("old", 40))
+    s.add(req("new", 12))
+    out = s.schedule()
+    # one chunk each first (new gets its whole prompt's first 8), then old's next chunks, then new's end
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.prefills] == [
+        ("old", 0, 8), ("new", 0, 8), ("old", 8, 8), ("old", 16, 8)]
+    assert out.num_batched_tokens == 32
+    run_step_with(s, out)
+    out = s.schedule()
+    assert [(c.request_id, c.start, c.num_tokens, c.completes_prompt) for c in out.prefills] == [
+        ("old", 24, 8, False), ("new", 8, 4, True), ("old", 32, 8, True)]
+    # each chunk is its own forward: the step's transient is the largest one's, not their sum
+    assert out.predicted_transient_bytes == max(s.predict((), [c]) for c in out.prefills)
+
+
+def run_step_with(s: Scheduler, out, token=7):
+    sampled = {c.request_id: token for c in out.prefills if c.completes_prompt}
+    sampled.update({rid: token for rid in out.decodes})
+    s.update(out, sampled)
 
 
 def test_abort_releases_reservation():
