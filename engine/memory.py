@@ -366,8 +366,9 @@ class MemoryModel:
           layer's attention temporaries of the rows and their logits: the peak among the MLPs;
         - the rows' decode forward with one layer's share of the chunk's: the peak among the rows'
           attention temporaries, which on CUDA coexist over layers like a decode step's.
-        On the CPU (one layer at a time, m = 1) the second is the plain sum of the two forwards. Measured on an H200
-        (docs/memory.md): 68 mixed steps of an 8B llama and an 8-layer one, predicted / measured >= 1.28."""
+        On the CPU (one layer at a time, m = 1) the second is the plain sum of the two forwards. Measured
+        on an H200 (docs/memory.md): 68 mixed steps of an 8B llama and an 8-layer one, predicted /
+        measured >= 1.28."""
         if not context_lens:
             return self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                             chunk.samples, chunk.gathers)

@@ -280,6 +280,9 @@ class ModelRunner:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
         view.advance()
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
+            # The pool's array objects: MLX rebinds an array on `a[idx] = v`, so once the next chunk's
+            # graph is built, finishing this forward evaluates that chunk's writes too (queued behind
+            # this one on the device; on an H200 a step's transient did not grow: docs/benchmarks.md)
             return Forward([self.pool.keys + self.pool.values], None)
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])

@@ -121,7 +121,8 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
     points = []
     for c in chunks:
         prompt = random_prompts([length], lm.config["vocab_size"], seed=c)[0]
-        engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=max(c, 2048))
+        # a budget of one chunk: every step is one chunk's forward (a larger one takes further chunks)
+        engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=c, max_num_seqs=min(16, c))
         recorder = StepRecorder(engine)
         meter = Meter()
         engine.add_request("g", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -145,10 +146,30 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
     return points
 
 
-def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: dict, label: str,
-                steps_per_point: int = 3) -> list[dict]:
+def start_decoding(engine, prompts: list[list[int]], max_tokens: int):
+    """One request per prompt, stepped until each has decoded once: (recorder, meter, request ids)."""
     from engine.request import SamplingParams
 
+    recorder, meter = StepRecorder(engine), Meter()
+    ids = [f"d{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    run_steps(engine, recorder, meter, lambda: all(engine.scheduler.requests[i].num_output_tokens >= 1 for i in ids))
+    return recorder, meter, ids
+
+
+def keep_rows(engine, alive: list[str], b: int, grid: str) -> list[str]:
+    """Abort all but the first `b` decoding rows; the ones left."""
+    for rid in alive[b:]:
+        engine.abort(rid)
+    alive = [i for i in alive[:b] if i in engine.scheduler.requests]
+    if len(alive) < b:
+        raise RuntimeError(f"{grid} grid: rows finished early ({len(alive)} < {b})")
+    return alive
+
+
+def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: dict, label: str,
+                steps_per_point: int = 3) -> list[dict]:
     points = []
     rows = sorted(rows, reverse=True)
     for n in contexts:
@@ -159,20 +180,9 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         # Synchronous decode steps: one forward's transient per point (a pipelined step's window
         # holds parts of two decodes; the engine predicts those as two decodes together).
         engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=False)
-        recorder = StepRecorder(engine)
-        meter = Meter()
-        ids = [f"d{i}" for i in range(b_max)]
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        run_steps(engine, recorder, meter,
-                  lambda: all(engine.scheduler.requests[i].num_output_tokens >= 1 for i in ids))
-        alive = list(ids)
+        recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
         for b in rows:
-            for rid in alive[b:]:
-                engine.abort(rid)
-            alive = [i for i in alive[:b] if i in engine.scheduler.requests]
-            if len(alive) < b:
-                raise RuntimeError(f"decode grid: rows finished early ({len(alive)} < {b})")
+            alive = keep_rows(engine, alive, b, "decode")
             free_memory()
             done = [0]
 
@@ -191,8 +201,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                    whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)
-        for rid in alive:
-            engine.abort(rid)
+        keep_rows(engine, alive, 0, "")
         engine = recorder = None
         free_memory()
     return points
@@ -217,24 +226,15 @@ def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: li
         engine = make_engine(lm, [n] * b_max + [2 * max(chunks)], max_tokens, chunk=big,
                              max_num_batched_tokens=max(big, 2048), max_num_seqs=max(64, b_max + 1),
                              async_decode=False)
-        recorder = StepRecorder(engine)
-        meter = Meter()
-        ids = [f"d{i}" for i in range(b_max)]
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        run_steps(engine, recorder, meter,
-                  lambda: all(engine.scheduler.requests[i].num_output_tokens >= 1 for i in ids))
+        recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
         engine.scheduler.transient_bound_bytes = 1 << 62  # every probe step mixes
         mixes = engine.memory.mixed
-        alive = list(ids)
         for b in rows:
-            for rid in alive[b:]:
-                engine.abort(rid)
-            alive = [i for i in alive[:b] if i in engine.scheduler.requests]
-            if len(alive) < b:
-                raise RuntimeError(f"mixed grid: rows finished early ({len(alive)} < {b})")
+            alive = keep_rows(engine, alive, b, "mixed")
             for c in chunks:
-                engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_chunk_size=c)
+                # one chunk and the rows per step (a larger budget would take a second chunk of the probe)
+                engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_chunk_size=c,
+                                                              max_num_batched_tokens=c + b)
                 found = {}
                 for mode in ("warm", True, False):  # the warm probe builds the shapes' kernels, grows the pool
                     engine.memory.mixed = bool(mode) and mixes
@@ -261,8 +261,7 @@ def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: li
                                        step_s=st["step_s"], apart_step_s=apart["step_s"], terms=terms,
                                        decode_terms=decode_terms(shape, b, ctx, paged, engine.memory.kv_step)))
         meter.result(0, None, [0.0], 0.0)
-        for rid in alive:
-            engine.abort(rid)
+        keep_rows(engine, alive, 0, "")
         engine = recorder = None
         free_memory()
     return points
