@@ -280,9 +280,10 @@ class ModelRunner:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
         view.advance()
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
-            # the pool's array objects, evaluated by `launch` (they are rebound by the next forward's
-            # writes once that one is built: `Forward.finish` only waits)
-            return Forward([list(self.pool.keys) + list(self.pool.values)], None)
+            # The pool's array objects: MLX rebinds an array on `a[idx] = v`, so once the next chunk's
+            # graph is built, finishing this forward evaluates that chunk's writes too (queued behind
+            # this one on the device; on an H200 a step's transient did not grow: docs/benchmarks.md)
+            return Forward([self.pool.keys + self.pool.values], None)
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])
         return Forward([[token]], token)  # every layer's KV write is in its graph (attention reads it)
@@ -342,11 +343,7 @@ class Forward:
     tokens: Optional[mx.array]
 
     def finish(self) -> None:
-        """Wait for the launched forward. Only a wait (`launch` evaluated its stages): a prompt chunk's
-        stages are the pool's arrays, which hold the next forward's writes once that one is built (MLX
-        rebinds an array on `a[idx] = v`), and evaluating them would run that forward now, queued
-        behind this one, before it is launched."""
-        finish()
+        finish(*self.stages[-1])
 
 
 def finish(*arrays) -> None:
