@@ -160,7 +160,6 @@ class Engine(ForwardsMixin):
         self.last_step_memory: Optional[StepMemory] = None
         self.last_plan: Optional[SchedulerOutput] = None
         self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back
-        self._deferred: Optional[_Deferred] = None  # a prompt chunk the last step left running
         self._launch_base_bytes = 0  # MLX active memory when it was launched
 
     @classmethod
@@ -217,7 +216,7 @@ class Engine(ForwardsMixin):
                              finished=True, finish_reason=reason, error=error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or self._deferred is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -232,14 +231,10 @@ class Engine(ForwardsMixin):
         string has had one more token computed, which is dropped; rows reaching max_tokens are left
         out of the next decode. Anything new for the scheduler (a waiting request, a prompt chunk)
         ends the pipeline for one step."""
-        self.last_step_memory = None  # each step's record is reported once (a deferred one, a step late)
         if self._inflight is not None:
             return self._advance_pipeline()
         plan = self.scheduler.schedule()
         self.last_plan = plan  # plain data, read by AsyncEngine's step observer
-        if plan.new_rows or plan.is_empty or self._can_pipeline(plan):
-            # pool growth and prefix copies, and the decode pipeline, start with the device idle
-            self._retire_deferred()
         admitted = self._add_rows(plan.new_rows)
         if plan.is_empty:
             return []

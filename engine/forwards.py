@@ -32,19 +32,6 @@ class StepMemory:
 
 
 @dataclass(frozen=True)
-class _Deferred:
-    """The last forward of a step, a prompt chunk that samples nothing, left running when the step
-    returned (nothing of the step's outputs depends on it): the next step schedules and builds its
-    first forward meanwhile, and waits for this one before launching anything."""
-
-    running: tuple  # (request ids, Forward), as `_execute` holds it
-    plan: SchedulerOutput  # its step's
-    admitted: "StepMemory"  # its step's pool growth and prefix copies
-    base_bytes: int  # what was alive before its step's forwards (its step's measured base)
-    peak_bytes: int  # MLX's peak when its step returned (its launch allocated on a GPU)
-
-
-@dataclass(frozen=True)
 class _Inflight:
     """A decode built (and then launched) whose sampled tokens have not been read back."""
 
@@ -155,10 +142,9 @@ class ForwardsMixin:
         MLX's peak over what was alive before, less KV the step allocated. `admitted`: this step's
         pool growth and prefix copies (`_add_rows`)."""
         requests = self.scheduler.requests
-        # A forward the previous step left running (`_Deferred`) is waited for just before this step's
-        # first launch; that step's window of measure closes then, and this step's opens.
-        deferred, self._deferred = self._deferred, None
-        active_before, kv_before = (0, 0) if deferred else self._open_window()
+        active_before = mx.get_active_memory()
+        kv_before = self.runner.kv_allocated_bytes
+        mx.reset_peak_memory()
         builds = []  # (request ids whose tokens the forward samples, a function that builds it)
         works = []
         for chunk in plan.prefills:
@@ -180,76 +166,39 @@ class ForwardsMixin:
             builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
         for work in works:
             builds.append(((work.request_id,), work.request_id, lambda work=work: self.runner.prefill(work)))
-        sampled: dict[str, int] = {}
+        sampled: dict[str, mx.array] = {}
         running = None  # (request ids, Forward) on the device
-        try:
-            for ids, chunk_id, build in builds:
-                if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
-                    continue
-                try:
-                    forward = build()
-                except Exception as exc:
-                    if chunk_id is None:
-                        raise  # the decode: the step fails
-                    logger.exception("prefill of %s failed", chunk_id)
-                    failed[chunk_id] = f"{type(exc).__name__}: {exc}"
-                    continue
-                if deferred is not None:
-                    self._close_deferred(deferred)
-                    deferred = None
-                    active_before, kv_before = self._open_window()
-                elif running is not None:
-                    self._retire(running, sampled)
-                self.runner.launch(forward)
-                running = (ids, forward)
-        except Exception:
-            mx.synchronize()  # nothing of this step may still run when the next one launches
-            raise
-        finally:
-            if deferred is not None:  # no forward of this step was launched
-                self._close_deferred(deferred)
-                active_before, kv_before = self._open_window()
-        base = active_before + self.runner.kv_allocated_bytes - kv_before
-        if running is not None and running[1].tokens is None and self.config.async_decode:
-            # a prompt chunk that samples nothing, last of its step: nothing of the step's outputs waits
-            # for it, so the next step schedules and builds meanwhile (`_Deferred`)
-            self._deferred = _Deferred(running, plan, admitted, base, mx.get_peak_memory())
-        else:
+        for ids, chunk_id, build in builds:
+            if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
+                continue
+            try:
+                forward = build()
+            except Exception as exc:
+                if chunk_id is None:
+                    raise  # the decode: the step fails
+                logger.exception("prefill of %s failed", chunk_id)
+                failed[chunk_id] = f"{type(exc).__name__}: {exc}"
+                continue
             if running is not None:
                 self._retire(running, sampled)
-            self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes, base,
-                                admitted.predicted_bytes)
-        return sampled
-
-    def _open_window(self) -> tuple[int, int]:
-        """Start measuring a step's forwards: (what is alive, the KV pool's bytes)."""
-        mx.reset_peak_memory()
-        return mx.get_active_memory(), self.runner.kv_allocated_bytes
-
-    def _close_deferred(self, deferred: "_Deferred") -> None:
-        """Wait for a step's deferred forward and record that step's measured transient. Only a wait:
-        its stages are the pool's arrays, which by now hold the next forward's writes (the next step's
-        graph is built), and evaluating them would run that forward in this step's window."""
-        finish()  # no arrays: wait until the device is idle
-        # the peak since its step's window opened, or (someone reset MLX's peak meanwhile) both parts'
-        measured = max(deferred.admitted.measured_bytes, deferred.peak_bytes - deferred.base_bytes)
-        self._record_memory(deferred.plan.predicted_transient_bytes, measured, deferred.base_bytes,
-                            deferred.admitted.predicted_bytes)
-
-    def _retire_deferred(self) -> None:
-        """Wait for the forward the previous step left running, if any (see `_Deferred`)."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._close_deferred(deferred)
+            self.runner.launch(forward)
+            running = (ids, forward)
+        if running is not None:
+            self._retire(running, sampled)
+        values = mx.concatenate(list(sampled.values())).tolist() if sampled else []
+        new_kv = self.runner.kv_allocated_bytes - kv_before
+        self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes,
+                            active_before + new_kv, admitted.predicted_bytes)
+        return dict(zip(sampled, values))
 
     @staticmethod
-    def _retire(running, sampled: dict[str, int]) -> None:
-        """Wait for a launched forward and keep its sampled tokens, read back now: an operation on
-        them later (a slice, a concatenation) would wait behind whatever runs on the device then."""
+    def _retire(running, sampled: dict[str, mx.array]) -> None:
+        """Wait for a launched forward and keep its sampled tokens."""
         ids, forward = running
         forward.finish()
         if forward.tokens is not None:
-            sampled.update(zip(ids, forward.tokens.tolist()))
+            for j, rid in enumerate(ids):
+                sampled[rid] = forward.tokens[j : j + 1]
 
     def _record_memory(self, predicted: int, measured: int, base_bytes: int, predicted_other: int = 0,
                        pipelined: bool = False) -> None:

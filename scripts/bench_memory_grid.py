@@ -122,9 +122,7 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
     for c in chunks:
         prompt = random_prompts([length], lm.config["vocab_size"], seed=c)[0]
         # a budget of one chunk: every step is one chunk's forward (a larger one takes further chunks)
-        # (synchronous steps: no prompt chunk left running into the next step's window, engine `_Deferred`)
-        engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=c, max_num_seqs=min(16, c),
-                             async_decode=False)
+        engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=c, max_num_seqs=min(16, c))
         recorder = StepRecorder(engine)
         meter = Meter()
         engine.add_request("g", prompt, SamplingParams(max_tokens=4, ignore_eos=True))

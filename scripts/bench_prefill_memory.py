@@ -80,26 +80,23 @@ class Meter:
         self._before = (0, 0)
         self.t0 = time.perf_counter()
 
-    def begin(self, kv_bytes: int, keep: bool = False) -> None:
-        """Start one forward (or step) whose transient is measured on its own. `keep`: leave MLX's peak
-        as it is (the engine measures a forward still running from the previous step)."""
-        self.observe(keep)
+    def begin(self, kv_bytes: int) -> None:
+        """Start one forward (or step) whose transient is measured on its own."""
+        self.observe()
         self._before = (mx.get_active_memory(), kv_bytes)
 
-    def end(self, kv_bytes: int, keep: bool = False) -> int:
+    def end(self, kv_bytes: int) -> int:
         """End it: its peak over what was live before, less the KV it added."""
         active, kv = self._before
-        transient = self.observe(keep) - active - (kv_bytes - kv)
+        transient = self.observe() - active - (kv_bytes - kv)
         self.stepwise = max(self.stepwise, transient)
         return transient
 
-    def observe(self, keep: bool = False) -> int:
-        """Fold in the peak since the last observe(); return that window's peak (`keep`: without
-        starting a new window)."""
+    def observe(self) -> int:
+        """Fold in the peak since the last observe(); return that window's peak."""
         window = self.tracker.read()
         self.peak = max(self.peak, window)
-        if not keep:
-            self.tracker.start()
+        self.tracker.start()
         return window
 
     def elapsed(self) -> float:
@@ -293,16 +290,6 @@ class StepRecorder:
 
         engine.runner.launch = timed_launch
         engine._retire = timed_retire
-        # every step's StepMemory in order: a step whose last prompt chunk is left running (engine
-        # `_Deferred`) records it during the next step
-        self.memory: list = []
-        record = engine._record_memory
-
-        def recorded(*args, **kwargs):
-            record(*args, **kwargs)
-            self.memory.append(engine.last_step_memory)
-
-        engine._record_memory = recorded
 
     def begin_step(self) -> None:
         self.t0 = time.perf_counter()
@@ -338,22 +325,25 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
     first: dict[str, float] = {}
     steps = []
     while len(first) < len(prompts):
-        meter.begin(engine.runner.kv_allocated_bytes, keep=getattr(engine, "_deferred", None) is not None)
+        meter.begin(engine.runner.kv_allocated_bytes)
         recorder.begin_step()
         t = time.perf_counter()
         outputs = engine.step()
         step_s = time.perf_counter() - t
         forwards = [(round(a, 5), None if b is None else round(b, 5)) for a, b in recorder.forwards]
-        # across the engine's per-forward resets
-        whole_step = meter.end(engine.runner.kv_allocated_bytes, keep=getattr(engine, "_deferred", None) is not None)
+        whole_step = meter.end(engine.runner.kv_allocated_bytes)  # across the engine's per-forward resets
         now = meter.elapsed()
         for out in outputs:
             if out.error:
                 raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
             first.setdefault(out.request_id, now)
         plan = recorder.plans[-1]
+        # The engine's own figure is per forward (KV of rows allocated later in the step not
+        # subtracted); the whole-step one is the fallback for engines that expose none.
+        own = getattr(engine, "last_step_memory", None)
+        measured = own.measured_bytes if own is not None else whole_step
         steps.append(dict(
-            step_s=round(step_s, 6), predicted=plan.predicted_transient_bytes, measured=None,
+            step_s=round(step_s, 6), predicted=plan.predicted_transient_bytes, measured=measured,
             whole_step_measured=whole_step,
             decodes=len(plan.decodes), chunks=[(c.num_tokens, c.start + c.num_tokens) for c in plan.prefills],
             mixed=getattr(plan, "mixed", False),
@@ -362,11 +352,6 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
         if not engine.has_unfinished():
             break
     prefill_s = meter.elapsed()
-    getattr(engine, "_retire_deferred", lambda: None)()  # the last step's measure, if it deferred a chunk
-    # The engine's own figure is per step (KV of rows allocated later in the step not subtracted); the
-    # whole-step one is the fallback for engines that expose none.
-    for st, own in zip(steps, recorder.memory + [None] * len(steps)):
-        st["measured"] = own.measured_bytes if own is not None else st["whole_step_measured"]
     meter.stepwise = max(s["measured"] for s in steps)
     stats = engine.stats()
     kv = engine.runner.kv_allocated_bytes

@@ -241,30 +241,3 @@ def test_a_request_with_two_chunks_in_a_step_is_predicted_as_gathering_if_either
     assert runner.rows.get("a") is None and tokens == reference_greedy(tiny_parts[0], prompt, 3)
     assert seen[0] == ([(0, 200), (200, 100)], set())
     assert engine.stats().max_measured_transient_bytes <= engine.stats().max_predicted_transient_bytes
-
-
-def test_a_steps_last_prompt_chunk_runs_on_into_the_next_step(make_engine, tiny_parts, reference_greedy):
-    """A step whose last forward is a prompt chunk that samples nothing returns with that forward still
-    running (engine `_Deferred`): the next step waits for it before launching its own, records its
-    measured transient then, and output stays mlx-lm's. Aborting every request leaves it to be waited
-    for by the next step (`has_unfinished` stays true until then). Synchronous steps never defer."""
-    prompt = random_prompts([40], 49152, seed=21)[0]
-    for async_decode in (True, False):
-        engine = make_engine(prefill_chunk_size=8, max_num_batched_tokens=16, prefix_cache_fraction=0.0,
-                             async_decode=async_decode)
-        engine.add_request("a", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        engine.step()  # chunks 0-8 and 8-16: the second samples nothing
-        assert (engine._deferred is not None) == async_decode
-        records = []
-        tokens = []
-        while engine.has_unfinished():
-            tokens += [t for out in engine.step() for t in out.new_token_ids]
-            records.append(engine.last_step_memory)
-        assert tokens == reference_greedy(tiny_parts[0], prompt, 4) and engine._deferred is None
-        if async_decode:
-            assert records[0] is not None  # the first step's measure, taken in the second
-        engine.add_request("b", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        engine.step()
-        engine.abort("b")
-        assert engine.has_unfinished() == async_decode
-        assert engine.step() == [] and not engine.has_unfinished() and engine._deferred is None
