@@ -102,10 +102,10 @@ class ModelRunner:
         self.mixed: Optional[MixedForward] = None
         if decode_kernels:
             self._enable_decode_kernels(dtype)
+        why_not = decode_unsupported(self.model, kernels=False)
         # prompt chunks that sample run their last layer for the last position only (engine/last_row.py)
-        self.last_row = decode_unsupported(self.model, kernels=False) is None
+        self.last_row = why_not is None
         if mixed and self.fused:
-            why_not = decode_unsupported(self.model, kernels=False)
             if why_not is None:
                 self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
             else:
