@@ -414,17 +414,22 @@ BACKEND_COLUMNS = (
 )
 
 
-def _model_of(sh: dict, coefficients, paged: bool = False):
-    from engine.memory import MemoryModel, ModelShape
+def _model_shape(sh: dict):
+    from engine.memory import ModelShape
 
-    shape = ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
-                       head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
-    return MemoryModel(shape, coefficients=coefficients, paged_decode=paged, mixed=True)
+    return ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
+                      head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
+
+
+def _model_of(sh: dict, coefficients, paged: bool = False):
+    from engine.memory import MemoryModel
+
+    return MemoryModel(_model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True)
 
 
 def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
     """engine/memory.py's prediction of every mixed grid point; None where the engine would run that
-    step apart (a model no deeper than the set's layers_in_flight, `MemoryModel.mixed`)."""
+    step apart (a model no deeper than the set's `mixed_min_layers`, `MemoryModel.mixed`)."""
     from engine.memory import PrefillChunkPlan
 
     out = []
@@ -438,7 +443,7 @@ def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optio
 def mixed_check(path: str, coefficients=None, backend: str = "cuda") -> dict:
     """Predicted / measured of a grid's mixed points (--grids mixed) by variant, with `coefficients`, or
     (None) what the engine would use for each variant's shape on `backend` under ops 8."""
-    from engine.memory import ModelShape, coefficients_for
+    from engine.memory import coefficients_for
 
     data = json.loads(Path(path).read_text())
     pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
@@ -447,10 +452,7 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda") -> dict:
         idx = [i for i, p in enumerate(pts) if p["variant"] == v]
         coef = coefficients
         if coef is None:
-            sh = data["shapes"][v]
-            shape = ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
-                               head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
-            coef = coefficients_for(backend, 8, shape)[0]
+            coef = coefficients_for(backend, 8, _model_shape(data["shapes"][v]))[0]
         pred = {i: q for i, q in zip(idx, mixed_predictions([pts[i] for i in idx], data["shapes"], coef))}
         if pred[idx[0]] is None:
             out[v] = "runs apart (no deeper than mixed_min_layers)"
