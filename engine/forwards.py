@@ -150,7 +150,7 @@ class ForwardsMixin:
         for chunk in plan.prefills:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             works.append(PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt))
-        if plan.mixed and plan.decodes and works and self.runner.mixed is not None:
+        if plan.mixed:  # decode rows and chunks, and a runner that mixes (MemoryModel.mixed)
             # the decode rows ride with the first chunk (engine/mixed.py); if that forward cannot be
             # built, the two run apart, so that a chunk's error still fails its own row only
             try:

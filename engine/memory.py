@@ -114,8 +114,8 @@ class TransientCoefficients:
     # A step's decode rows run in its first chunk's forward (engine/mixed.py) only for models with more
     # layers than this. On CUDA, which frees per committed batch, a model no deeper than the batches in
     # flight holds every layer's temporaries at once, and there a mixed forward measured above
-    # `MemoryModel.mixed_bytes` (2-layer shapes on an H200 under ops 8: up to 1.46x; 8 and 32 layers: at
-    # most 0.78x of it; docs/memory.md). Not a fitted coefficient: a per-model fit leaves it as it is.
+    # `MemoryModel.mixed_bytes` (2-layer shapes on an H200 under ops 8: predicted / measured down to 0.687;
+    # 8 and 32 layers: at least 1.28; docs/memory.md). Not a fitted coefficient: a per-model fit leaves it.
     mixed_min_layers: int = 0
 
 
@@ -167,10 +167,7 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
     values = dict(overrides)
-    for name in ("layers_in_flight", "mixed_min_layers"):
-        if name in values:
-            values[name] = int(values[name])
-    for name in ("step_overhead_bytes", "prefill_overhead_bytes"):
+    for name in ("layers_in_flight", "mixed_min_layers", "step_overhead_bytes", "prefill_overhead_bytes"):
         if name in values:
             values[name] = int(values[name])
     return replace(base, **values)
@@ -194,10 +191,10 @@ def shape_key(shape: "ModelShape") -> tuple:
 #         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
 LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
 SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the set)
+    # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
     ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
-        CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_gather=1.001,
-        decode_scores=2.109, decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524,
-        prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=1187000,
+        CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_scores=2.109,
+        decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
 }
 

@@ -15,11 +15,13 @@ Both views write a layer's keys and values before either reads them (`ForwardVie
 
 Only models the engine's decode loop takes (`decode_path.unsupported(model, kernels=False)`: mlx-lm's
 llama blocks with fused projections, any of their RoPE) are batched so; others run the two forwards.
-The memory model counts a mixed forward's transient as the chunk's plus the decodes'
-(`MemoryModel.step_transient_bytes(plan, mixed=True)`), and the scheduler mixes a step only when that
-stays within the bound of separate forwards (`SchedulerOutput.mixed`). Measured on an H200 (8B,
-docs/benchmarks.md, session 6): a mixed step's transient is the chunk's plus 4 MB, and its time below
-that of the two forwards (51.6-60.0 ms against 58.7-63.9 ms with one decode row).
+The last layer computes the chunk's queries, attention and MLP for its sampled position only (none if
+it samples nothing), as engine/last_row.py does for a chunk alone. The memory model predicts the forward
+with `MemoryModel.mixed_bytes` and runs models no deeper than its set's `mixed_min_layers` apart; the
+scheduler mixes a step only when the prediction stays within the bound of separate forwards
+(`SchedulerOutput.mixed`). Measured on an H200 (8B, docs/benchmarks.md, session 6): a mixed step's
+transient is the chunk's plus 4 MB, and its time below that of the two forwards (51.6-60.0 ms against
+58.7-63.9 ms with one decode row).
 """
 
 from __future__ import annotations

@@ -105,11 +105,10 @@ class ModelRunner:
         why_not = decode_unsupported(self.model, kernels=False)
         # prompt chunks that sample run their last layer for the last position only (engine/last_row.py)
         self.last_row = why_not is None
-        if mixed and self.fused:
-            if why_not is None:
-                self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
-            else:
-                logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
+        if mixed and self.fused and why_not is None:
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
+        elif mixed and self.fused:
+            logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
@@ -239,10 +238,14 @@ class ModelRunner:
         return row is not None and slice_start(self.pool, [row], num_new) is not None
 
     # --- compute --------------------------------------------------------------------------------
+    def _count(self, num_tokens: int) -> None:
+        """One forward built, of `num_tokens` tokens (tests check the forwards a step runs)."""
+        self.num_forward_calls += 1
+        self.num_tokens_computed += num_tokens
+
     def _forward(self, tokens: mx.array, cache: list) -> mx.array:
         """tokens [B, T] -> final hidden states [B, T, D] (no LM head)."""
-        self.num_forward_calls += 1
-        self.num_tokens_computed += tokens.size
+        self._count(tokens.size)
         if not self.fused or tokens.shape[1] > 1:  # prompt chunks: compute-bound, nothing to gain
             return self._backbone(tokens, cache=cache)
         with fused_forward():
@@ -253,8 +256,7 @@ class ModelRunner:
         and the forward is paged (engine/decode_path.py), else mlx-lm's modules."""
         if self.decode_path is None or not view.reads_paged:
             return self._forward(tokens, view.layers())
-        self.num_forward_calls += 1
-        self.num_tokens_computed += tokens.size
+        self._count(tokens.size)
         with fused_forward():
             return self.decode_path.forward(tokens, view)
 
@@ -273,8 +275,7 @@ class ModelRunner:
         view = ForwardView(self.pool, [row], T)
         tokens = mx.array(work.token_ids)[None]
         if work.sample and self.last_row and T > 1:
-            self.num_forward_calls += 1
-            self.num_tokens_computed += T
+            self._count(T)
             hidden = last_row_forward(self._backbone, tokens, view.layers())  # [1, 1, D]
         else:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
@@ -312,8 +313,7 @@ class ModelRunner:
         chunk_view = ForwardView(self.pool, [row], T)
         decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1)
         tokens = mx.array(list(work.token_ids) + [w.token_id for w in decodes])
-        self.num_forward_calls += 1
-        self.num_tokens_computed += tokens.size
+        self._count(tokens.size)
         with fused_forward():
             # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
             hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample)

@@ -440,9 +440,10 @@ def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optio
     return out
 
 
-def mixed_check(path: str, coefficients=None, backend: str = "cuda") -> dict:
+def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth: bool = False) -> dict:
     """Predicted / measured of a grid's mixed points (--grids mixed) by variant, with `coefficients`, or
-    (None) what the engine would use for each variant's shape on `backend` under ops 8."""
+    (None) what the engine would use for each variant's shape on `backend` under ops 8. `every_depth`:
+    also models the engine runs apart (`mixed_min_layers` 0), to see the formula on them."""
     from engine.memory import coefficients_for
 
     data = json.loads(Path(path).read_text())
@@ -453,6 +454,8 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda") -> dict:
         coef = coefficients
         if coef is None:
             coef = coefficients_for(backend, 8, _model_shape(data["shapes"][v]))[0]
+        if every_depth:
+            coef = dataclasses.replace(coef, mixed_min_layers=0)
         pred = {i: q for i, q in zip(idx, mixed_predictions([pts[i] for i in idx], data["shapes"], coef))}
         if pred[idx[0]] is None:
             out[v] = "runs apart (no deeper than mixed_min_layers)"
@@ -802,9 +805,10 @@ def main(argv=None):
     if args.check_mixed:
         from engine import memory as mem
 
-        result = {f: {"engine's sets": mixed_check(f, None, args.backend or "cuda"),
-                      "backend set (no shape calibration)": mixed_check(
-                          f, mem.coefficients_for_backend(args.backend or "cuda", 8))}
+        backend = args.backend or "cuda"
+        result = {f: {"engine's sets": mixed_check(f, None, backend),
+                      "backend set (no shape calibration)": mixed_check(f, mem.coefficients_for_backend(backend, 8)),
+                      "engine's sets, models of every depth mixing": mixed_check(f, None, backend, every_depth=True)}
                   for f in args.check_mixed.split(",")}
         emit(result, True, None)
         return
