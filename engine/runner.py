@@ -281,10 +281,10 @@ class ModelRunner:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
         view.advance()
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
-            # The pool's array objects: MLX rebinds an array on `a[idx] = v`, so once the next chunk's
-            # graph is built, finishing this forward evaluates that chunk's writes too (queued behind
-            # this one on the device; on an H200 a step's transient did not grow: docs/benchmarks.md)
-            return Forward([self.pool.keys + self.pool.values], None)
+            # Handles to this chunk's pool arrays, not the pool's array objects: MLX rebinds those on
+            # `a[idx] = v`, so once the next chunk's graph is built, finishing this forward would
+            # evaluate that chunk too, and the host would build the one after with the device idle.
+            return Forward([[_alias(a) for a in self.pool.keys + self.pool.values]], None)
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])
         return Forward([[token]], token)  # every layer's KV write is in its graph (attention reads it)
@@ -343,7 +343,18 @@ class Forward:
     tokens: Optional[mx.array]
 
     def finish(self) -> None:
-        finish(*self.stages[-1])
+        """Wait for it, then let go of its arrays: a prompt chunk's are the pool's arrays as it left
+        them, which the next forward (built, not launched yet) writes in place only if nothing else
+        holds them."""
+        if self.stages:
+            finish(*self.stages[-1])
+        self.stages = []
+
+
+def _alias(a: mx.array) -> mx.array:
+    """Another handle to the array `a` is now (a reshape to its own shape returns `a` itself): it stays
+    that array when `a[idx] = v` rebinds `a`."""
+    return a.reshape(a.shape)
 
 
 def finish(*arrays) -> None:

@@ -273,20 +273,26 @@ class StepRecorder:
         engine._slice_reads = self._record_slices
         self._refine = engine._refine_prediction
         engine._refine_prediction = self._record_refined
-        # each forward's launch and the end of its wait, relative to the step's start (where the step's
-        # time goes: the device's forwards, or the host between them)
+        # each forward's launch, the return of that launch, the start and the end of its wait, relative
+        # to the step's start (where the step's time goes: the device's forwards, or the host between
+        # them; between a launch's return and its wait the host builds the next forward)
         self.t0 = time.perf_counter()
         self.forwards: list = []
         launch, retire = engine.runner.launch, engine._retire
 
         def timed_launch(forward):
-            self.forwards.append([time.perf_counter() - self.t0, None])
+            record = [time.perf_counter() - self.t0, None, None, None]
+            self.forwards.append(record)
             launch(forward)
+            record[1] = time.perf_counter() - self.t0
 
         def timed_retire(running, sampled):
+            record = self.forwards[-1] if self.forwards and self.forwards[-1][3] is None else None
+            if record is not None:
+                record[2] = time.perf_counter() - self.t0
             retire(running, sampled)
-            if self.forwards and self.forwards[-1][1] is None:
-                self.forwards[-1][1] = time.perf_counter() - self.t0
+            if record is not None:
+                record[3] = time.perf_counter() - self.t0
 
         engine.runner.launch = timed_launch
         engine._retire = timed_retire
@@ -330,7 +336,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
         t = time.perf_counter()
         outputs = engine.step()
         step_s = time.perf_counter() - t
-        forwards = [(round(a, 5), None if b is None else round(b, 5)) for a, b in recorder.forwards]
+        forwards = [tuple(None if t is None else round(t, 5) for t in f) for f in recorder.forwards]
         whole_step = meter.end(engine.runner.kv_allocated_bytes)  # across the engine's per-forward resets
         now = meter.elapsed()
         for out in outputs:
@@ -347,7 +353,8 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
             whole_step_measured=whole_step,
             decodes=len(plan.decodes), chunks=[(c.num_tokens, c.start + c.num_tokens) for c in plan.prefills],
             mixed=getattr(plan, "mixed", False),
-            forwards_s=forwards,  # (launch, waited) of each forward, seconds from the step's start
+            # (launch, launched, wait, waited) of each forward, seconds from the step's start
+            forwards_s=forwards,
         ))
         if not engine.has_unfinished():
             break
