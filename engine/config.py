@@ -94,6 +94,12 @@ class EngineConfig(BaseModel):
         "with fuse_projections; engine/mixed.py). False, or other models: the decode rows run their own "
         "forward.",
     )
+    chunk_loop: bool = Field(
+        True,
+        description="Prompt chunks of llama-shaped models run the engine's own layer loop over weights "
+        "bound once (engine/chunk_path.py): the same operations as mlx-lm's modules with less host work "
+        "per forward, which the GPU otherwise waits for. False, or other models: mlx-lm's modules.",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.blocks import BlockAllocator, num_blocks_for
+from engine.chunk_path import ChunkPath
+from engine.chunk_path import unsupported as chunk_unsupported
 from engine.decode_path import CudaOps, DecodePath, ReferenceOps
 from engine.decode_path import self_check as decode_self_check
 from engine.decode_path import unsupported as decode_unsupported
@@ -74,7 +76,7 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
                  paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
-                 mixed: bool = True):
+                 mixed: bool = True, chunk_loop: bool = True):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
         asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
@@ -85,7 +87,9 @@ class ModelRunner:
         engine asks for them where MLX runs on CUDA), if the model is supported, its decode is paged
         and fused, and the kernels pass their self-check; else mlx-lm's modules.
         `mixed`: a prompt chunk and decode rows can run as one forward (`mixed_forward`,
-        engine/mixed.py), if the model is supported and fused (`self.mixed`)."""
+        engine/mixed.py), if the model is supported and fused (`self.mixed`).
+        `chunk_loop`: prompt chunks run engine/chunk_path.py's loop, if the model is supported (bound
+        after fusion: its views are of the fused weights); else mlx-lm's modules."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -109,6 +113,13 @@ class ModelRunner:
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
         elif mixed and self.fused:
             logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
+        self.chunk_path: Optional[ChunkPath] = None
+        if chunk_loop:
+            why_not = chunk_unsupported(self.model)
+            if why_not is None:
+                self.chunk_path = ChunkPath(self.model)
+            else:
+                logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
@@ -274,7 +285,10 @@ class ModelRunner:
         T = len(work.token_ids)
         view = ForwardView(self.pool, [row], T)
         tokens = mx.array(work.token_ids)[None]
-        if work.sample and self.last_row and T > 1:
+        if self.chunk_path is not None:
+            self._count(T)
+            hidden = self.chunk_path.forward(tokens, view, work.sample)  # [1, 1, D], or None
+        elif work.sample and self.last_row and T > 1:
             self._count(T)
             hidden = last_row_forward(self._backbone, tokens, view.layers())  # [1, 1, D]
         else:
