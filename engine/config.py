@@ -81,11 +81,11 @@ class EngineConfig(BaseModel):
     )
     decode_kernels: bool = Field(
         False,
-        description="Decode forwards of llama-shaped models run the engine's own layer loop, with one CUDA "
+        description="Decode forwards of llama-shaped models run the engine's own layer loop with one CUDA "
         "kernel for q/k RoPE and the q/k/v layout and one for each residual add and the RMSNorm after it "
         "(MLX's CUDA backend, with paged_attention and fuse_projections; engine/decode_path.py). Off by "
         "default: on the H200 it did not make decode steps consistently faster. False, or elsewhere: "
-        "mlx-lm's modules.",
+        "MLX's own operations.",
     )
     mixed_batches: bool = Field(
         True,
@@ -94,11 +94,12 @@ class EngineConfig(BaseModel):
         "with fuse_projections; engine/mixed.py). False, or other models: the decode rows run their own "
         "forward.",
     )
-    chunk_loop: bool = Field(
+    layer_loops: bool = Field(
         True,
-        description="Prompt chunks of llama-shaped models run the engine's own layer loop over weights "
-        "bound once (engine/chunk_path.py): the same operations as mlx-lm's modules with less host work "
-        "per forward, which the GPU otherwise waits for. False, or other models: mlx-lm's modules.",
+        description="Prompt chunks, and decodes that read the pool in place, of llama-shaped models run "
+        "the engine's own layer loops over weights bound once (engine/chunk_path.py, decode_path.py): "
+        "the same operations as mlx-lm's modules with less host work per forward, which the GPU "
+        "otherwise waits for. False, or other models: mlx-lm's modules.",
     )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "

@@ -32,6 +32,9 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.activations import swiglu
+
+from engine import bound
 
 _ROPE_QKV = """
   // grid: B * (H + 2 * HKV) blocks of D / 2 threads; block g = b * (H + 2 HKV) + head.
@@ -184,20 +187,14 @@ def unsupported(model: nn.Module, kernels: bool = True) -> Optional[str]:
     """Why this loop cannot run `model`'s decode (None: it can); `kernels`: with the CUDA kernels, which
     take only full, non-traditional RoPE and some hidden sizes (`ReferenceOps` takes any of mlx-lm's
     RoPE and RMSNorm)."""
-    backbone = getattr(model, "model", None)
-    layers = getattr(backbone, "layers", None) or []
-    if not layers or not hasattr(backbone, "embed_tokens") or type(getattr(backbone, "norm", None)) is not nn.RMSNorm:
-        return "not an mlx-lm llama-shaped model (model.model.layers, embed_tokens, RMSNorm norm)"
-    for layer in layers:
-        if type(layer).__name__ != "TransformerBlock" or not type(layer).__module__.endswith(".llama"):
-            return f"layer type {type(layer).__module__}.{type(layer).__name__} is not mlx-lm's llama block"
-        if getattr(layer, "use_sliding", False):
-            return "sliding-window layers"
+    why = bound.unsupported(model)
+    if why is not None:
+        return why
+    backbone = model.model
+    for layer in backbone.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if "qkv_proj" not in attn or "gate_up_proj" not in mlp:
             return "projections not fused (engine/fused.py)"
-        if not (type(layer.input_layernorm) is nn.RMSNorm and type(layer.post_attention_layernorm) is nn.RMSNorm):
-            return "norms are not nn.RMSNorm"
         rope = attn.rope
         if type(rope).__name__ not in ("RoPE", "Llama3RoPE") or (kernels and rope.traditional):
             return f"rotary embedding {type(rope).__name__} (traditional={getattr(rope, 'traditional', None)})"
@@ -222,30 +219,37 @@ class DecodePath:
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
         self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
         self.ropes = [RopeSpec(layer.self_attn.rope, self.head_dim) for layer in self.backbone.layers]
+        self.layers = bound.bind_layers(self.backbone.layers)
 
     def forward(self, tokens: mx.array, view) -> mx.array:
         """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a paged ForwardView
         (engine/kv.py) whose KV it writes and reads."""
-        layers = self.backbone.layers
         B = tokens.shape[0]
         offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
         offsets = offsets.astype(mx.int32)
         h = self.backbone.embed_tokens(tokens)  # [B, 1, D]
-        first = layers[0].input_layernorm
-        y = mx.fast.rms_norm(h, first.weight, first.eps)
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            qkv = attn.qkv_proj(y)  # engine/fused.py: the q/k/v product in one matmul
+        first = self.layers[0]
+        y = mx.fast.rms_norm(h, first.in_w, first.in_eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(y)  # engine/fused.py: the q/k/v product in one matmul
             q, k, v = self.ops.rope_qkv(qkv, offsets, self.ropes[i], self.heads, self.kv_heads)
             view.write_and_read(i, k, v)
-            out = view.attend(i, q, attn.scale)  # [B, H, 1, d]
-            a = attn.o_proj(out.reshape(B, 1, self.heads * self.head_dim))
-            post = layer.post_attention_layernorm
-            h, y = self.ops.add_rms_norm(h, a, post.weight, post.eps)
-            m = layer.mlp(y)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.backbone.norm
-            h, y = self.ops.add_rms_norm(h, m, norm.weight, norm.eps)
+            out = view.attend(i, q, layer.scale)  # [B, H, 1, d]
+            a = layer.o(out.reshape(B, 1, self.heads * self.head_dim))
+            h, y = self.ops.add_rms_norm(h, a, layer.post_w, layer.post_eps)
+            h, y = self.ops.add_rms_norm(h, self.mlp(layer, y), *self.next_norm(i))
         return y
+
+    def mlp(self, layer: bound.BoundLayer, y: mx.array) -> mx.array:
+        """The MLP from its fused gate/up product, as engine/fused.py's parts compute it."""
+        gate_up = layer.gate_up(y)
+        return layer.down(swiglu(gate_up[..., : layer.up_start], gate_up[..., layer.up_start :]))
+
+    def next_norm(self, i: int) -> tuple:
+        """(weight, eps) of the norm after layer i's block: the next layer's input norm, or the final."""
+        if i + 1 < len(self.layers):
+            return self.layers[i + 1].in_w, self.layers[i + 1].in_eps
+        return self.backbone.norm.weight, self.backbone.norm.eps
 
 
 def self_check(ops: ReferenceOps, model: nn.Module, dtype) -> None:

@@ -51,42 +51,40 @@ class MixedForward:
         T = tokens.shape[0] - B
         offsets = decode_view.offset if isinstance(decode_view.offset, mx.array) else mx.array([decode_view.offset])
         offsets = offsets.astype(mx.int32)
-        layers = backbone.layers
+        layers = path.layers  # engine/bound.py: every projection bound once
         h = backbone.embed_tokens(tokens[None])  # [1, T + B, D]
-        first = layers[0].input_layernorm
-        y = mx.fast.rms_norm(h, first.weight, first.eps)
+        y = mx.fast.rms_norm(h, layers[0].in_w, layers[0].in_eps)
         for i, layer in enumerate(layers):
-            attn = layer.self_attn
             # chunk positions whose queries, attention, MLP this layer computes: all but in the last
             # layer, where only the sampled one's output is read
             q_from = T - int(sample) if i == len(layers) - 1 else 0
             # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
             # are then a contiguous array, where slices of one fused product would be copied per layer
-            q = attn.qkv_proj.alone(0, y[:, q_from:] if q_from else y)  # [1, T - q_from + B, H d]
-            k, v = (attn.qkv_proj.alone(j, y) for j in (1, 2))  # [1, T + B, H_kv d]
+            q = layer.q(y[:, q_from:] if q_from else y)  # [1, T - q_from + B, H d]
+            k, v = layer.k(y), layer.v(y)  # [1, T + B, H_kv d]
             Tq = T - q_from
             # the decode rows: [B, 1, ...] each at its own position
             dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
             dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv)
             # the chunk: mlx-lm's attention module, step by step
-            k = attn.rope(k[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            k = layer.rope(k[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
             v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
-            d_out = decode_view.attend(i, dq, attn.scale)  # the paged kernel, None when gathering
+            d_out = decode_view.attend(i, dq, layer.scale)  # the paged kernel, None when gathering
             if d_out is None:
                 dkeys, dvalues = decode_view.read(i)
-                d_out = mx.fast.scaled_dot_product_attention(dq, dkeys, dvalues, scale=attn.scale,
+                d_out = mx.fast.scaled_dot_product_attention(dq, dkeys, dvalues, scale=layer.scale,
                                                              mask=decode_view.mask)
             parts = [d_out.transpose(2, 0, 1, 3)]  # [1, B, H, d]
             if Tq:
-                q = attn.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
+                q = layer.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
                               offset=chunk_view.offset + q_from)
-                out = chunk_view.attend(i, q, attn.scale)  # a one-token chunk of a paged pool
+                out = chunk_view.attend(i, q, layer.scale)  # a one-token chunk of a paged pool
                 if out is None:
                     keys, values = chunk_view.read(i)
                     # the chunk's queries are its last Tq positions: causal, or (one query) every key
-                    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale,
+                    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=layer.scale,
                                                                mask="causal" if Tq > 1 else None)
                 parts.insert(0, out.transpose(0, 2, 1, 3))
             # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
@@ -94,8 +92,6 @@ class MixedForward:
             out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
             if q_from:
                 h = h[:, q_from:]
-            post = layer.post_attention_layernorm
-            h, y = ops.add_rms_norm(h, attn.o_proj(out), post.weight, post.eps)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else backbone.norm
-            h, y = ops.add_rms_norm(h, layer.mlp(y), norm.weight, norm.eps)
+            h, y = ops.add_rms_norm(h, layer.o(out), layer.post_w, layer.post_eps)
+            h, y = ops.add_rms_norm(h, path.mlp(layer, y), *path.next_norm(i))
         return y

@@ -76,7 +76,7 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
                  paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
-                 mixed: bool = True, chunk_loop: bool = True):
+                 mixed: bool = True, layer_loops: bool = True):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
         asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
@@ -88,8 +88,9 @@ class ModelRunner:
         and fused, and the kernels pass their self-check; else mlx-lm's modules.
         `mixed`: a prompt chunk and decode rows can run as one forward (`mixed_forward`,
         engine/mixed.py), if the model is supported and fused (`self.mixed`).
-        `chunk_loop`: prompt chunks run engine/chunk_path.py's loop, if the model is supported (bound
-        after fusion: its views are of the fused weights); else mlx-lm's modules."""
+        `layer_loops`: prompt chunks run engine/chunk_path.py's loop, and decodes that read the pool in
+        place engine/decode_path.py's (with MLX's operations, unless `decode_kernels`), if the model is
+        supported (bound after fusion: their views are of the fused weights); else mlx-lm's modules."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -109,12 +110,14 @@ class ModelRunner:
         why_not = decode_unsupported(self.model, kernels=False)
         # prompt chunks that sample run their last layer for the last position only (engine/last_row.py)
         self.last_row = why_not is None
+        if layer_loops and self.decode_path is None and self.fused and self.paged_attention and why_not is None:
+            self.decode_path = DecodePath(self.model, ReferenceOps())  # the loop runs paged decodes only
         if mixed and self.fused and why_not is None:
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
         elif mixed and self.fused:
             logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.chunk_path: Optional[ChunkPath] = None
-        if chunk_loop:
+        if layer_loops:
             why_not = chunk_unsupported(self.model)
             if why_not is None:
                 self.chunk_path = ChunkPath(self.model)

@@ -22,7 +22,6 @@ from bench_common import emit, environment, load_bench_model  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from engine.decode_path import ReferenceOps  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from engine.runner import DecodeWork, ModelRunner, PrefillWork  # noqa: E402
 from engine.sampling import RequestSampler  # noqa: E402
@@ -61,7 +60,7 @@ def main(argv=None) -> dict:
     result: dict = dict(bench="graph_build", argv=sys.argv[1:] if argv is None else argv, model=args.model,
                         dtype=lm.dtype, chunk=args.chunk, rows=args.rows, environment=environment(), ways={})
     context = args.chunk * args.chunks
-    for name, kwargs in (("modules", dict(chunk_loop=False)), ("engine_loop", dict(chunk_loop=True))):
+    for name, kwargs in (("modules", dict(layer_loops=False)), ("engine_loops", dict(layer_loops=True))):
         runner = ModelRunner(lm.model, block_size=256, max_kv_tokens=context + 256 * (args.rows + 2),
                              paged_attention=cuda, **kwargs)
         runner.grow_pool(runner.blocks_for(context) + args.rows)
@@ -75,9 +74,7 @@ def main(argv=None) -> dict:
             f = runner.prefill(PrefillWork(f"d{r}", prompt[:16], 0, True))
             runner.launch(f)
             f.finish()
-        decode_loop = name == "engine_loop" and runner.paged_attention
-        if decode_loop:
-            runner.use_decode_path(ReferenceOps())
+        decode_loop = runner.decode_path is not None and runner.paged_attention
         work = [DecodeWork(f"d{r}", 1) for r in range(args.rows)]
         decode = timed_builds(runner, lambda i: runner.decode(work), args.steps)
         result["ways"][name] = dict(chunk_build=summary(chunk, 2), decode_build=summary(decode, 2),

@@ -11,8 +11,8 @@ Ways, each in this one process, with everything freed in between:
 - mlx_lm:       mlx-lm's BatchGenerator with mlx_lm.server's defaults (decode_concurrency 32,
                 prompt_concurrency 8, prefill_step_size 2048), run until every prompt has a token.
 - naive_padded: one right-padded [B, max_len] forward with an explicit [B, 1, L, L] bool mask.
-- engine_modules (only when asked for in --ways): the engine with its prompt chunks through mlx-lm's
-                modules (`chunk_loop=False`), to compare with its own layer loop in the same process.
+- engine_modules (only when asked for in --ways): the engine with its forwards through mlx-lm's
+                modules (`layer_loops=False`), to compare with its own layer loops in the same process.
 
 Per way: peak_over_weights_bytes (peak - memory alive before the way, i.e. the weights),
 transient_peak_bytes (that minus the KV alive at the end), predicted_peak_bytes (the engine's memory
@@ -388,7 +388,7 @@ def run_way(way: str, lm: LoadedModel, prompts, args, memory) -> dict:
     if way == "engine":
         return run_engine(lm, prompts, args.chunk, args.max_tokens)
     if way == "engine_modules":
-        return run_engine(lm, prompts, args.chunk, args.max_tokens, chunk_loop=False)
+        return run_engine(lm, prompts, args.chunk, args.max_tokens, layer_loops=False)
     if way == "mlx_lm":
         return run_mlx_lm(lm, prompts, memory, args.max_tokens)
     if way == "naive_padded":

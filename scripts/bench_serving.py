@@ -136,7 +136,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
     `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False; engine_sync_gather:
     paged_attention=False; engine_sync_unfused: fuse_projections=False; engine_sync_modules:
-    decode_kernels=False, the default since session 5; engine_sync_kernels: decode_kernels=True)."""
+    layer_loops=False, mlx-lm's modules; engine_sync_kernels: decode_kernels=True)."""
     from engine.request import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
@@ -441,7 +441,7 @@ def engine_only(args) -> dict:
                "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
                "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, paged_attention=False)),
                "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, fuse_projections=False)),
-               "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, decode_kernels=False)),
+               "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, layer_loops=False)),
                "engine_sync_kernels": (lambda *a, **k: run_engine_sync(*a, **k, decode_kernels=True)),
                "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -535,9 +535,9 @@ def parse_args(argv=None):
                    help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
                    "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
                    "the KV instead of the CUDA paged-attention kernel, paged_attention=false), engine_sync_unfused (one "
-                   "matmul per projection, fuse_projections=false), engine_sync_modules (decode_kernels=false, the "
-                   "default), engine_sync_kernels (decode runs the engine's own layer loop and kernels, "
-                   "decode_kernels=true), engine_sync_thread (engine_sync in a thread of its "
+                   "matmul per projection, fuse_projections=false), engine_sync_modules (forwards through mlx-lm's "
+                   "modules, layer_loops=false), engine_sync_kernels (decode runs the engine's layer loop with its "
+                   "CUDA kernels, decode_kernels=true), engine_sync_thread (engine_sync in a thread of its "
                    "own), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")

@@ -31,8 +31,12 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
     if not read_slices:
         engine.runner.use_paged_attention(None)
     if paths is not None:
-        paths.update(paged_attention=engine.runner.paged_attention,
-                     decode_kernels=engine.runner.decode_path is not None and engine.runner.paged_attention)
+        from engine.decode_path import CudaOps
+
+        path = engine.runner.decode_path if engine.runner.paged_attention else None
+        paths.update(paged_attention=engine.runner.paged_attention, decode_loop=path is not None,
+                     decode_kernels=path is not None and isinstance(path.ops, CudaOps),
+                     chunk_loop=engine.runner.chunk_path is not None)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]
 

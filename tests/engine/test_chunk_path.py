@@ -1,0 +1,140 @@
+"""engine/chunk_path.py and engine/bound.py: prompt chunks through the engine's own layer loop over bound
+weights compute what mlx-lm's modules compute (real MLX forwards of the tiny llama)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine.request import SamplingParams
+
+
+def random_prompt(length, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(1, 49152) for _ in range(length)]
+
+
+def run_chunks(runner, row, chunks, read_slices, sample_last):
+    """Run the row's chunks through `runner.prefill`'s path (the chunk loop, or mlx-lm's modules if the
+    runner has none); the last one samples if `sample_last`. Returns its final hidden state [1, 1, D]."""
+    from engine.kv import ForwardView
+
+    hidden, start = None, row.offset
+    for i, chunk in enumerate(chunks):
+        view = ForwardView(runner.pool, [row], len(chunk), read_slices=read_slices)
+        tokens = mx.array(chunk)[None]
+        sample = sample_last and i == len(chunks) - 1
+        if runner.chunk_path is not None:
+            hidden = runner.chunk_path.forward(tokens, view, sample)
+        else:
+            hidden = runner._forward(tokens, view.layers())[:, -1:]
+        mx.eval(runner.pool.keys, runner.pool.values, *([hidden] if sample else []))
+        view.advance()
+        start += len(chunk)
+    return hidden
+
+
+@pytest.mark.parametrize("read_slices", [True, False])
+def test_the_chunk_loop_gives_mlx_lm_logits_and_writes_the_same_kv(tiny_parts, read_slices):
+    """Three chunks (two that sample nothing, then one that samples): the last position's logits equal
+    mlx-lm's for the whole prompt, and every layer's keys and values equal those mlx-lm's modules wrote
+    through the same pool."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kv import Row
+    from engine.runner import ModelRunner
+
+    model = tiny_parts[0]
+    loop = ModelRunner(model, block_size=4, max_kv_tokens=64)
+    modules = ModelRunner(model, block_size=4, max_kv_tokens=64, layer_loops=False)
+    assert loop.chunk_path is not None and modules.chunk_path is None
+    prompt = random_prompt(19, seed=5)
+    chunks = [prompt[:6], prompt[6:13], prompt[13:]]
+    rows = []
+    for runner in (loop, modules):
+        runner.grow_pool(16)
+        rows.append(Row(runner.blocks.allocate(5), 4, runner.pool.block_bytes))
+    hidden = run_chunks(loop, rows[0], chunks, read_slices, sample_last=True)
+    run_chunks(modules, rows[1], chunks, read_slices, sample_last=False)
+    want = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[:, -1:]
+    assert hidden.shape[:2] == (1, 1)
+    assert mx.allclose(loop._head(hidden), want, atol=1e-4, rtol=1e-4).item()
+    a, b = (mx.array(r.pool.rows(row.slots(0, 19)).reshape(-1)) for r, row in zip((loop, modules), rows))
+    for mine, theirs in ((loop.pool.keys, modules.pool.keys), (loop.pool.values, modules.pool.values)):
+        for x, y in zip(mine, theirs):
+            assert mx.array_equal(x[a], y[b]).item()
+
+
+def test_a_chunk_that_samples_nothing_builds_no_output(tiny_parts):
+    """Its forward only writes KV: no hidden state, and the runner's Forward finishes on the pool arrays
+    as this chunk left them (not the pool's objects, which the next chunk's build rebinds), then lets go."""
+    from engine.runner import ModelRunner, PrefillWork
+    from engine.sampling import RequestSampler
+
+    runner = ModelRunner(tiny_parts[0], block_size=4, max_kv_tokens=64)
+    runner.grow_pool(16)
+    runner.add_row("a", 16, RequestSampler(SamplingParams(), 0))
+    prompt = random_prompt(12, seed=2)
+    first = runner.prefill(PrefillWork("a", prompt[:6], 0, False))
+    assert first.tokens is None
+    runner.launch(first)
+    second = runner.prefill(PrefillWork("a", prompt[6:11], 6, False))  # rebinds the pool's arrays
+    pool_objects = {id(a) for a in runner.pool.keys + runner.pool.values}
+    assert not any(id(a) in pool_objects for a in first.stages[-1])
+    first.finish()
+    assert first.stages == []
+    runner.launch(second)
+    second.finish()
+    last = runner.prefill(PrefillWork("a", prompt[11:], 11, True))
+    runner.launch(last)
+    last.finish()
+    assert last.tokens.shape == (1,)
+
+
+def test_bound_weights_are_views_not_copies(tiny_parts):
+    """Binding a model's weights allocates nothing (MLX active memory) and the bound matmul is the
+    layer's own."""
+    from engine.bound import bind_layers
+    from engine.fused import fuse_projections
+
+    model = tiny_parts[0]
+    fuse_projections(model)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    bound = bind_layers(model.model.layers)
+    assert mx.get_active_memory() - before < 1 << 16
+    x = mx.random.normal((1, 3, model.args.hidden_size), key=mx.random.key(0))
+    layer = model.model.layers[0]
+    assert mx.array_equal(bound[0].o(x), layer.self_attn.o_proj(x)).item()
+    assert mx.array_equal(bound[0].k(x), layer.self_attn.k_proj(x)).item()  # a fused part, alone
+
+
+def test_models_the_loop_cannot_run_keep_mlx_lm_modules(random_llama):
+    """Quantized projections: the runner says why and prompt chunks run mlx-lm's modules, to the same
+    tokens as mlx-lm."""
+    from engine.chunk_path import unsupported
+    from engine.runner import ModelRunner
+
+    model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256)
+    nn.quantize(model, group_size=32, bits=8)
+    assert "QuantizedLinear" in unsupported(model)
+    runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
+    assert runner.chunk_path is None and runner.decode_path is None
+    with pytest.raises(ValueError, match="chunk path"):
+        from engine.chunk_path import ChunkPath
+
+        ChunkPath(model)
+
+
+def test_engine_greedy_tokens_do_not_depend_on_the_layer_loops(make_engine):
+    """The same prompts through the engine with and without its layer loops: the same greedy tokens."""
+    prompts = [random_prompt(n, seed=n) for n in (3, 17, 40)]
+    outputs = []
+    for loops in (True, False):
+        engine = make_engine(layer_loops=loops, prefill_chunk_size=16)
+        assert (engine.runner.chunk_path is not None) == loops
+        outputs.append([o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))])
+    assert outputs[0] == outputs[1]
