@@ -4,9 +4,9 @@ Building a forward's graph is host work the device waits for: MLX's CUDA backend
 most some ten committed batches of operations ahead of the GPU (`mlx/transforms.cpp`,
 `MAX_ACTIVE_TASKS`; 8 operations a batch under `MLX_MAX_OPS_PER_BUFFER=8`), so launching a forward
 returns only when most of it has run, and the next forward's graph is built while the device finishes
-the last few layers. On an H200 host, mlx-lm's modules took 5 ms to build an 8B chunk's graph, against
-some 1.5 ms of device work left (docs/benchmarks.md, session 8): the device idled for the rest, at
-every forward.
+the last few layers. On an H200 host, with mlx-lm's modules, the engine built each 8B chunk's graph in
+5.0-6.1 ms after its predecessor's launch returned, and then waited 0.2-0.5 ms for that predecessor:
+the device had been idle most of the build (docs/benchmarks.md, session 8, run A8).
 
 This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, RoPE, the KV write and
 read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down) with:

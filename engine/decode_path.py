@@ -3,8 +3,8 @@
 mlx-lm's layer, with the engine's fused projections and paged attention, runs per decode layer on MLX's
 CUDA backend: RMSNorm, qkv matmul, RoPE (q), RoPE (k), copies of the strided q/k/v slices, 2 KV
 scatters, 2 attention kernels, o matmul, add, RMSNorm, gate-up matmul, SwiGLU, down matmul, add; and
-builds some 44 MLX operations in Python. This loop computes the same thing with 12 kernels and 31
-operations per layer:
+builds some 44 MLX operations in Python. With its CUDA kernels (`CudaOps`), this loop computes the same
+thing with 12 kernels and 31 operations per layer:
 
 - `rope_qkv`: one kernel takes the fused q/k/v product and writes q and k rotated (RoPE, MLX's
   formula) and v, each contiguous, in the layout the pool's scatter and the paged kernel read;
@@ -14,14 +14,16 @@ operations per layer:
 
 Only decode forwards (one token per row) of models whose layers are mlx-lm's llama `TransformerBlock`
 (llama, and the families that reuse it) with fused projections (engine/fused.py) and paged attention
-take it (`unsupported` says why not); everything else runs mlx-lm's modules. `ReferenceOps` computes
-the two steps with MLX operations exactly as mlx-lm does (the CPU tests run this loop with it, and
-`self_check` compares the CUDA kernels to it before the runner uses them).
+take it (`unsupported` says why not); everything else runs mlx-lm's modules. Every projection's weight
+is bound once (engine/bound.py). `ReferenceOps` computes the two steps with MLX operations exactly as
+mlx-lm does: that is the engine's default decode on CUDA (`EngineConfig.layer_loops`), which builds an 8B
+decode's graph in less host time than mlx-lm's modules (docs/benchmarks.md, session 8); the CPU tests
+run this loop with it too, and `self_check` compares the CUDA kernels to it before the runner uses them.
 
 Measured on an H200 (docs/benchmarks.md, session 5): operations per 8B decode step 1412 -> 996, but
 no consistent change of the step time (-8 % to +12 % by batch and run) and 5-7 % more serving tok/s
 in one run of two; Nsight Compute shows the step bound by its kernels' GPU time, of which these two
-kernels are not yet cheaper than MLX's own. So it is off by default (`EngineConfig.decode_kernels`).
+kernels are not yet cheaper than MLX's own. So the kernels are off by default (`EngineConfig.decode_kernels`).
 """
 
 from __future__ import annotations
