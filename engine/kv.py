@@ -125,14 +125,18 @@ class KVPool:
         return heads * self.num_slots + slots[None]
 
     def grow(self, num_blocks: int) -> None:
-        """Resize to `num_blocks`: one array at a time, so the transient is one old array."""
+        """Resize to `num_blocks`: one array at a time, so the transient is one old array (an empty pool
+        allocates every array at once: nothing is copied)."""
         slots = num_blocks * self.block_size
         if slots <= self.num_slots:
             return
         h, d = self.num_kv_heads, self.head_dim
-        if not self.keys:
-            self.keys = [mx.zeros((0, d), self._dtype) for _ in range(self.num_layers)]
-            self.values = [mx.zeros((0, d), self._dtype) for _ in range(self.num_layers)]
+        if not self.num_slots:  # nothing to copy: every array at once (one wait, not one per array)
+            self.keys = [mx.zeros((h * slots, d), self._dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros((h * slots, d), self._dtype) for _ in range(self.num_layers)]
+            mx.eval(self.keys, self.values)
+            self.num_slots = slots
+            return
         for arrays in (self.keys, self.values):
             for i, old in enumerate(arrays):
                 grown = mx.pad(old.reshape(h, self.num_slots, d),

@@ -22,7 +22,7 @@ def run_chunks(runner, row, chunks, read_slices, sample_last):
     runner has none); the last one samples if `sample_last`. Returns its final hidden state [1, 1, D]."""
     from engine.kv import ForwardView
 
-    hidden, start = None, row.offset
+    hidden = None
     for i, chunk in enumerate(chunks):
         view = ForwardView(runner.pool, [row], len(chunk), read_slices=read_slices)
         tokens = mx.array(chunk)[None]
@@ -33,7 +33,6 @@ def run_chunks(runner, row, chunks, read_slices, sample_last):
             hidden = runner._forward(tokens, view.layers())[:, -1:]
         mx.eval(runner.pool.keys, runner.pool.values, *([hidden] if sample else []))
         view.advance()
-        start += len(chunk)
     return hidden
 
 
@@ -113,9 +112,8 @@ def test_bound_weights_are_views_not_copies(tiny_parts):
 
 
 def test_models_the_loop_cannot_run_keep_mlx_lm_modules(random_llama):
-    """Quantized projections: the runner says why and prompt chunks run mlx-lm's modules, to the same
-    tokens as mlx-lm."""
-    from engine.chunk_path import unsupported
+    """Quantized projections: the loops say why, and the runner keeps mlx-lm's modules."""
+    from engine.chunk_path import ChunkPath, unsupported
     from engine.runner import ModelRunner
 
     model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256)
@@ -124,8 +122,6 @@ def test_models_the_loop_cannot_run_keep_mlx_lm_modules(random_llama):
     runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
     assert runner.chunk_path is None and runner.decode_path is None
     with pytest.raises(ValueError, match="chunk path"):
-        from engine.chunk_path import ChunkPath
-
         ChunkPath(model)
 
 
