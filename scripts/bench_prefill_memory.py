@@ -11,8 +11,9 @@ Ways, each in this one process, with everything freed in between:
 - mlx_lm:       mlx-lm's BatchGenerator with mlx_lm.server's defaults (decode_concurrency 32,
                 prompt_concurrency 8, prefill_step_size 2048), run until every prompt has a token.
 - naive_padded: one right-padded [B, max_len] forward with an explicit [B, 1, L, L] bool mask.
-- engine_modules (only when asked for in --ways): the engine with its forwards through mlx-lm's
-                modules (`layer_loops=False`), to compare with its own layer loops in the same process.
+- engine_modules, engine_kernels (only when asked for in --ways): the engine with its forwards through
+                mlx-lm's modules (`layer_loops=False`), or with its decode loop's CUDA kernels
+                (`decode_kernels=True`), to compare with its default in the same process.
 
 Per way: peak_over_weights_bytes (peak - memory alive before the way, i.e. the weights),
 transient_peak_bytes (that minus the KV alive at the end), predicted_peak_bytes (the engine's memory
@@ -38,7 +39,7 @@ from bench_common import (LoadedModel, chunk_bytes, emit, environment, free_memo
 import mlx.core as mx  # noqa: E402
 
 WAYS = ("sequential", "engine", "mlx_lm", "naive_padded")
-EXTRA_WAYS = ("engine_modules",)
+EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_kernels": dict(decode_kernels=True)}
 MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
 
 
@@ -387,8 +388,8 @@ def run_way(way: str, lm: LoadedModel, prompts, args, memory) -> dict:
         return run_sequential(lm, prompts, args.chunk or 512, memory)
     if way == "engine":
         return run_engine(lm, prompts, args.chunk, args.max_tokens)
-    if way == "engine_modules":
-        return run_engine(lm, prompts, args.chunk, args.max_tokens, layer_loops=False)
+    if way in EXTRA_WAYS:
+        return run_engine(lm, prompts, args.chunk, args.max_tokens, **EXTRA_WAYS[way])
     if way == "mlx_lm":
         return run_mlx_lm(lm, prompts, memory, args.max_tokens)
     if way == "naive_padded":
@@ -419,11 +420,12 @@ def targets(ways: dict) -> dict:
                 e / q for e, q in zip(eng["prefill_s_passes"], seq["prefill_s_passes"])]
             t["engine_over_sequential_prefill_s_median"] = eng["prefill_s_median"] / seq["prefill_s_median"]
             t["engine_prefill_le_sequential_median"] = eng["prefill_s_median"] <= seq["prefill_s_median"]
-    mods = ways.get("engine_modules")
-    if mods and seq:  # not a target: the engine's own layer loop against mlx-lm's modules
-        t["engine_modules_over_sequential_prefill_s"] = mods["prefill_s"] / seq["prefill_s"]
-        if "prefill_s_median" in mods and "prefill_s_median" in seq:
-            t["engine_modules_over_sequential_prefill_s_median"] = mods["prefill_s_median"] / seq["prefill_s_median"]
+    for name in EXTRA_WAYS:  # not targets: variants of the engine, for comparison
+        variant = ways.get(name)
+        if variant and seq:
+            t[f"{name}_over_sequential_prefill_s"] = variant["prefill_s"] / seq["prefill_s"]
+            if "prefill_s_median" in variant and "prefill_s_median" in seq:
+                t[f"{name}_over_sequential_prefill_s_median"] = variant["prefill_s_median"] / seq["prefill_s_median"]
     if eng:
         ratio = eng["predicted_peak_bytes"] / max(eng["stepwise_transient_bytes"], 1)
         t["prediction_over_measured"] = ratio  # max predicted step / max measured step (engine's own)
@@ -468,9 +470,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     ways = [w for w in args.ways.split(",") if w]
-    unknown = set(ways) - set(WAYS + EXTRA_WAYS)
+    unknown = set(ways) - set(WAYS) - set(EXTRA_WAYS)
     if unknown:
-        raise SystemExit(f"unknown ways {sorted(unknown)}; choose from {WAYS + EXTRA_WAYS}")
+        raise SystemExit(f"unknown ways {sorted(unknown)}; choose from {WAYS + tuple(EXTRA_WAYS)}")
     if args.skip_naive:
         ways = [w for w in ways if w != "naive_padded"]
     lm = load_bench_model(args.model, args.dtype, args.layers, args.init, args.seed)
