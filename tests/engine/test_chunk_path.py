@@ -134,3 +134,27 @@ def test_engine_greedy_tokens_do_not_depend_on_the_layer_loops(make_engine):
         assert (engine.runner.chunk_path is not None) == loops
         outputs.append([o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))])
     assert outputs[0] == outputs[1]
+
+
+def test_one_token_chunks_of_a_paged_pool_equal_mlx_lm(make_engine, tiny_parts, reference_greedy, run_to_completion):
+    """A paged pool (the CUDA kernel's reference in its place): a prompt whose last chunk is one token,
+    and a one-token prompt, read their keys through the paged attention in the chunk loop, and the
+    engine's greedy tokens equal mlx-lm's."""
+    from engine.paged_attention import ReferenceAttention
+
+    engine = make_engine(prefill_chunk_size=64, max_num_batched_tokens=64, max_num_seqs=4,
+                         prefix_cache_fraction=0.0)
+    runner = engine.runner
+    runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+    assert runner.chunk_path is not None
+    chunks = []  # (tokens, read in place) of every chunk the loop ran
+    forward = runner.chunk_path.forward
+    runner.chunk_path.forward = lambda t, view, sample: chunks.append((t.shape[1], view.reads_paged)) or forward(
+        t, view, sample)
+    prompts = [random_prompt(n, seed=n) for n in (65, 1, 30)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=5, ignore_eos=True))
+    tokens = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], p, 5)
+    assert (1, True) in chunks and all(paged == (n == 1) for n, paged in chunks)
