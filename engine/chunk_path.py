@@ -14,8 +14,9 @@ read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, Swi
   without a slice or transpose built per call;
 - no module dispatch (attribute lookups, fused-product bookkeeping) per layer;
 - in the last layer, only what the chunk's output needs: the keys and values of every position, and,
-  when the chunk samples, the query, attention and MLP of its last position alone (engine/last_row.py
-  computes the same through mlx-lm's modules); nothing more for a chunk that samples nothing.
+  when the chunk samples, the query, attention and MLP of its last position alone (a sequential
+  prefill does the same work with a last one-token forward); nothing more for a chunk that samples
+  nothing.
 
 Models: mlx-lm's llama blocks with float projections (engine/bound.py `unsupported` says why not);
 others run mlx-lm's modules. Greedy output equals mlx-lm's (tests).
@@ -28,8 +29,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
-from engine.bound import bind_layers
-from engine.bound import unsupported as unsupported  # noqa: PLC0414 - the runner asks this module
+from engine.bound import bind_layers, unsupported
 
 
 class ChunkPath:

@@ -16,7 +16,7 @@ Both views write a layer's keys and values before either reads them (`ForwardVie
 Only models the engine's decode loop takes (`decode_path.unsupported(model, kernels=False)`: mlx-lm's
 llama blocks with fused projections, any of their RoPE) are batched so; others run the two forwards.
 The last layer computes the chunk's queries, attention and MLP for its sampled position only (none if
-it samples nothing), as engine/last_row.py does for a chunk alone. The memory model predicts the forward
+it samples nothing), as engine/chunk_path.py does for a chunk alone. The memory model predicts the forward
 with `MemoryModel.mixed_bytes` and runs models no deeper than its set's `mixed_min_layers` apart; the
 scheduler mixes a step only when the prediction stays within the bound of separate forwards
 (`SchedulerOutput.mixed`). Measured on an H200 (8B, docs/benchmarks.md, session 6): a mixed step's
@@ -43,7 +43,7 @@ class MixedForward:
         states of the rows that go on to the LM head, [1, (1 +) B, D]: the chunk's last position if it
         `sample`s, then the decode rows. `chunk_view`: one row, T new tokens; `decode_view`: B rows,
         one each. The last layer computes the other chunk positions' keys and values only (as
-        engine/last_row.py does for a chunk alone)."""
+        engine/chunk_path.py does for a chunk alone)."""
         path = self.path
         backbone, ops = path.backbone, path.ops
         H, H_kv, d = path.heads, path.kv_heads, path.head_dim

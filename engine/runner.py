@@ -21,14 +21,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.blocks import BlockAllocator, num_blocks_for
+from engine.bound import unsupported as loops_unsupported
 from engine.chunk_path import ChunkPath
-from engine.chunk_path import unsupported as chunk_unsupported
 from engine.decode_path import CudaOps, DecodePath, ReferenceOps
 from engine.decode_path import self_check as decode_self_check
 from engine.decode_path import unsupported as decode_unsupported
 from engine.fused import fuse_projections, fused_forward
 from engine.kv import ForwardView, KVPool, Row, slice_start
-from engine.last_row import last_row_forward
 from engine.mixed import MixedForward
 from engine.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
 from engine.sampling import RequestSampler, sample_rows
@@ -108,8 +107,6 @@ class ModelRunner:
         if decode_kernels:
             self._enable_decode_kernels(dtype)
         why_not = decode_unsupported(self.model, kernels=False)
-        # prompt chunks that sample run their last layer for the last position only (engine/last_row.py)
-        self.last_row = why_not is None
         if layer_loops and self.decode_path is None and self.fused and self.paged_attention and why_not is None:
             self.decode_path = DecodePath(self.model, ReferenceOps())  # the loop runs paged decodes only
         if mixed and self.fused and why_not is None:
@@ -118,7 +115,7 @@ class ModelRunner:
             logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.chunk_path: Optional[ChunkPath] = None
         if layer_loops:
-            why_not = chunk_unsupported(self.model)
+            why_not = loops_unsupported(self.model)
             if why_not is None:
                 self.chunk_path = ChunkPath(self.model)
             else:
@@ -291,9 +288,6 @@ class ModelRunner:
         if self.chunk_path is not None:
             self._count(T)
             hidden = self.chunk_path.forward(tokens, view, work.sample)  # [1, 1, D], or None
-        elif work.sample and self.last_row and T > 1:
-            self._count(T)
-            hidden = last_row_forward(self._backbone, tokens, view.layers())  # [1, 1, D]
         else:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
         view.advance()
@@ -363,8 +357,7 @@ class Forward:
         """Wait for it, then let go of its arrays: a prompt chunk's are the pool's arrays as it left
         them, which the next forward (built, not launched yet) writes in place only if nothing else
         holds them."""
-        if self.stages:
-            finish(*self.stages[-1])
+        finish(*self.stages[-1])
         self.stages = []
 
 

@@ -113,7 +113,8 @@ def test_bound_weights_are_views_not_copies(tiny_parts):
 
 def test_models_the_loop_cannot_run_keep_mlx_lm_modules(random_llama):
     """Quantized projections: the loops say why, and the runner keeps mlx-lm's modules."""
-    from engine.chunk_path import ChunkPath, unsupported
+    from engine.bound import unsupported
+    from engine.chunk_path import ChunkPath
     from engine.runner import ModelRunner
 
     model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256)

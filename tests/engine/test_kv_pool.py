@@ -177,41 +177,6 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
     assert state["launches"] == eng.runner.num_forward_calls > 15 and not state["in_flight"]
 
 
-@pytest.mark.parametrize("read_slices", [True, False])
-def test_a_chunk_that_samples_computes_its_last_position_alone_to_the_same_logits(tiny_parts, read_slices):
-    """engine/last_row.py: the last layer of a sampling chunk runs for its last position only; its logits
-    equal mlx-lm's for the whole prompt, and it writes the same keys and values as the whole forward."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from engine.kv import ForwardView, Row
-    from engine.last_row import last_row_forward
-    from engine.runner import ModelRunner
-
-    model = tiny_parts[0]
-    runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
-    assert runner.last_row
-    runner.grow_pool(16)
-    prompt = random_prompts([13], 49152, seed=5)[0]
-    rows = [Row(runner.blocks.allocate(4), 4, runner.pool.block_bytes) for _ in range(2)]
-    hidden = []
-    for row, trimmed in zip(rows, (False, True)):
-        forward_logits(runner, row, [prompt[:6]], read_slices)
-        view = ForwardView(runner.pool, [row], 7, read_slices=read_slices)
-        tokens = mx.array(prompt[6:])[None]
-        h = last_row_forward(runner._backbone, tokens, view.layers()) if trimmed else runner._forward(tokens, view.layers())
-        hidden.append(h[:, -1:])
-        mx.eval(hidden[-1], runner.pool.keys, runner.pool.values)
-        view.advance()
-    want = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[:, -1:]
-    for h in hidden:
-        assert mx.allclose(runner._head(h), want, atol=1e-4, rtol=1e-4).item()
-    assert mx.allclose(hidden[0], hidden[1], atol=1e-5, rtol=1e-5).item()
-    a, b = (mx.array(runner.pool.rows(row.slots(0, 13)).reshape(-1)) for row in rows)
-    for arrays in (runner.pool.keys, runner.pool.values):
-        for layer in arrays:
-            assert mx.array_equal(layer[a], layer[b]).item()
-
-
 def test_a_request_with_two_chunks_in_a_step_is_predicted_as_gathering_if_either_chunk_gathers(make_engine,
                                                                                                 tiny_parts,
                                                                                                 reference_greedy):
