@@ -101,6 +101,12 @@ class EngineConfig(BaseModel):
         "the same operations as mlx-lm's modules with less host work per forward, which the GPU "
         "otherwise waits for. False, or other models: mlx-lm's modules.",
     )
+    compiled_decode: bool = Field(
+        True,
+        description="The layer loop's decodes (layer_loops on CUDA) build each layer's operations from a "
+        "compiled trace (mx.compile, one trace per batch size; engine/decode_path.py CompiledLayers): "
+        "less host work per decode step, the same operations. False: built in Python.",
+    )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "
         "~/.cache/mlx-serve.",

@@ -17,8 +17,10 @@ Only decode forwards (one token per row) of models whose layers are mlx-lm's lla
 take it (`unsupported` says why not); everything else runs mlx-lm's modules. Every projection's weight
 is bound once (engine/bound.py). `ReferenceOps` computes the two steps with MLX operations exactly as
 mlx-lm does: that is the engine's default decode on CUDA (`EngineConfig.layer_loops`), which builds an 8B
-decode's graph in less host time than mlx-lm's modules (docs/benchmarks.md, session 8); the CPU tests
-run this loop with it too, and `self_check` compares the CUDA kernels to it before the runner uses them.
+decode's graph in less host time than mlx-lm's modules (docs/benchmarks.md, session 8), and less again
+with each layer's operations built from a compiled trace (`CompiledLayers`, `EngineConfig.compiled_decode`,
+session 9); the CPU tests run this loop with it too, and `self_check` compares the CUDA kernels to it
+before the runner uses them.
 
 Measured on an H200 (docs/benchmarks.md, session 5): operations per 8B decode step 1412 -> 996, but
 no consistent change of the step time (-8 % to +12 % by batch and run) and 5-7 % more serving tok/s
@@ -28,6 +30,7 @@ kernels are not yet cheaper than MLX's own. So the kernels are off by default (`
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -37,6 +40,8 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from engine import bound
+
+logger = logging.getLogger(__name__)
 
 _ROPE_QKV = """
   // grid: B * (H + 2 * HKV) blocks of D / 2 threads; block g = b * (H + 2 HKV) + head.
@@ -211,7 +216,9 @@ def unsupported(model: nn.Module, kernels: bool = True) -> Optional[str]:
 class DecodePath:
     """The decode forward of a supported model (module docstring) with `ops`' two steps."""
 
-    def __init__(self, model: nn.Module, ops: ReferenceOps):
+    def __init__(self, model: nn.Module, ops: ReferenceOps, compiled: bool = False):
+        """`compiled`: with `ReferenceOps`, the layers' work around the KV write and attention runs as
+        compiled functions (`CompiledLayers`) where one trace serves every layer (else, logged, not)."""
         why = unsupported(model, kernels=isinstance(ops, CudaOps))
         if why is not None:
             raise ValueError(f"decode path: {why}")
@@ -222,6 +229,13 @@ class DecodePath:
         self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
         self.ropes = [RopeSpec(layer.self_attn.rope, self.head_dim) for layer in self.backbone.layers]
         self.layers = bound.bind_layers(self.backbone.layers)
+        self.compiled: Optional[CompiledLayers] = None
+        if compiled and type(ops) is ReferenceOps:
+            why = CompiledLayers.unsupported(self)
+            if why is None:
+                self.compiled = CompiledLayers(self)
+            else:
+                logger.info("decode layers not compiled (%s)", why)
 
     def forward(self, tokens: mx.array, view) -> mx.array:
         """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a paged ForwardView
@@ -230,6 +244,8 @@ class DecodePath:
         offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
         offsets = offsets.astype(mx.int32)
         h = self.backbone.embed_tokens(tokens)  # [B, 1, D]
+        if self.compiled is not None:
+            return self.compiled.forward(h, offsets, view)
         first = self.layers[0]
         y = mx.fast.rms_norm(h, first.in_w, first.in_eps)
         for i, layer in enumerate(self.layers):
@@ -252,6 +268,101 @@ class DecodePath:
         if i + 1 < len(self.layers):
             return self.layers[i + 1].in_w, self.layers[i + 1].in_eps
         return self.backbone.norm.weight, self.backbone.norm.eps
+
+
+
+class CompiledLayers:
+    """A decode forward's layers as three compiled functions: MLX's counterpart of the CUDA graphs vLLM
+    captures for decode. `mx.compile` traces each once per batch size, then builds its operations from
+    the trace in C++ with no Python per operation. Per layer the host makes one call for everything
+    between the layer's attention and the next layer's KV write (o, the residual add, RMSNorm, the MLP,
+    the add, the next norm, q/k/v, RoPE), where `DecodePath.forward` builds some 25 operations in
+    Python. The KV write and the paged attention stay outside: a compiled write would return a new pool
+    array instead of writing the pool in place (and the attention's traces would be per batch size and
+    block count). The operations are `ReferenceOps`' (greedy tokens unchanged: tests, and bitwise on
+    the H200); the weights are the functions' inputs, so one trace serves every layer.
+
+    Measured on H200 hosts (8B, bf16; docs/benchmarks.md, session 9): a B = 8 decode's graph builds in
+    2.05 instead of 2.54 ms (1.31 instead of 1.58 ms on another host), and in the bare step loop at 8
+    streams a decode step took 8.5, 11.8 and 9.2 ms against 10.5, 12.8 and 11.6 ms built in Python."""
+
+    def __init__(self, path: DecodePath):
+        self.path = path
+        layers = path.layers
+        H, H_kv, d = path.heads, path.kv_heads, path.head_dim
+        rope = path.ropes[0].module
+        eps = layers[0].in_eps
+        up_start = layers[0].up_start
+        n_o, n_gu, n_down = (len(p.arrays()) for p in (layers[0].o, layers[0].gate_up, layers[0].down))
+        n_end = n_o + 1 + n_gu + n_down + 1  # o, post norm, gate/up, down, next norm
+
+        def proj(x, ws):  # Projection's computation, its arrays as inputs
+            return x @ ws[0] if len(ws) == 1 else mx.addmm(ws[1], x, ws[0])
+
+        def qkv_rope(y, offsets, ws):  # ReferenceOps.rope_qkv of the q/k/v product
+            B = y.shape[0]
+            q, k, v = mx.split(proj(y, ws), [H * d, (H + H_kv) * d], axis=-1)
+            q = q.reshape(B, 1, H, d).transpose(0, 2, 1, 3)
+            k = k.reshape(B, 1, H_kv, d).transpose(0, 2, 1, 3)
+            v = v.reshape(B, 1, H_kv, d).transpose(0, 2, 1, 3)
+            return rope(q, offset=offsets), rope(k, offset=offsets), v
+
+        def block_end(h, out, ws):  # -> (h, the next norm's output), as DecodePath.forward
+            B = h.shape[0]
+            h = h + proj(out.reshape(B, 1, H * d), ws[:n_o])
+            ws = ws[n_o:]
+            y = mx.fast.rms_norm(h, ws[0], eps)
+            gate_up = proj(y, ws[1:1 + n_gu])
+            h = h + proj(swiglu(gate_up[..., :up_start], gate_up[..., up_start:]), ws[1 + n_gu:-1])
+            return h, mx.fast.rms_norm(h, ws[-1], eps)
+
+        def first(h, offsets, in_w, *ws):
+            return qkv_rope(mx.fast.rms_norm(h, in_w, eps), offsets, ws)
+
+        def middle(h, out, offsets, *ws):
+            h, y = block_end(h, out, ws[:n_end])
+            return (h, *qkv_rope(y, offsets, ws[n_end:]))
+
+        def last(h, out, *ws):
+            return block_end(h, out, ws)[1]
+
+        self._first, self._middle, self._last = mx.compile(first), mx.compile(middle), mx.compile(last)
+        self._qkv = [tuple(layer.qkv.arrays()) for layer in layers]
+        self._end = [(*layer.o.arrays(), layer.post_w, *layer.gate_up.arrays(), *layer.down.arrays(),
+                      path.next_norm(i)[0]) for i, layer in enumerate(layers)]
+
+    @staticmethod
+    def unsupported(path: DecodePath) -> Optional[str]:
+        """Why one trace cannot serve every layer (None: it can): the trace holds one RoPE, one epsilon
+        and one projection structure (with or without biases)."""
+        layers = path.layers
+        ropes = {(type(r.module), r.module.dims, r.module.traditional, r.scale, r.log2_base) for r in path.ropes}
+        first_freqs = path.ropes[0].freqs
+        if len(ropes) != 1 or any(r.freqs is not None and not mx.array_equal(r.freqs, first_freqs).item()
+                                  for r in path.ropes):
+            return "the layers' rotary embeddings differ"
+        eps = {path.backbone.norm.eps} | {x for layer in layers for x in (layer.in_eps, layer.post_eps)}
+        if len(eps) != 1:
+            return "the norms' epsilons differ"
+        if any(layer.qkv is None or layer.gate_up is None for layer in layers):
+            return "projections not fused"
+        if len({tuple(len(p.arrays()) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                for layer in layers}) != 1:
+            return "the layers' projections differ in their biases"
+        return None
+
+    def forward(self, h: mx.array, offsets: mx.array, view) -> mx.array:
+        """h [B, 1, D] (the embedded tokens), offsets [B] -> the final-normed hidden states; `view` as
+        `DecodePath.forward`'s."""
+        layers = self.path.layers
+        q, k, v = self._first(h, offsets, layers[0].in_w, *self._qkv[0])
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
+            view.write_and_read(i, k, v)
+            out = view.attend(i, q, layer.scale)  # [B, H, 1, d]
+            if i == last:
+                return self._last(h, out, *self._end[i])
+            h, q, k, v = self._middle(h, out, offsets, *self._end[i], *self._qkv[i + 1])
 
 
 def self_check(ops: ReferenceOps, model: nn.Module, dtype) -> None:

@@ -115,7 +115,8 @@ class Engine(ForwardsMixin):
                                   paged_attention=config.paged_attention and mlx_backend() == "cuda",
                                   fuse=config.fuse_projections,
                                   decode_kernels=config.decode_kernels and mlx_backend() == "cuda",
-                                  mixed=config.mixed_batches, layer_loops=config.layer_loops)
+                                  mixed=config.mixed_batches, layer_loops=config.layer_loops,
+                                  compiled_decode=config.compiled_decode)
         shape = ModelShape.from_config(model_config, dtype_bytes, weights_bytes)
         coefficients, self.memory_coefficients_source = backend_coefficients(shape)
         if config.memory_coefficients:

@@ -75,7 +75,7 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
                  paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
-                 mixed: bool = True, layer_loops: bool = True):
+                 mixed: bool = True, layer_loops: bool = True, compiled_decode: bool = True):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
         asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
@@ -89,7 +89,8 @@ class ModelRunner:
         engine/mixed.py), if the model is supported and fused (`self.mixed`).
         `layer_loops`: prompt chunks run engine/chunk_path.py's loop, and decodes that read the pool in
         place engine/decode_path.py's (with MLX's operations, unless `decode_kernels`), if the model is
-        supported (bound after fusion: their views are of the fused weights); else mlx-lm's modules."""
+        supported (bound after fusion: their views are of the fused weights); else mlx-lm's modules.
+        `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers)."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -108,7 +109,8 @@ class ModelRunner:
             self._enable_decode_kernels(dtype)
         why_not = decode_unsupported(self.model, kernels=False)
         if layer_loops and self.decode_path is None and self.fused and self.paged_attention and why_not is None:
-            self.decode_path = DecodePath(self.model, ReferenceOps())  # the loop runs paged decodes only
+            self.decode_path = DecodePath(self.model, ReferenceOps(),  # the loop runs paged decodes only
+                                          compiled=compiled_decode)
         if mixed and self.fused and why_not is None:
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
         elif mixed and self.fused:
@@ -157,10 +159,11 @@ class ModelRunner:
                 why_not = f"{type(exc).__name__}: {exc}"
         logger.warning("decode kernels not used (%s): decode runs mlx-lm's modules", why_not)
 
-    def use_decode_path(self, ops: Optional[ReferenceOps]) -> None:
-        """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules).
-        ValueError if the model is not supported; it needs paged decode attention."""
-        self.decode_path = None if ops is None else DecodePath(self.model, ops)
+    def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:
+        """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules), its
+        layers `compiled` where they can be. ValueError if the model is not supported; it needs paged
+        decode attention."""
+        self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled)
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
 

@@ -60,7 +60,8 @@ def main(argv=None) -> dict:
     result: dict = dict(bench="graph_build", argv=sys.argv[1:] if argv is None else argv, model=args.model,
                         dtype=lm.dtype, chunk=args.chunk, rows=args.rows, environment=environment(), ways={})
     context = args.chunk * args.chunks
-    for name, kwargs in (("modules", dict(layer_loops=False)), ("engine_loops", dict(layer_loops=True))):
+    for name, kwargs in (("modules", dict(layer_loops=False)), ("engine_loops", dict(compiled_decode=False)),
+                         ("engine_compiled", dict(compiled_decode=True))):
         runner = ModelRunner(lm.model, block_size=256, max_kv_tokens=context + 256 * (args.rows + 2),
                              paged_attention=cuda, **kwargs)
         runner.grow_pool(runner.blocks_for(context) + args.rows)

@@ -136,7 +136,8 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
     `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False; engine_sync_gather:
     paged_attention=False; engine_sync_unfused: fuse_projections=False; engine_sync_modules:
-    layer_loops=False, mlx-lm's modules; engine_sync_kernels: decode_kernels=True)."""
+    layer_loops=False, mlx-lm's modules; engine_sync_kernels: decode_kernels=True; engine_sync_uncompiled:
+    compiled_decode=False)."""
     from engine.request import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
@@ -268,7 +269,7 @@ def run_engine_sync_asyncio(lm, prompts, arrivals, args, breakdown: bool = True)
     return asyncio.run(asyncio.to_thread(run_engine_sync_thread, lm, prompts, arrivals, args, breakdown))
 
 
-def run_engine_async(lm, prompts, arrivals, args) -> dict:
+def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
     """AsyncEngine (what the replica runs): one asyncio task per request, tokens time-stamped as
     the consumer receives them. The same load (other tokens) runs untimed first through the same
     AsyncEngine, then its prefix-cache entries are evicted, so the timed pass finds the KV pool at the
@@ -283,7 +284,7 @@ def run_engine_async(lm, prompts, arrivals, args) -> dict:
     from engine.request import SamplingParams
 
     # Built in its thread, as the replica's; no built-in warm-up (the same-shape pass below replaces it)
-    aengine = AsyncEngine(lambda: make_engine(lm, prompts, args), warmup=args.async_warmup)
+    aengine = AsyncEngine(lambda: make_engine(lm, prompts, args, **overrides), warmup=args.async_warmup)
     engine = aengine.engine
     tracer = StepTracer(engine, args.trace_steps) if args.trace_steps else None
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
@@ -443,6 +444,8 @@ def engine_only(args) -> dict:
                "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, fuse_projections=False)),
                "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, layer_loops=False)),
                "engine_sync_kernels": (lambda *a, **k: run_engine_sync(*a, **k, decode_kernels=True)),
+               "engine_sync_uncompiled": (lambda *a, **k: run_engine_sync(*a, **k, compiled_decode=False)),
+               "engine_uncompiled": (lambda *a, **k: run_engine_async(*a, **k, compiled_decode=False)),
                "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
@@ -537,8 +540,9 @@ def parse_args(argv=None):
                    "the KV instead of the CUDA paged-attention kernel, paged_attention=false), engine_sync_unfused (one "
                    "matmul per projection, fuse_projections=false), engine_sync_modules (forwards through mlx-lm's "
                    "modules, layer_loops=false), engine_sync_kernels (decode runs the engine's layer loop with its "
-                   "CUDA kernels, decode_kernels=true), engine_sync_thread (engine_sync in a thread of its "
-                   "own), mlx_lm")
+                   "CUDA kernels, decode_kernels=true), engine_sync_uncompiled and engine_uncompiled (the decode "
+                   "loop's layers built in Python, compiled_decode=false), engine_sync_thread (engine_sync in a "
+                   "thread of its own), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)

@@ -36,6 +36,7 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
         path = engine.runner.decode_path if engine.runner.paged_attention else None
         paths.update(paged_attention=engine.runner.paged_attention, decode_loop=path is not None,
                      decode_kernels=path is not None and isinstance(path.ops, CudaOps),
+                     compiled_decode=path is not None and path.compiled is not None,
                      chunk_loop=engine.runner.chunk_path is not None)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]

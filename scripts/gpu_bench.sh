@@ -122,7 +122,7 @@ fi
 # (with the default 32, prompts that finished decode while the others still prefill).
 [[ -z "${PREFILL_ONLY:-}" ]] || step prefill_only 120 160 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS \
   --ways sequential,engine --max-tokens 1 --warmup full --peak-tflops 790 --json --out "$OUT/prefill_only.json"
-[[ -n "${SKIP_SERVING:-}" ]] || step serving 200 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
+[[ -n "${SKIP_SERVING:-}" ]] || step serving ${SERVING_CAP:-200} 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
   --backends ${SERVING_BACKENDS:-engine_sync,engine_sync_unfused,engine,mlx_lm} --repeat ${SERVING_REPEAT:-2} --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
 [[ -n "${SKIP_DECODE:-}" ]] || step decode 100 60 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.decode_path import DecodePath, ReferenceOps, self_check, unsupported
+from engine.decode_path import CompiledLayers, DecodePath, ReferenceOps, self_check, unsupported
 from engine.paged_attention import ReferenceAttention
 from engine.request import SamplingParams
 
@@ -116,3 +116,50 @@ def test_runner_without_paged_attention_keeps_mlx_lm_modules(make_engine):
     assert engine.runner.decode_path is None
     engine.runner._enable_decode_kernels(mx.float32)
     assert engine.runner.decode_path is None
+
+
+def test_compiled_layers_give_the_same_logits_and_greedy_tokens(make_engine, tiny_parts, reference_greedy,
+                                                                run_to_completion):
+    """CompiledLayers (mx.compile of each layer's work around the KV write and attention) against the
+    Python-built loop: bitwise the same logits of every batched decode, mlx-lm's greedy tokens, and one
+    trace per batch size for all layers."""
+    def run(compiled: bool):
+        engine = make_engine(prefill_chunk_size=64, max_num_seqs=4, prefix_cache_fraction=0.0)
+        runner = engine.runner
+        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+        runner.use_decode_path(ReferenceOps(), compiled=compiled)
+        assert (runner.decode_path.compiled is not None) == compiled
+        prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=11)
+        for i, p in enumerate(prompts):  # the short prompt stops first: batch sizes 3, then 2
+            engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
+        captured = []
+        head = runner._head
+        runner._head = lambda h: captured.append(head(h)) or captured[-1]
+        tokens = run_to_completion(engine)
+        return prompts, tokens, [c for c in captured if c.shape[0] > 1]
+
+    prompts, tokens, logits = run(True)
+    _, plain_tokens, plain_logits = run(False)
+    assert tokens == plain_tokens
+    assert {c.shape[0] for c in logits} == {2, 3} and len(logits) == len(plain_logits)
+    for a, b in zip(logits, plain_logits):
+        assert mx.array_equal(a, b).item()
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, [10, 4, 10][i])
+
+
+def test_compiled_layers_refuse_layers_that_one_trace_cannot_serve(make_engine):
+    engine = make_engine()
+    runner = engine.runner
+    runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+    layer = engine.model.model.layers[-1]
+    eps = layer.post_attention_layernorm.eps
+    layer.post_attention_layernorm.eps = eps * 2
+    try:
+        runner.use_decode_path(ReferenceOps(), compiled=True)
+        assert runner.decode_path.compiled is None  # built in Python instead
+        assert "epsilons" in CompiledLayers.unsupported(runner.decode_path)
+    finally:
+        layer.post_attention_layernorm.eps = eps
+    runner.use_decode_path(ReferenceOps(), compiled=True)
+    assert runner.decode_path.compiled is not None
