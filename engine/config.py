@@ -68,6 +68,14 @@ class EngineConfig(BaseModel):
         "current one's tokens while the next runs. A request that stops on EOS or a stop string has one "
         "extra token computed and dropped.",
     )
+    overlap_steps: bool = Field(
+        True,
+        description="On MLX's CUDA backend, a step whose last forward is a prompt chunk that samples nothing "
+        "returns without waiting for it: the next step is scheduled and its first forward built while it "
+        "runs (vLLM's async scheduling, for prompt chunks). Forwards still never overlap on the device. "
+        "Not on the CPU, where a forward returns before it has run: a step's measured transient would be "
+        "mostly the next step's.",
+    )
     paged_attention: bool = Field(
         True,
         description="Decode attention reads each row's KV where it lies in the pool, with a CUDA kernel "

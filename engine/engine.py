@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
-from engine.forwards import ForwardsMixin, StepMemory, _Inflight
+from engine.forwards import ForwardsMixin, StepMemory, _Deferred, _Inflight
 from engine.memory import MemoryModel, ModelShape, coefficients_for, with_overrides
 from engine.output import TextStream, process_token
 from engine.prefix_cache import PrefixCache, PrefixHit
@@ -161,6 +161,9 @@ class Engine(ForwardsMixin):
         self.last_step_memory: Optional[StepMemory] = None
         self.last_plan: Optional[SchedulerOutput] = None
         self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back
+        self._overlap_steps = config.overlap_steps and mlx_backend() == "cuda"
+        self._deferred: Optional[_Deferred] = None  # the previous step's last prompt chunk, still running
+        self._carried: Optional[StepMemory] = None  # its measured tail, for the next step's record
         self._launch_base_bytes = 0  # MLX active memory when it was launched
 
     @classmethod
@@ -217,7 +220,7 @@ class Engine(ForwardsMixin):
                              finished=True, finish_reason=reason, error=error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or self._deferred is not None
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -231,11 +234,15 @@ class Engine(ForwardsMixin):
         outputs come one step after their forward was launched. A row that stops on EOS or a stop
         string has had one more token computed, which is dropped; rows reaching max_tokens are left
         out of the next decode. Anything new for the scheduler (a waiting request, a prompt chunk)
-        ends the pipeline for one step."""
+        ends the pipeline for one step. On CUDA a step whose last forward is a prompt chunk that
+        samples nothing returns without waiting for it (`EngineConfig.overlap_steps`): the next step is
+        scheduled and its first forward built while it runs, and waits for it before launching."""
         if self._inflight is not None:
             return self._advance_pipeline()
         plan = self.scheduler.schedule()
         self.last_plan = plan  # plain data, read by AsyncEngine's step observer
+        if plan.new_rows or not plan.prefills:  # pool growth, prefix copies, decodes: not while it runs
+            self._retire_deferred()
         admitted = self._add_rows(plan.new_rows)
         if plan.is_empty:
             return []

@@ -39,6 +39,16 @@ class _Inflight:
     forward: Forward  # its tokens: [B], rows in plan.decodes order
 
 
+@dataclass(frozen=True)
+class _Deferred:
+    """A step's last forward, a prompt chunk that samples nothing, left running when the step returned
+    (`EngineConfig.overlap_steps`): the next step is scheduled and its first forward built meanwhile."""
+
+    forward: Forward
+    predicted_bytes: int  # its step's prediction
+    base_bytes: int  # what its step's transient was measured over
+
+
 class ForwardsMixin:
     """Step execution for `Engine` (see the module docstring)."""
 
@@ -137,14 +147,12 @@ class ForwardsMixin:
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory) -> dict[str, int]:
         """Run the decode forward, then each prefill chunk, one at a time on the device (runner.finish)
         but each built while the previous one runs (a mixed runner's decode rows run with the first
-        chunk). A prefill chunk whose graph cannot be built touches
-        its own row only: its request goes into `failed`, the others go on. The step's transient is
-        MLX's peak over what was alive before, less KV the step allocated. `admitted`: this step's
-        pool growth and prefix copies (`_add_rows`)."""
+        chunk); the first while the previous step's last forward may still run (`_Deferred`). A
+        prefill chunk whose graph cannot be built touches its own row only: its request goes into
+        `failed`, the others go on. The step's transient is MLX's peak over what was alive before its
+        first launch, less KV the step allocated. `admitted`: this step's pool growth and prefix copies
+        (`_add_rows`)."""
         requests = self.scheduler.requests
-        active_before = mx.get_active_memory()
-        kv_before = self.runner.kv_allocated_bytes
-        mx.reset_peak_memory()
         builds = []  # (request ids whose tokens the forward samples, a function that builds it)
         works = []
         for chunk in plan.prefills:
@@ -166,8 +174,9 @@ class ForwardsMixin:
             builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
         for work in works:
             builds.append(((work.request_id,), work.request_id, lambda work=work: self.runner.prefill(work)))
-        sampled: dict[str, mx.array] = {}
+        sampled: dict[str, int] = {}
         running = None  # (request ids, Forward) on the device
+        before = None  # (MLX active bytes, KV allocated bytes) once the previous step's forward is done
         for ids, chunk_id, build in builds:
             if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
                 continue
@@ -181,24 +190,43 @@ class ForwardsMixin:
                 continue
             if running is not None:
                 self._retire(running, sampled)
+            if before is None:
+                before = self._measure_from()
             self.runner.launch(forward)
             running = (ids, forward)
-        if running is not None:
+        if before is None:
+            before = self._measure_from()
+        deferred = running is not None and running[1].tokens is None and self._overlap_steps
+        if running is not None and not deferred:
             self._retire(running, sampled)
-        values = mx.concatenate(list(sampled.values())).tolist() if sampled else []
-        new_kv = self.runner.kv_allocated_bytes - kv_before
-        self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes,
-                            active_before + new_kv, admitted.predicted_bytes)
-        return dict(zip(sampled, values))
+        base = before[0] + self.runner.kv_allocated_bytes - before[1]
+        self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes, base, admitted.predicted_bytes)
+        if deferred:
+            self._deferred = _Deferred(running[1], plan.predicted_transient_bytes, base)
+        return sampled
+
+    def _measure_from(self) -> tuple[int, int]:
+        """Wait for the previous step's deferred forward, then start measuring this step's transient."""
+        self._retire_deferred()
+        mx.reset_peak_memory()
+        return mx.get_active_memory(), self.runner.kv_allocated_bytes
+
+    def _retire_deferred(self) -> None:
+        """Wait for the forward the previous step left running (`_Deferred`); its transient since that
+        step was recorded goes into the next record (`_record_memory`)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        deferred.forward.finish()
+        self._carried = StepMemory(deferred.predicted_bytes, max(0, mx.get_peak_memory() - deferred.base_bytes))
 
     @staticmethod
-    def _retire(running, sampled: dict[str, mx.array]) -> None:
+    def _retire(running, sampled: dict[str, int]) -> None:
         """Wait for a launched forward and keep its sampled tokens."""
         ids, forward = running
         forward.finish()
         if forward.tokens is not None:
-            for j, rid in enumerate(ids):
-                sampled[rid] = forward.tokens[j : j + 1]
+            sampled.update(zip(ids, forward.tokens.tolist()))
 
     def _record_memory(self, predicted: int, measured: int, base_bytes: int, predicted_other: int = 0,
                        pipelined: bool = False) -> None:
@@ -207,6 +235,10 @@ class ForwardsMixin:
         measured = max(measured, mx.get_peak_memory() - base_bytes, 0)
         mx.reset_peak_memory()
         predicted = max(predicted, predicted_other)
+        carried, self._carried = self._carried, None
+        if carried is not None:  # the tail of the previous step's deferred forward
+            predicted = max(predicted, carried.predicted_bytes)
+            measured = max(measured, carried.measured_bytes)
         self.last_step_memory = StepMemory(predicted, measured, pipelined)
         self._max_measured = max(self._max_measured, measured)
         self._max_predicted = max(self._max_predicted, predicted)

@@ -11,9 +11,10 @@ Ways, each in this one process, with everything freed in between:
 - mlx_lm:       mlx-lm's BatchGenerator with mlx_lm.server's defaults (decode_concurrency 32,
                 prompt_concurrency 8, prefill_step_size 2048), run until every prompt has a token.
 - naive_padded: one right-padded [B, max_len] forward with an explicit [B, 1, L, L] bool mask.
-- engine_modules, engine_kernels (only when asked for in --ways): the engine with its forwards through
-                mlx-lm's modules (`layer_loops=False`), or with its decode loop's CUDA kernels
-                (`decode_kernels=True`), to compare with its default in the same process.
+- engine_modules, engine_kernels, engine_no_overlap (only when asked for in --ways): the engine with its
+                forwards through mlx-lm's modules (`layer_loops=False`), with its decode loop's CUDA
+                kernels (`decode_kernels=True`), or waiting for every step's last forward before the
+                next step (`overlap_steps=False`), to compare with its default in the same process.
 
 Per way: peak_over_weights_bytes (peak - memory alive before the way, i.e. the weights),
 transient_peak_bytes (that minus the KV alive at the end), predicted_peak_bytes (the engine's memory
@@ -39,7 +40,8 @@ from bench_common import (LoadedModel, chunk_bytes, emit, environment, free_memo
 import mlx.core as mx  # noqa: E402
 
 WAYS = ("sequential", "engine", "mlx_lm", "naive_padded")
-EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_kernels": dict(decode_kernels=True)}
+EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_kernels": dict(decode_kernels=True),
+              "engine_no_overlap": dict(overlap_steps=False)}
 MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
 
 

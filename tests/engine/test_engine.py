@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine.request import FinishReason, SamplingParams
@@ -152,3 +153,40 @@ def test_chat_messages_use_the_chat_template(make_engine):
     assert "<|im_start|>user" in text and text.rstrip().endswith("assistant")
     assert engine.encode("hi") == list(engine.tokenizer.encode("hi"))
     assert engine.encode([1, 2, 3]) == [1, 2, 3]
+
+
+def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tiny_parts, reference_greedy):
+    """overlap_steps (on by default where MLX runs on CUDA, forced on here): a step whose last forward is
+    a prompt chunk that samples nothing returns with it still running, and the next step retires it
+    after building its own first forward. Greedy tokens stay mlx-lm's, every step's measured transient
+    stays within its prediction (the deferred tail is counted in the next record, with the next forward's
+    inputs), and an abort while a forward is deferred leaves the engine with one step to retire it."""
+    engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=64, prefix_cache_fraction=0.0)
+    engine._overlap_steps = True
+    rng = np.random.default_rng(5)
+    vocab = engine.memory.shape.vocab_size
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (150, 70, 9)]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sampling)
+    tokens: dict = {}
+    deferred_steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        deferred_steps += engine._deferred is not None
+        step = engine.last_step_memory
+        # a deferred forward's tail is measured over what was alive when its step returned, and the
+        # next step's first forward is built meanwhile: its inputs (token ids, KV slots: a few KB) count
+        assert step.measured_bytes <= step.predicted_bytes + (64 << 10), step
+    assert deferred_steps >= 2
+    for i, p in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], p, 6)
+
+    engine.add_request("a", prompts[0], sampling)
+    engine.step()
+    assert engine._deferred is not None
+    assert engine.abort("a").finished
+    assert engine.has_unfinished()  # the deferred forward is retired by one more step
+    assert engine.step() == [] and not engine.has_unfinished()
+    assert engine.runner.blocks.num_free == engine.runner.blocks.num_blocks
