@@ -353,10 +353,15 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
         plan = recorder.plans[-1]
         # The engine's own figure is per forward (KV of rows allocated later in the step not
         # subtracted); the whole-step one is the fallback for engines that expose none.
+        # The engine's record pairs its measurement with its prediction: with overlapped steps
+        # (EngineConfig.overlap_steps) a step's record also holds the previous step's deferred forward,
+        # measured and predicted (the plan's prediction is this step's alone).
         own = getattr(engine, "last_step_memory", None)
         measured = own.measured_bytes if own is not None else whole_step
+        predicted = own.predicted_bytes if own is not None else plan.predicted_transient_bytes
         steps.append(dict(
-            step_s=round(step_s, 6), predicted=plan.predicted_transient_bytes, measured=measured,
+            step_s=round(step_s, 6), predicted=predicted, plan_predicted=plan.predicted_transient_bytes,
+            measured=measured,
             whole_step_measured=whole_step,
             decodes=len(plan.decodes), chunks=[(c.num_tokens, c.start + c.num_tokens) for c in plan.prefills],
             mixed=getattr(plan, "mixed", False),
