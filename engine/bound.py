@@ -44,6 +44,13 @@ def unsupported(model: nn.Module) -> Optional[str]:
     return None
 
 
+def project(x: mx.array, weight_t: mx.array, bias: Optional[mx.array] = None) -> mx.array:
+    """x @ W^T (+ b): one matmul (or addmm) on the bound W^T."""
+    if bias is None:
+        return x @ weight_t
+    return mx.addmm(bias, x, weight_t)
+
+
 class Projection:
     """x -> x @ W^T (+ b), with W^T bound once."""
 
@@ -54,9 +61,7 @@ class Projection:
         self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.bias is None:
-            return x @ self.weight_t
-        return mx.addmm(self.bias, x, self.weight_t)
+        return project(x, self.weight_t, self.bias)
 
     def arrays(self) -> list:
         return [self.weight_t] + ([self.bias] if self.bias is not None else [])

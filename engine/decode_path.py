@@ -240,7 +240,6 @@ class DecodePath:
     def forward(self, tokens: mx.array, view) -> mx.array:
         """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a paged ForwardView
         (engine/kv.py) whose KV it writes and reads."""
-        B = tokens.shape[0]
         offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
         offsets = offsets.astype(mx.int32)
         h = self.backbone.embed_tokens(tokens)  # [B, 1, D]
@@ -249,19 +248,24 @@ class DecodePath:
         first = self.layers[0]
         y = mx.fast.rms_norm(h, first.in_w, first.in_eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(y)  # engine/fused.py: the q/k/v product in one matmul
-            q, k, v = self.ops.rope_qkv(qkv, offsets, self.ropes[i], self.heads, self.kv_heads)
+            q, k, v = self.ops.rope_qkv(layer.qkv(y), offsets, self.ropes[i], self.heads, self.kv_heads)
             view.write_and_read(i, k, v)
             out = view.attend(i, q, layer.scale)  # [B, H, 1, d]
-            a = layer.o(out.reshape(B, 1, self.heads * self.head_dim))
-            h, y = self.ops.add_rms_norm(h, a, layer.post_w, layer.post_eps)
-            h, y = self.ops.add_rms_norm(h, self.mlp(layer, y), *self.next_norm(i))
+            h, y = self.block_end(h, out, layer.o, layer.post_w, layer.post_eps, layer.gate_up, layer.down,
+                                  layer.up_start, *self.next_norm(i))
         return y
+
+    def block_end(self, h, out, o, post_w, post_eps, gate_up, down, up_start: int, next_w, next_eps):
+        """A layer after its attention (out [B, H, 1, d]): o, the residual add and the post-attention
+        norm, the MLP, the add and the next norm -> (h, the next norm's output). The projections are
+        callables (bound, or their arrays in a compiled trace)."""
+        B = h.shape[0]
+        h, y = self.ops.add_rms_norm(h, o(out.reshape(B, 1, self.heads * self.head_dim)), post_w, post_eps)
+        return self.ops.add_rms_norm(h, swiglu_mlp(y, gate_up, down, up_start), next_w, next_eps)
 
     def mlp(self, layer: bound.BoundLayer, y: mx.array) -> mx.array:
         """The MLP from its fused gate/up product, as engine/fused.py's parts compute it."""
-        gate_up = layer.gate_up(y)
-        return layer.down(swiglu(gate_up[..., : layer.up_start], gate_up[..., layer.up_start :]))
+        return swiglu_mlp(y, layer.gate_up, layer.down, layer.up_start)
 
     def next_norm(self, i: int) -> tuple:
         """(weight, eps) of the norm after layer i's block: the next layer's input norm, or the final."""
@@ -270,17 +274,22 @@ class DecodePath:
         return self.backbone.norm.weight, self.backbone.norm.eps
 
 
+def swiglu_mlp(y: mx.array, gate_up, down, up_start: int) -> mx.array:
+    """down(SwiGLU(gate, up)) from the fused gate/up product (columns [0, up_start) gate, the rest up)."""
+    product = gate_up(y)
+    return down(swiglu(product[..., :up_start], product[..., up_start:]))
+
 
 class CompiledLayers:
     """A decode forward's layers as three compiled functions: MLX's counterpart of the CUDA graphs vLLM
     captures for decode. `mx.compile` traces each once per batch size, then builds its operations from
     the trace in C++ with no Python per operation. Per layer the host makes one call for everything
-    between the layer's attention and the next layer's KV write (o, the residual add, RMSNorm, the MLP,
-    the add, the next norm, q/k/v, RoPE), where `DecodePath.forward` builds some 25 operations in
-    Python. The KV write and the paged attention stay outside: a compiled write would return a new pool
-    array instead of writing the pool in place (and the attention's traces would be per batch size and
-    block count). The operations are `ReferenceOps`' (greedy tokens unchanged: tests, and bitwise on
-    the H200); the weights are the functions' inputs, so one trace serves every layer.
+    between the layer's attention and the next layer's KV write (`DecodePath.block_end`, then the next
+    layer's q/k/v and `ReferenceOps.rope_qkv`: the same functions the Python loop calls), where
+    `DecodePath.forward` builds some 25 operations in Python. The KV write and the paged attention stay
+    outside: a compiled write would return a new pool array instead of writing the pool in place (and
+    the attention's traces would be per batch size and block count). The weights are the functions'
+    inputs, so one trace serves every layer (`unsupported`: one RoPE, one epsilon, one bias structure).
 
     Measured on H200 hosts (8B, bf16; docs/benchmarks.md, session 9): a B = 8 decode's graph builds in
     2.05 instead of 2.54 ms (1.31 instead of 1.58 ms on another host), and in the bare step loop at 8
@@ -289,47 +298,34 @@ class CompiledLayers:
     def __init__(self, path: DecodePath):
         self.path = path
         layers = path.layers
-        H, H_kv, d = path.heads, path.kv_heads, path.head_dim
-        rope = path.ropes[0].module
-        eps = layers[0].in_eps
-        up_start = layers[0].up_start
-        n_o, n_gu, n_down = (len(p.arrays()) for p in (layers[0].o, layers[0].gate_up, layers[0].down))
-        n_end = n_o + 1 + n_gu + n_down + 1  # o, post norm, gate/up, down, next norm
+        rope, eps, up_start = path.ropes[0], layers[0].in_eps, layers[0].up_start
+        counts = [len(p.arrays()) for p in (layers[0].o, layers[0].gate_up, layers[0].down)]
+        ends = [sum(counts[:j + 1]) for j in range(3)]  # where o's, gate/up's and down's arrays end
 
-        def proj(x, ws):  # Projection's computation, its arrays as inputs
-            return x @ ws[0] if len(ws) == 1 else mx.addmm(ws[1], x, ws[0])
+        def projection(ws):  # a projection of its bound arrays (W^T, and the bias if any)
+            return lambda x: bound.project(x, *ws)
 
-        def qkv_rope(y, offsets, ws):  # ReferenceOps.rope_qkv of the q/k/v product
-            B = y.shape[0]
-            q, k, v = mx.split(proj(y, ws), [H * d, (H + H_kv) * d], axis=-1)
-            q = q.reshape(B, 1, H, d).transpose(0, 2, 1, 3)
-            k = k.reshape(B, 1, H_kv, d).transpose(0, 2, 1, 3)
-            v = v.reshape(B, 1, H_kv, d).transpose(0, 2, 1, 3)
-            return rope(q, offset=offsets), rope(k, offset=offsets), v
+        def qkv_rope(y, offsets, ws):
+            return path.ops.rope_qkv(bound.project(y, *ws), offsets, rope, path.heads, path.kv_heads)
 
-        def block_end(h, out, ws):  # -> (h, the next norm's output), as DecodePath.forward
-            B = h.shape[0]
-            h = h + proj(out.reshape(B, 1, H * d), ws[:n_o])
-            ws = ws[n_o:]
-            y = mx.fast.rms_norm(h, ws[0], eps)
-            gate_up = proj(y, ws[1:1 + n_gu])
-            h = h + proj(swiglu(gate_up[..., :up_start], gate_up[..., up_start:]), ws[1 + n_gu:-1])
-            return h, mx.fast.rms_norm(h, ws[-1], eps)
+        def block_end(h, out, post_w, next_w, ws):
+            return path.block_end(h, out, projection(ws[:ends[0]]), post_w, eps, projection(ws[ends[0]:ends[1]]),
+                                  projection(ws[ends[1]:ends[2]]), up_start, next_w, eps)
 
         def first(h, offsets, in_w, *ws):
             return qkv_rope(mx.fast.rms_norm(h, in_w, eps), offsets, ws)
 
-        def middle(h, out, offsets, *ws):
-            h, y = block_end(h, out, ws[:n_end])
-            return (h, *qkv_rope(y, offsets, ws[n_end:]))
+        def middle(h, out, offsets, post_w, next_w, *ws):
+            h, y = block_end(h, out, post_w, next_w, ws[:ends[2]])
+            return (h, *qkv_rope(y, offsets, ws[ends[2]:]))
 
-        def last(h, out, *ws):
-            return block_end(h, out, ws)[1]
+        def last(h, out, post_w, next_w, *ws):
+            return block_end(h, out, post_w, next_w, ws)[1]
 
         self._first, self._middle, self._last = mx.compile(first), mx.compile(middle), mx.compile(last)
         self._qkv = [tuple(layer.qkv.arrays()) for layer in layers]
-        self._end = [(*layer.o.arrays(), layer.post_w, *layer.gate_up.arrays(), *layer.down.arrays(),
-                      path.next_norm(i)[0]) for i, layer in enumerate(layers)]
+        self._end = [(layer.post_w, path.next_norm(i)[0], *layer.o.arrays(), *layer.gate_up.arrays(),
+                      *layer.down.arrays()) for i, layer in enumerate(layers)]
 
     @staticmethod
     def unsupported(path: DecodePath) -> Optional[str]:
@@ -344,8 +340,6 @@ class CompiledLayers:
         eps = {path.backbone.norm.eps} | {x for layer in layers for x in (layer.in_eps, layer.post_eps)}
         if len(eps) != 1:
             return "the norms' epsilons differ"
-        if any(layer.qkv is None or layer.gate_up is None for layer in layers):
-            return "projections not fused"
         if len({tuple(len(p.arrays()) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
                 for layer in layers}) != 1:
             return "the layers' projections differ in their biases"

@@ -13,7 +13,7 @@
 #   log.txt, env.txt
 # SERVING_BACKENDS (engine_sync,engine_sync_unfused,engine,mlx_lm), DECODE_PAGED (1), DECODE_FUSE (1,0), DECODE_KERNELS (1,0): the
 # variants of serving.json and decode.json (scripts/bench_serving.py --backends, bench_decode_step.py);
-# SERVING_REPEAT (2) timed passes, DECODE_STEPS (20) timed steps.
+# SERVING_REPEAT (2) timed passes, SERVING_CAP (200) the serving step's seconds, DECODE_STEPS (20) timed steps.
 # SKIP_PAGED / SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid (FIT_ARGS: bench_memory_grid.py's fit options, default
 # the benchmark model alone) and runs the prefill benchmark with them; MLX_* variables pass
