@@ -60,6 +60,10 @@ class ReplicaArgs(BaseModel):
                                                             "router queues them.")
     max_queued_requests: int = Field(-1, ge=-1, description="Requests queued at the router per replica "
                                                             "before 503 (-1: unbounded).")
+    cpu_threads: int = Field(0, ge=0, description="Threads of the replica's CPU matmuls (OpenBLAS, "
+                             "OpenMP: OPENBLAS_NUM_THREADS and OMP_NUM_THREADS of its process). 0: every "
+                             "core of the host that builds the app. Ray would otherwise set OMP_NUM_THREADS "
+                             "to num_cpus (at least 1), and MLX's CPU backend would multiply on one core.")
     health_check_period_s: float = Field(10.0, gt=0, description="Seconds between check_health calls.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="Seconds before a check counts as failed.")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="Drain time on shutdown.")
@@ -123,7 +127,9 @@ class AppArgs(BaseModel):
 
     def replica_deployment_options(self) -> dict[str, Any]:
         r = self.replica
-        actor: dict[str, Any] = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
+        threads = str(r.cpu_threads or os.cpu_count() or 1)
+        actor: dict[str, Any] = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "runtime_env": {
+            "env_vars": {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}}}
         if r.resources:
             actor["resources"] = dict(r.resources)
         options: dict[str, Any] = dict(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -209,6 +210,7 @@ class EngineReplica:
         data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
         data["replica_id"] = self._replica_id
         data["prometheus_url"] = self._telemetry.prometheus_url
+        data["cpu_threads"] = os.environ.get("OPENBLAS_NUM_THREADS")  # ReplicaArgs.cpu_threads, as set
         return data
 
     def admission_report(self) -> Optional[ReplicaReport]:

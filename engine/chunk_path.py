@@ -27,22 +27,24 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.activations import swiglu
 
 from engine.bound import bind_layers, unsupported
+from engine.decode_path import ReferenceOps
 
 
 class ChunkPath:
     """Prompt-chunk forwards of a supported model (module docstring). Bind after any change of the
     model's weights (fusion, dtype): the views are of the weights as they are now."""
 
-    def __init__(self, model):
+    def __init__(self, model, ops: Optional[ReferenceOps] = None):
+        """`ops`: the attention and SwiGLU (ReferenceOps: MLX's, or engine/cpu_math.py's)."""
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"chunk path: {why}")
         backbone = model.model
         self.embed = backbone.embed_tokens
         self.layers = bind_layers(backbone.layers)
+        self.ops = ops or ReferenceOps()
         self.norm_w, self.norm_eps = backbone.norm.weight, backbone.norm.eps
         attn = backbone.layers[0].self_attn
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
@@ -53,6 +55,7 @@ class ChunkPath:
         (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
         row and T new tokens, whose KV it writes (and reads)."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
+        attention, swiglu = self.ops.attention, self.ops.swiglu
         T = tokens.shape[1]
         offset = view.offset
         h = self.embed(tokens)  # [1, T, D]
@@ -72,8 +75,7 @@ class ChunkPath:
             out = view.attend(i, q, layer.scale)  # a one-token chunk of a paged pool
             if out is None:
                 keys, values = view.read(i)
-                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=layer.scale,
-                                                           mask="causal" if Tq > 1 else None)
+                out = attention(q, keys, values, layer.scale, "causal" if Tq > 1 else None)
             h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
             x = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
             h = h + layer.down(swiglu(layer.gate(x), layer.up(x)))

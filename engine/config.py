@@ -104,16 +104,23 @@ class EngineConfig(BaseModel):
     )
     layer_loops: bool = Field(
         True,
-        description="Prompt chunks, and decodes that read the pool in place, of llama-shaped models run "
-        "the engine's own layer loops over weights bound once (engine/chunk_path.py, decode_path.py): "
-        "the same operations as mlx-lm's modules with less host work per forward, which the GPU "
-        "otherwise waits for. False, or other models: mlx-lm's modules.",
+        description="Prompt chunks and decodes of llama-shaped models run the engine's own layer loops "
+        "over weights bound once (engine/chunk_path.py, decode_path.py): the same operations as "
+        "mlx-lm's modules with less host work per forward, which the GPU otherwise waits for. False, or "
+        "other models: mlx-lm's modules.",
     )
     compiled_decode: bool = Field(
         True,
         description="The layer loop's decodes (layer_loops on CUDA) build each layer's operations from a "
         "compiled trace (mx.compile, one trace per batch size; engine/decode_path.py CompiledLayers): "
         "less host work per decode step, the same operations. False: built in Python.",
+    )
+    cpu_math: bool = Field(
+        True,
+        description="On MLX's CPU backend, the layer loops compute attention and SwiGLU with exp as a "
+        "power (engine/cpu_math.py): MLX's CPU exp is some 3x slower than its power, and the softmax and "
+        "SiLU are most of a small model's CPU forward beside the matmuls. The same formulas; greedy "
+        "output equals mlx-lm's. False, or other backends: MLX's attention and mlx-lm's SwiGLU.",
     )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "

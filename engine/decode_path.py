@@ -39,7 +39,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-from engine import bound
+from engine import bound, cpu_math
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,20 @@ class RopeSpec:
 
 
 class ReferenceOps:
-    """The two steps with MLX operations, exactly mlx-lm's (CPU, and the kernels' oracle)."""
+    """The two steps with MLX operations, exactly mlx-lm's (CPU, and the kernels' oracle); and the
+    layer loops' attention (of a gathered forward) and SwiGLU: MLX's and mlx-lm's, or with
+    `cpu_math` engine/cpu_math.py's (MLX's CPU backend: the same formulas with exp as a power)."""
+
+    def __init__(self, cpu_math: bool = False):
+        self.cpu_math = cpu_math
+
+    def attention(self, queries, keys, values, scale: float, mask=None) -> mx.array:
+        if self.cpu_math:
+            return cpu_math.attention(queries, keys, values, scale, mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
+        return cpu_math.swiglu(gate, up) if self.cpu_math else swiglu(gate, up)
 
     def rope_qkv(self, qkv: mx.array, offsets: mx.array, rope: RopeSpec, heads: int, kv_heads: int):
         """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d] (q, k rotated)."""
@@ -155,6 +168,7 @@ class CudaOps(ReferenceOps):
     """The two CUDA kernels (module docstring)."""
 
     def __init__(self):
+        super().__init__()
         self._rope = mx.fast.cuda_kernel(
             name="rope_qkv", input_names=["qkv", "offsets", "params", "freqs"], output_names=["q", "k", "v"],
             source=_ROPE_QKV)
@@ -238,8 +252,8 @@ class DecodePath:
                 logger.info("decode layers not compiled (%s)", why)
 
     def forward(self, tokens: mx.array, view) -> mx.array:
-        """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a paged ForwardView
-        (engine/kv.py) whose KV it writes and reads."""
+        """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a ForwardView
+        (engine/kv.py) whose KV it writes and reads (in place when paged, else gathered)."""
         offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
         offsets = offsets.astype(mx.int32)
         h = self.backbone.embed_tokens(tokens)  # [B, 1, D]
@@ -249,11 +263,17 @@ class DecodePath:
         y = mx.fast.rms_norm(h, first.in_w, first.in_eps)
         for i, layer in enumerate(self.layers):
             q, k, v = self.ops.rope_qkv(layer.qkv(y), offsets, self.ropes[i], self.heads, self.kv_heads)
-            view.write_and_read(i, k, v)
-            out = view.attend(i, q, layer.scale)  # [B, H, 1, d]
+            out = self.attend(view, i, q, k, v, layer.scale)
             h, y = self.block_end(h, out, layer.o, layer.post_w, layer.post_eps, layer.gate_up, layer.down,
                                   layer.up_start, *self.next_norm(i))
         return y
+
+    def attend(self, view, i: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """Write layer i's new keys and values, then attend: in the pool in place (a paged view), or
+        over the rows' gathered KV, masked to each row's length -> [B, H, 1, d]."""
+        keys, values = view.write_and_read(i, k, v)
+        out = view.attend(i, q, scale)
+        return self.ops.attention(q, keys, values, scale, view.mask) if out is None else out
 
     def block_end(self, h, out, o, post_w, post_eps, gate_up, down, up_start: int, next_w, next_eps):
         """A layer after its attention (out [B, H, 1, d]): o, the residual add and the post-attention
@@ -261,11 +281,11 @@ class DecodePath:
         callables (bound, or their arrays in a compiled trace)."""
         B = h.shape[0]
         h, y = self.ops.add_rms_norm(h, o(out.reshape(B, 1, self.heads * self.head_dim)), post_w, post_eps)
-        return self.ops.add_rms_norm(h, swiglu_mlp(y, gate_up, down, up_start), next_w, next_eps)
+        return self.ops.add_rms_norm(h, swiglu_mlp(y, gate_up, down, up_start, self.ops.swiglu), next_w, next_eps)
 
     def mlp(self, layer: bound.BoundLayer, y: mx.array) -> mx.array:
         """The MLP from its fused gate/up product, as engine/fused.py's parts compute it."""
-        return swiglu_mlp(y, layer.gate_up, layer.down, layer.up_start)
+        return swiglu_mlp(y, layer.gate_up, layer.down, layer.up_start, self.ops.swiglu)
 
     def next_norm(self, i: int) -> tuple:
         """(weight, eps) of the norm after layer i's block: the next layer's input norm, or the final."""
@@ -274,10 +294,11 @@ class DecodePath:
         return self.backbone.norm.weight, self.backbone.norm.eps
 
 
-def swiglu_mlp(y: mx.array, gate_up, down, up_start: int) -> mx.array:
-    """down(SwiGLU(gate, up)) from the fused gate/up product (columns [0, up_start) gate, the rest up)."""
+def swiglu_mlp(y: mx.array, gate_up, down, up_start: int, act=swiglu) -> mx.array:
+    """down(act(gate, up)) from the fused gate/up product (columns [0, up_start) gate, the rest up);
+    `act` a SwiGLU (mlx-lm's, or `ReferenceOps.swiglu`)."""
     product = gate_up(y)
-    return down(swiglu(product[..., :up_start], product[..., up_start:]))
+    return down(act(product[..., :up_start], product[..., up_start:]))
 
 
 class CompiledLayers:
@@ -352,8 +373,7 @@ class CompiledLayers:
         q, k, v = self._first(h, offsets, layers[0].in_w, *self._qkv[0])
         last = len(layers) - 1
         for i, layer in enumerate(layers):
-            view.write_and_read(i, k, v)
-            out = view.attend(i, q, layer.scale)  # [B, H, 1, d]
+            out = self.path.attend(view, i, q, k, v, layer.scale)  # [B, H, 1, d]
             if i == last:
                 return self._last(h, out, *self._end[i])
             h, q, k, v = self._middle(h, out, offsets, *self._end[i], *self._qkv[i + 1])

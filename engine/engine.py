@@ -75,11 +75,12 @@ def mlx_backend() -> str:
 KV_BLOCK_TOKENS = 256
 
 
-def backend_coefficients(shape: Optional[ModelShape] = None):
+def backend_coefficients(shape: Optional[ModelShape] = None, cpu_math: bool = True):
     """(the memory model's coefficients, what they are) for this process's MLX backend and settings,
-    calibrated for `shape` where a calibration ships (memory.SHAPE_CALIBRATIONS)."""
+    calibrated for `shape` where a calibration ships (memory.SHAPE_CALIBRATIONS). `cpu_math`: prompt
+    chunks run the layer loop with engine/cpu_math.py (on the CPU: the default)."""
     ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "")
-    return coefficients_for(mlx_backend(), int(ops) if ops.isdigit() else None, shape)
+    return coefficients_for(mlx_backend(), int(ops) if ops.isdigit() else None, shape, cpu_math)
 
 
 def resolve_dtype(name: str) -> str:
@@ -116,9 +117,12 @@ class Engine(ForwardsMixin):
                                   fuse=config.fuse_projections,
                                   decode_kernels=config.decode_kernels and mlx_backend() == "cuda",
                                   mixed=config.mixed_batches, layer_loops=config.layer_loops,
-                                  compiled_decode=config.compiled_decode)
+                                  compiled_decode=config.compiled_decode and mlx_backend() == "cuda",
+                                  cpu_math=config.cpu_math and mlx_backend() == "cpu")
         shape = ModelShape.from_config(model_config, dtype_bytes, weights_bytes)
-        coefficients, self.memory_coefficients_source = backend_coefficients(shape)
+        runner = self.runner
+        coefficients, self.memory_coefficients_source = backend_coefficients(
+            shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math)
         if config.memory_coefficients:
             self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
         logger.info("memory model: %s", self.memory_coefficients_source)

@@ -93,7 +93,10 @@ class ForwardsMixin:
         return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
 
     def _launch(self, decode: _Inflight) -> None:
-        """Start a built decode; the device is idle (its transient is measured from here)."""
+        """Start a built decode; the device is idle (its transient is measured from here). Synchronized
+        first: MLX's CPU worker may still be releasing the finished forward's buffers, which would count
+        in the base and hide as much of this forward's transient."""
+        mx.synchronize()
         self._launch_base_bytes = mx.get_active_memory()
         mx.reset_peak_memory()
         self.runner.launch(decode.forward)
@@ -206,8 +209,10 @@ class ForwardsMixin:
         return sampled
 
     def _measure_from(self) -> tuple[int, int]:
-        """Wait for the previous step's deferred forward, then start measuring this step's transient."""
+        """Wait for the previous step's deferred forward, then start measuring this step's transient
+        (synchronized first, as `_launch`)."""
         self._retire_deferred()
+        mx.synchronize()
         mx.reset_peak_memory()
         return mx.get_active_memory(), self.runner.kv_allocated_bytes
 

@@ -119,7 +119,21 @@ class TransientCoefficients:
     mixed_min_layers: int = 0
 
 
+# MLX's CPU backend with the engine's attention and SwiGLU of engine/cpu_math.py (EngineConfig.cpu_math,
+# the default there): its prompt chunks score 1/16 of their queries at a time, so the scores term is
+# small beside the hidden-size ones. Fitted from 2011 prompt chunks and 985 decode steps of four 2-layer
+# shapes (predicted / measured 1.0-1.74 for chunks, 1.0-1.94 for decodes), then the decode terms kept
+# at the earlier set's, which bound the engine's decode loop from above (it holds less than mlx-lm's
+# modules did):
+#     python scripts/calibrate_memory.py --iterations 600
 CPU_COEFFICIENTS = TransientCoefficients(
+    prefill_scores=0.1, prefill_mask=0.4, prefill_mlp=0.25, prefill_hidden=19.2, prefill_logits=1.6,
+    decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
+    prefill_gather=1.13,
+)
+# The CPU backend with MLX's attention (cpu_math off), and Metal, which has no data of its own: the set
+# chosen by hand before cpu_math (docs/memory.md).
+CPU_MLX_ATTENTION_COEFFICIENTS = TransientCoefficients(
     prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
     decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
 )
@@ -199,11 +213,15 @@ SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the se
 }
 
 
-def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None) -> TransientCoefficients:
+def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None,
+                             cpu_math: bool = True) -> TransientCoefficients:
     """The coefficient set of an MLX backend: "cpu", "cuda", or "metal" (no Metal data yet: the CPU
-    set, whose one-layer-at-a-time freeing Metal's per-command-buffer release may not match).
-    `max_ops_per_buffer`: MLX_MAX_OPS_PER_BUFFER if set; on CUDA at most 8 picks the set fitted so."""
-    table = {"cpu": CPU_COEFFICIENTS, "cuda": CUDA_COEFFICIENTS, "metal": CPU_COEFFICIENTS}
+    set with MLX's attention, whose one-layer-at-a-time freeing Metal's per-command-buffer release may
+    not match). `max_ops_per_buffer`: MLX_MAX_OPS_PER_BUFFER if set; on CUDA at most 8 picks the set
+    fitted so. `cpu_math`: on the CPU, the engine's layer loops run engine/cpu_math.py (else MLX's
+    attention)."""
+    cpu = CPU_COEFFICIENTS if cpu_math else CPU_MLX_ATTENTION_COEFFICIENTS
+    table = {"cpu": cpu, "cuda": CUDA_COEFFICIENTS, "metal": CPU_MLX_ATTENTION_COEFFICIENTS}
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in table:
         raise ValueError(f"unknown MLX backend {name!r}: expected one of {sorted(table)}")
@@ -213,11 +231,12 @@ def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None
 
 
 def coefficients_for(name: str, max_ops_per_buffer: Optional[int] = None,
-                     shape: Optional["ModelShape"] = None) -> tuple[TransientCoefficients, str]:
+                     shape: Optional["ModelShape"] = None, cpu_math: bool = True) -> tuple[TransientCoefficients, str]:
     """(the set, what it is): the backend's set (`coefficients_for_backend`), or its calibration for
     `shape` where one ships (SHAPE_CALIBRATIONS)."""
-    base = coefficients_for_backend(name, max_ops_per_buffer)
+    base = coefficients_for_backend(name, max_ops_per_buffer, cpu_math)
     set_name = ("cuda-ops8" if base is CUDA_OPS8_COEFFICIENTS else "cuda" if base is CUDA_COEFFICIENTS
+                else "cpu-mlx-attention" if base is CPU_MLX_ATTENTION_COEFFICIENTS and name.strip().lower() == "cpu"
                 else name.strip().lower())
     entry = SHAPE_CALIBRATIONS.get((set_name, shape_key(shape))) if shape is not None else None
     return (entry[1], entry[0]) if entry else (base, f"{set_name} set")

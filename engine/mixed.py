@@ -74,8 +74,7 @@ class MixedForward:
             d_out = decode_view.attend(i, dq, layer.scale)  # the paged kernel, None when gathering
             if d_out is None:
                 dkeys, dvalues = decode_view.read(i)
-                d_out = mx.fast.scaled_dot_product_attention(dq, dkeys, dvalues, scale=layer.scale,
-                                                             mask=decode_view.mask)
+                d_out = ops.attention(dq, dkeys, dvalues, layer.scale, decode_view.mask)
             parts = [d_out.transpose(2, 0, 1, 3)]  # [1, B, H, d]
             if Tq:
                 q = layer.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
@@ -84,8 +83,7 @@ class MixedForward:
                 if out is None:
                     keys, values = chunk_view.read(i)
                     # the chunk's queries are its last Tq positions: causal, or (one query) every key
-                    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=layer.scale,
-                                                               mask="causal" if Tq > 1 else None)
+                    out = ops.attention(q, keys, values, layer.scale, "causal" if Tq > 1 else None)
                 parts.insert(0, out.transpose(0, 2, 1, 3))
             # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
             # (mlx-lm's module makes the same one copy of the chunk's alone)

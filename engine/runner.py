@@ -75,7 +75,8 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
                  paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
-                 mixed: bool = True, layer_loops: bool = True, compiled_decode: bool = True):
+                 mixed: bool = True, layer_loops: bool = True, compiled_decode: bool = True,
+                 cpu_math: bool = False):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
         `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
         asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
@@ -87,10 +88,11 @@ class ModelRunner:
         and fused, and the kernels pass their self-check; else mlx-lm's modules.
         `mixed`: a prompt chunk and decode rows can run as one forward (`mixed_forward`,
         engine/mixed.py), if the model is supported and fused (`self.mixed`).
-        `layer_loops`: prompt chunks run engine/chunk_path.py's loop, and decodes that read the pool in
-        place engine/decode_path.py's (with MLX's operations, unless `decode_kernels`), if the model is
-        supported (bound after fusion: their views are of the fused weights); else mlx-lm's modules.
-        `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers)."""
+        `layer_loops`: prompt chunks run engine/chunk_path.py's loop, and decodes engine/decode_path.py's
+        (with MLX's operations, unless `decode_kernels`), if the model is supported (bound after fusion:
+        their views are of the fused weights); else mlx-lm's modules.
+        `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers).
+        `cpu_math`: the loops' attention and SwiGLU are engine/cpu_math.py's (for MLX's CPU backend)."""
         check_plain_kv_cache(model)
         self.model = model
         self._backbone, self._head = _split_model(model)
@@ -107,19 +109,19 @@ class ModelRunner:
         self.mixed: Optional[MixedForward] = None
         if decode_kernels:
             self._enable_decode_kernels(dtype)
+        self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
         why_not = decode_unsupported(self.model, kernels=False)
-        if layer_loops and self.decode_path is None and self.fused and self.paged_attention and why_not is None:
-            self.decode_path = DecodePath(self.model, ReferenceOps(),  # the loop runs paged decodes only
-                                          compiled=compiled_decode)
+        if layer_loops and self.decode_path is None and self.fused and why_not is None:
+            self.decode_path = DecodePath(self.model, self.ops, compiled=compiled_decode)
         if mixed and self.fused and why_not is None:
-            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
         elif mixed and self.fused:
             logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.chunk_path: Optional[ChunkPath] = None
         if layer_loops:
             why_not = loops_unsupported(self.model)
             if why_not is None:
-                self.chunk_path = ChunkPath(self.model)
+                self.chunk_path = ChunkPath(self.model, self.ops)
             else:
                 logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
@@ -157,7 +159,8 @@ class ModelRunner:
                 return
             except Exception as exc:  # noqa: BLE001 - any failure means: do without them
                 why_not = f"{type(exc).__name__}: {exc}"
-        logger.warning("decode kernels not used (%s): decode runs mlx-lm's modules", why_not)
+        logger.warning("decode kernels not used (%s): decode runs %s", why_not,
+                       "mlx-lm's modules" if self.decode_path is None else "the layer loop with MLX's operations")
 
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:
         """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules), its
@@ -165,7 +168,7 @@ class ModelRunner:
         decode attention."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled)
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
-            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, ReferenceOps()))
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
 
     @property
     def paged_attention(self) -> bool:
@@ -267,8 +270,8 @@ class ModelRunner:
 
     def _decode_forward(self, tokens: mx.array, view: ForwardView) -> mx.array:
         """tokens [B, 1] -> final hidden states [B, 1, D]: the engine's decode loop where it is enabled
-        and the forward is paged (engine/decode_path.py), else mlx-lm's modules."""
-        if self.decode_path is None or not view.reads_paged:
+        (engine/decode_path.py), else mlx-lm's modules."""
+        if self.decode_path is None:
             return self._forward(tokens, view.layers())
         self._count(tokens.size)
         with fused_forward():

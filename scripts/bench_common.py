@@ -187,15 +187,16 @@ def chunk_bytes(memory, num_tokens: int, context_len: int, computes_logits: bool
         return memory.prefill_chunk_bytes(num_tokens, context_len)
 
 
-def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None):
+def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None, cpu_math: bool = True):
     """The engine's memory model for this model on this MLX backend (as Engine builds it);
-    `overrides`: EngineConfig.memory_coefficients."""
+    `overrides`: EngineConfig.memory_coefficients; `cpu_math`: False for forwards through mlx-lm's
+    modules (MLX's attention: the set the CPU engine uses with EngineConfig.cpu_math off)."""
     from engine.engine import backend_coefficients
     from engine.memory import MemoryModel, ModelShape, with_overrides
 
     dtype_bytes = DTYPES[loaded.dtype].size
     shape = ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes)
-    return MemoryModel(shape, coefficients=with_overrides(backend_coefficients(shape)[0], overrides))
+    return MemoryModel(shape, coefficients=with_overrides(backend_coefficients(shape, cpu_math)[0], overrides))
 
 
 # --------------------------------------------------------------------------- output

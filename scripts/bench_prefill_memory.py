@@ -484,7 +484,8 @@ def main(argv=None) -> dict:
         ways = [w for w in ways if w != "naive_padded"]
     lm = load_bench_model(args.model, args.dtype, args.layers, args.init, args.seed)
     ENGINE_OVERRIDES.update(json.loads(args.engine_config) if args.engine_config else {})
-    memory = memory_model_for(lm, ENGINE_OVERRIDES.get("memory_coefficients"))
+    # the other ways' predictions: their forwards run mlx-lm's modules, with MLX's attention
+    memory = memory_model_for(lm, ENGINE_OVERRIDES.get("memory_coefficients"), cpu_math=False)
     prompts = random_prompts(lengths, lm.config["vocab_size"], args.seed)
     result: dict = dict(
         bench="prefill_memory", argv=sys.argv[1:] if argv is None else argv, model=args.model,

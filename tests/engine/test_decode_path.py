@@ -16,6 +16,7 @@ from engine.request import SamplingParams
 
 class CountingOps(ReferenceOps):
     def __init__(self):
+        super().__init__()
         self.calls = {"rope_qkv": 0, "add_rms_norm": 0}
 
     def rope_qkv(self, *args):
@@ -109,13 +110,16 @@ def test_self_check_passes_the_reference_and_catches_a_wrong_kernel(make_engine)
         self_check(WrongRope(), engine.model, mx.float32)
 
 
-def test_runner_without_paged_attention_keeps_mlx_lm_modules(make_engine):
-    """On the CPU the engine asks for no kernels; asked anyway, a runner whose decode gathers says why
-    not and keeps mlx-lm's modules."""
+def test_cpu_decode_runs_the_gathering_loop_and_refuses_kernels(make_engine):
+    """On the CPU the engine's decode runs the layer loop over gathered KV with engine/cpu_math.py's
+    attention and SwiGLU; asked for the CUDA kernels anyway, a runner whose decode gathers says why not
+    and keeps that loop."""
     engine = make_engine()
-    assert engine.runner.decode_path is None
+    path = engine.runner.decode_path
+    assert path is not None and type(path.ops) is ReferenceOps and path.ops.cpu_math
+    assert not engine.runner.paged_attention and path.compiled is None
     engine.runner._enable_decode_kernels(mx.float32)
-    assert engine.runner.decode_path is None
+    assert engine.runner.decode_path is path
 
 
 def test_compiled_layers_give_the_same_logits_and_greedy_tokens(make_engine, tiny_parts, reference_greedy,

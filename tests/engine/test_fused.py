@@ -66,16 +66,15 @@ def decode_matmuls(engine) -> int:
     engine.add_request("a", [5, 9, 17, 4], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # the prompt
     runner, counts = engine.runner, []
-    forward = runner._forward
+    forward = runner._decode_forward  # the layer loop, or (unfused) mlx-lm's modules
 
-    def counting(tokens, cache):
-        hidden = forward(tokens, cache)
-        if tokens.shape[1] == 1:
-            ops = op_counts(hidden)
-            counts.append(ops.get("Matmul", 0) + ops.get("AddMM", 0))
+    def counting(tokens, view):
+        hidden = forward(tokens, view)
+        ops = op_counts(hidden)
+        counts.append(ops.get("Matmul", 0) + ops.get("AddMM", 0))
         return hidden
 
-    runner._forward = counting
+    runner._decode_forward = counting
     engine.step()
     return counts[0]
 

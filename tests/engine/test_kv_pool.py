@@ -54,15 +54,15 @@ def test_decode_graph_does_not_grow_with_the_batch(make_engine):
         for i, p in enumerate(random_prompts([40 + 7 * i for i in range(batch)], 49152, seed=batch)):
             engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
         engine.step()  # every prompt prefills
-        forward = engine.runner._forward
+        forward = engine.runner._decode_forward
         graphs = []
 
-        def counting(tokens, cache, forward=forward, graphs=graphs):
-            hidden = forward(tokens, cache)
+        def counting(tokens, view, forward=forward, graphs=graphs):
+            hidden = forward(tokens, view)
             graphs.append(count_ops(hidden))
             return hidden
 
-        engine.runner._forward = counting
+        engine.runner._decode_forward = counting
         engine.step()  # the first decode step, pipelined: its forward of all rows and the next one's
         sizes[batch] = graphs
     assert len(sizes[2]) == len(sizes[6]) == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from contextlib import aclosing
 from pathlib import Path
 
@@ -262,6 +263,13 @@ def test_app_args():
     args = parse_args({"engine": {"model": "tiny"}, "num_replicas": 2, "replica": {"resources": {"h": 1}}})
     opts = args.replica_deployment_options()
     assert opts["num_replicas"] == 2 and opts["ray_actor_options"]["resources"] == {"h": 1}
+    # the CPU matmuls use every core (Ray would set OMP_NUM_THREADS=1 for num_cpus 0.5), or as asked
+    env = opts["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["OPENBLAS_NUM_THREADS"] == env["OMP_NUM_THREADS"] == str(os.cpu_count())
+    env = parse_args({"replica": {"cpu_threads": 3}}).replica_deployment_options()["ray_actor_options"]
+    assert env["runtime_env"]["env_vars"]["OPENBLAS_NUM_THREADS"] == "3"
+    with pytest.raises(ValueError, match="cpu_threads"):
+        parse_args({"replica": {"cpu_threads": -1}})
     auto = AppArgs(autoscaling={"min_replicas": 1, "max_replicas": 3}, num_replicas=None)
     assert "autoscaling_config" in auto.replica_deployment_options()
     assert args.ingress_settings().model_name() == "tiny"

@@ -29,7 +29,8 @@ def test_bound_dominates_every_step_and_grows_with_config():
         for n in (c, 1000, 8192):
             assert m.prefill_chunk_bytes(c, n) <= bound
     assert m.decode_bytes([8192] * 16) <= bound
-    assert m.transient_bound_bytes(16, 1024, 8192) > bound
+    assert m.transient_bound_bytes(1, 1024, 8192) > m.transient_bound_bytes(1, 512, 8192)  # prefill-bound
+    assert m.transient_bound_bytes(32, 512, 8192) > bound  # decode-bound
     assert m.transient_bound_bytes(16, 512, 4096) < bound
 
 
@@ -56,16 +57,18 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine.memory import (CPU_COEFFICIENTS, CUDA_COEFFICIENTS, CUDA_OPS8_COEFFICIENTS, TransientCoefficients,  # noqa: E402
-                           coefficients_for_backend)
+from engine.memory import (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS, CUDA_COEFFICIENTS,  # noqa: E402
+                           CUDA_OPS8_COEFFICIENTS, TransientCoefficients, coefficients_for_backend)
 
 
 def test_cpu_predictions_unchanged_by_the_cuda_terms():
     # prefill values of the formulas before layers_in_flight / step_overhead_bytes existed (commit
     # 4015f80); decode values since the decode phases are summed (the head is launched while the
-    # layers run) and decode_logits was refitted to 1.3
-    m = MemoryModel(LLAMA3_8B)
-    assert CPU_COEFFICIENTS.layers_in_flight == 1 and CPU_COEFFICIENTS.step_overhead_bytes == 0
+    # layers run) and decode_logits was refitted to 1.3; with the CPU set of MLX's attention (the CPU
+    # set before engine/cpu_math.py)
+    m = MemoryModel(LLAMA3_8B, coefficients=CPU_MLX_ATTENTION_COEFFICIENTS)
+    for cpu in (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS):
+        assert cpu.layers_in_flight == 1 and cpu.step_overhead_bytes == 0
     assert m.prefill_chunk_bytes(512, 8192, samples=True) == 800573153
     assert m.prefill_chunk_bytes(1, 100) == 1852563
     assert m.prefill_chunk_bytes(128, 300, computes_logits=False) == 30732354
@@ -78,7 +81,8 @@ def test_cpu_predictions_unchanged_by_the_cuda_terms():
 def test_coefficients_for_backend_picks_the_set():
     assert coefficients_for_backend("cpu") is CPU_COEFFICIENTS
     assert coefficients_for_backend("cuda") is CUDA_COEFFICIENTS
-    assert coefficients_for_backend("metal") is CPU_COEFFICIENTS  # no Metal measurements yet
+    assert coefficients_for_backend("cpu", cpu_math=False) is CPU_MLX_ATTENTION_COEFFICIENTS
+    assert coefficients_for_backend("metal") is CPU_MLX_ATTENTION_COEFFICIENTS  # no Metal measurements yet
     assert coefficients_for_backend(" CUDA ") is CUDA_COEFFICIENTS
     assert coefficients_for_backend("cuda", 8) is CUDA_OPS8_COEFFICIENTS
     assert coefficients_for_backend("cuda", 64) is CUDA_COEFFICIENTS
