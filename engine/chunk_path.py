@@ -9,7 +9,8 @@ the last few layers. On an H200 host, with mlx-lm's modules, the engine built ea
 the device had been idle most of the build (docs/benchmarks.md, session 8, run A8).
 
 This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, RoPE, the KV write and
-read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down) with:
+read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down; on the CPU
+the attention and SwiGLU of engine/cpu_math.py, `EngineConfig.cpu_math`) with:
 - every projection's weight bound once (engine/bound.py), so the same matmuls run on the same memory
   without a slice or transpose built per call;
 - no module dispatch (attribute lookups, fused-product bookkeeping) per layer;

@@ -13,8 +13,10 @@ thing with 12 kernels and 31 operations per layer:
   of mlx-lm's block become one, twice per layer.
 
 Only decode forwards (one token per row) of models whose layers are mlx-lm's llama `TransformerBlock`
-(llama, and the families that reuse it) with fused projections (engine/fused.py) and paged attention
-take it (`unsupported` says why not); everything else runs mlx-lm's modules. Every projection's weight
+(llama, and the families that reuse it) with fused projections (engine/fused.py) take it (`unsupported`
+says why not); everything else runs mlx-lm's modules. A paged forward attends in the pool in place; a
+gathering one (the CPU) attends over the rows' gathered KV with `ReferenceOps.attention` (on the CPU
+engine/cpu_math.py's). Every projection's weight
 is bound once (engine/bound.py). `ReferenceOps` computes the two steps with MLX operations exactly as
 mlx-lm does: that is the engine's default decode on CUDA (`EngineConfig.layer_loops`), which builds an 8B
 decode's graph in less host time than mlx-lm's modules (docs/benchmarks.md, session 8), and less again
