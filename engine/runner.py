@@ -107,9 +107,9 @@ class ModelRunner:
             self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
         self.decode_path: Optional[DecodePath] = None
         self.mixed: Optional[MixedForward] = None
+        self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
         if decode_kernels:
             self._enable_decode_kernels(dtype)
-        self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
         why_not = decode_unsupported(self.model, kernels=False)
         if layer_loops and self.decode_path is None and self.fused and why_not is None:
             self.decode_path = DecodePath(self.model, self.ops, compiled=compiled_decode)
@@ -164,8 +164,7 @@ class ModelRunner:
 
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:
         """Decode forwards run engine/decode_path.py's loop with `ops` (None: mlx-lm's modules), its
-        layers `compiled` where they can be. ValueError if the model is not supported; it needs paged
-        decode attention."""
+        layers `compiled` where they can be. ValueError if the model is not supported."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled)
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
