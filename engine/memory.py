@@ -121,10 +121,10 @@ class TransientCoefficients:
 
 # MLX's CPU backend with the engine's attention and SwiGLU of engine/cpu_math.py (EngineConfig.cpu_math,
 # the default there): its prompt chunks score 1/16 of their queries at a time, so the scores term is
-# small beside the hidden-size ones. Fitted from 2011 prompt chunks and 985 decode steps of four 2-layer
-# shapes (predicted / measured 1.0-1.74 for chunks, 1.0-1.94 for decodes), then the decode terms kept
-# at the earlier set's, which bound the engine's decode loop from above (it holds less than mlx-lm's
-# modules did):
+# small beside the hidden-size ones. The prefill terms fitted from 2011 prompt chunks of four 2-layer
+# shapes (predicted / measured 1.0-1.74); the decode terms kept at the earlier set's, which bound the
+# engine's decode loop from above on the same run's 985 decode steps (1.02-2.22: it holds less than
+# mlx-lm's modules did):
 #     python scripts/calibrate_memory.py --iterations 600
 CPU_COEFFICIENTS = TransientCoefficients(
     prefill_scores=0.1, prefill_mask=0.4, prefill_mlp=0.25, prefill_hidden=19.2, prefill_logits=1.6,
