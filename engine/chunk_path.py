@@ -56,7 +56,7 @@ class ChunkPath:
         (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
         row and T new tokens, whose KV it writes (and reads)."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
-        attention, swiglu = self.ops.attention, self.ops.swiglu
+        swiglu = self.ops.swiglu
         T = tokens.shape[1]
         offset = view.offset
         h = self.embed(tokens)  # [1, T, D]
@@ -73,10 +73,7 @@ class ChunkPath:
                     x, h = x[:, -1:], h[:, -1:]
             Tq = x.shape[1]
             q = layer.rope(layer.q(x).reshape(1, Tq, H, d).transpose(0, 2, 1, 3), offset=offset + T - Tq)
-            out = view.attend(i, q, layer.scale)  # a one-token chunk of a paged pool
-            if out is None:
-                keys, values = view.read(i)
-                out = attention(q, keys, values, layer.scale, "causal" if Tq > 1 else None)
+            out = self.ops.attend(view, i, q, layer.scale)
             h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
             x = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
             h = h + layer.down(swiglu(layer.gate(x), layer.up(x)))

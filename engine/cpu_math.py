@@ -36,17 +36,20 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return gate / (1 + exp(-gate)) * up
 
 
+QUERY_BLOCKS = 16
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: Union[None, str, mx.array] = None) -> mx.array:
+              mask: Union[None, str, mx.array] = None, blocks: int = QUERY_BLOCKS) -> mx.array:
     """queries [B, H, T, d], keys/values [B, H_kv, L, d] (H a multiple of H_kv) -> [B, H, T, d].
     `mask`: None (every key), "causal" (query i reads keys up to L - T + i), or a boolean array that
-    broadcasts to [B, H, T, L] (True: read). A causal chunk's queries run in QUERY_BLOCKS blocks, one
+    broadcasts to [B, H, T, L] (True: read). A causal chunk's queries run in `blocks` blocks, one
     after another, each over the keys its last query reads: the masked keys past a block are never
-    scored, and the blocks' scores are not all alive at once (a whole chunk's scores and their
-    softmax's temporaries are some 2x its scores, where MLX's attention holds about 1.2-1.5x)."""
+    scored, and the blocks' scores are not all alive at once (scripts/bench_cpu_math.py measures the
+    peak with one block and with the default)."""
     T, L = queries.shape[2], keys.shape[2]
     if isinstance(mask, str) and mask == "causal" and T > 1:
-        size = -(-T // QUERY_BLOCKS)
+        size = -(-T // blocks)
         parts = []
         for start in range(0, T, size):
             end = min(T, start + size)
@@ -57,9 +60,6 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
             parts.append(_attend(block, keys[:, :, :last_key], values[:, :, :last_key], scale, "causal"))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
     return _attend(queries, keys, values, scale, mask)
-
-
-QUERY_BLOCKS = 16
 
 
 def _attend(queries, keys, values, scale: float, mask) -> mx.array:

@@ -152,6 +152,17 @@ class ReferenceOps:
     def swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
         return cpu_math.swiglu(gate, up) if self.cpu_math else swiglu(gate, up)
 
+    def attend(self, view, i: int, q: mx.array, scale: float) -> mx.array:
+        """Layer i's attention of `q` [B, H, Tq, d] over the KV `view` holds (its new keys written):
+        in the pool in place where the view is paged, else over what it reads (a view of one row, or
+        the rows' gathered KV) with `attention`, causal for several queries, else masked to each row's
+        length (`view.mask`, None for one row)."""
+        out = view.attend(i, q, scale)
+        if out is None:
+            keys, values = view.read(i)
+            out = self.attention(q, keys, values, scale, "causal" if q.shape[2] > 1 else view.mask)
+        return out
+
     def rope_qkv(self, qkv: mx.array, offsets: mx.array, rope: RopeSpec, heads: int, kv_heads: int):
         """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d] (q, k rotated)."""
         B, d = qkv.shape[0], rope.head_dim
@@ -271,11 +282,9 @@ class DecodePath:
         return y
 
     def attend(self, view, i: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """Write layer i's new keys and values, then attend: in the pool in place (a paged view), or
-        over the rows' gathered KV, masked to each row's length -> [B, H, 1, d]."""
-        keys, values = view.write_and_read(i, k, v)
-        out = view.attend(i, q, scale)
-        return self.ops.attention(q, keys, values, scale, view.mask) if out is None else out
+        """Write layer i's new keys and values, then attend (`ReferenceOps.attend`) -> [B, H, 1, d]."""
+        view.write(i, k, v)
+        return self.ops.attend(view, i, q, scale)
 
     def block_end(self, h, out, o, post_w, post_eps, gate_up, down, up_start: int, next_w, next_eps):
         """A layer after its attention (out [B, H, 1, d]): o, the residual add and the post-attention

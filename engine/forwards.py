@@ -49,6 +49,15 @@ class _Deferred:
     base_bytes: int  # what its step's transient was measured over
 
 
+def _measure_start() -> int:
+    """Start measuring a transient: MLX's active bytes now, its peak reset. Synchronized first: MLX's
+    worker may still be releasing a finished forward's buffers, which would count in this base and hide
+    as much of the transient."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
 class ForwardsMixin:
     """Step execution for `Engine` (see the module docstring)."""
 
@@ -93,12 +102,8 @@ class ForwardsMixin:
         return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
 
     def _launch(self, decode: _Inflight) -> None:
-        """Start a built decode; the device is idle (its transient is measured from here). Synchronized
-        first: MLX's CPU worker may still be releasing the finished forward's buffers, which would count
-        in the base and hide as much of this forward's transient."""
-        mx.synchronize()
-        self._launch_base_bytes = mx.get_active_memory()
-        mx.reset_peak_memory()
+        """Start a built decode; the device is idle (its transient is measured from here)."""
+        self._launch_base_bytes = _measure_start()
         self.runner.launch(decode.forward)
 
     def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
@@ -209,12 +214,9 @@ class ForwardsMixin:
         return sampled
 
     def _measure_from(self) -> tuple[int, int]:
-        """Wait for the previous step's deferred forward, then start measuring this step's transient
-        (synchronized first, as `_launch`)."""
+        """Wait for the previous step's deferred forward, then start measuring this step's transient."""
         self._retire_deferred()
-        mx.synchronize()
-        mx.reset_peak_memory()
-        return mx.get_active_memory(), self.runner.kv_allocated_bytes
+        return _measure_start(), self.runner.kv_allocated_bytes
 
     def _retire_deferred(self) -> None:
         """Wait for the forward the previous step left running (`_Deferred`); its transient since that
@@ -252,8 +254,7 @@ class ForwardsMixin:
         """fn(work), evaluated, and its transient: MLX peak over what was live before, less KV it
         allocated (pool growth and prefix copies, which run between forwards)."""
         kv_before = self.runner.kv_allocated_bytes
-        active_before = mx.get_active_memory()
-        mx.reset_peak_memory()
+        active_before = _measure_start()
         result = fn(work)
         mx.synchronize()
         new_kv = self.runner.kv_allocated_bytes - kv_before

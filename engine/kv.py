@@ -249,7 +249,7 @@ class ForwardView:
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> Optional[mx.array]:
         """queries [B, H, 1, D] -> attention over each row's KV in the pool, [B, H, 1, D]; None if this
-        forward is not paged. Called after write_and_read: the pool holds the new keys."""
+        forward is not paged. Called after the layer's write: the pool holds the new keys."""
         if self._paged is None:
             return None
         table, lengths = self._paged

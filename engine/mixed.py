@@ -71,20 +71,12 @@ class MixedForward:
             v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
-            d_out = decode_view.attend(i, dq, layer.scale)  # the paged kernel, None when gathering
-            if d_out is None:
-                dkeys, dvalues = decode_view.read(i)
-                d_out = ops.attention(dq, dkeys, dvalues, layer.scale, decode_view.mask)
-            parts = [d_out.transpose(2, 0, 1, 3)]  # [1, B, H, d]
+            parts = [ops.attend(decode_view, i, dq, layer.scale).transpose(2, 0, 1, 3)]  # [1, B, H, d]
             if Tq:
                 q = layer.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
                               offset=chunk_view.offset + q_from)
-                out = chunk_view.attend(i, q, layer.scale)  # a one-token chunk of a paged pool
-                if out is None:
-                    keys, values = chunk_view.read(i)
-                    # the chunk's queries are its last Tq positions: causal, or (one query) every key
-                    out = ops.attention(q, keys, values, layer.scale, "causal" if Tq > 1 else None)
-                parts.insert(0, out.transpose(0, 2, 1, 3))
+                # the chunk's queries are its last Tq positions: causal, or (one query) every key
+                parts.insert(0, ops.attend(chunk_view, i, q, layer.scale).transpose(0, 2, 1, 3))
             # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
             # (mlx-lm's module makes the same one copy of the chunk's alone)
             out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)

@@ -7,7 +7,7 @@ chunks every array is a few KB and the CPU allocator's rounding, not the formula
 The model counts a gathered copy of each forward's KV. The prediction is also checked to be tight: the
 median step within 1.5x, every step within 2x. On the CPU a step's peak depends a little on timing: MLX's
 worker thread frees an operation's inputs when it has run it, the main thread when it has queued its
-consumers, so a tiny model's step measures lower in some runs (up to some 1.9x under its usual peak).
+consumers, so a tiny model's step measures lower in some runs than in others.
 With slice reads (a row in consecutive blocks is read as a view, no copy) the prediction must stay an
 upper bound, and is looser by the gather it counts.
 """
