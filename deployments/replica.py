@@ -211,6 +211,7 @@ class EngineReplica:
         data["replica_id"] = self._replica_id
         data["prometheus_url"] = self._telemetry.prometheus_url
         data["cpu_threads"] = os.environ.get("OPENBLAS_NUM_THREADS")  # ReplicaArgs.cpu_threads, as set
+        data["niceness"] = os.nice(0)  # Ray's worker niceness (deployments/cluster_env.py)
         return data
 
     def admission_report(self) -> Optional[ReplicaReport]:

@@ -171,8 +171,10 @@ def start_app(args) -> Server:
     os.makedirs(args.log_dir, exist_ok=True)
     cfg_path = Path(args.log_dir) / "serve_bench.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               RAY_TMPDIR=str(Path(args.log_dir) / "ray"))
+    from deployments.cluster_env import with_cluster_env
+
+    env = dict(with_cluster_env(), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               RAY_TMPDIR=str(Path(args.log_dir) / "ray"))  # the cluster's environment as scripts/serve's
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     serve = str(Path(sys.executable).with_name("serve"))
     server = Server([serve, "run", "--address", "local", str(cfg_path)], args.log_dir + "/app.log",
@@ -199,6 +201,10 @@ def http_mode(args) -> dict:
     result = dict(bench="serving_http", argv=sys.argv[1:], model_folder=folder, targets={},
                   prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
                   environment=environment())
+    if args.start_app:
+        from deployments.cluster_env import CLUSTER_ENV, with_cluster_env
+
+        result["cluster_env"] = {k: with_cluster_env()[k] for k in CLUSTER_ENV}  # what our app's Ray got
     os.makedirs(args.log_dir, exist_ok=True)
     targets = []
     if args.start_app:

@@ -42,6 +42,9 @@ class LocalRay:
         if self.url is not None and ray.is_initialized():
             return self.url
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+        from deployments.cluster_env import missing
+
+        os.environ.update(missing())  # the cluster's environment as scripts/serve sets it
         ray.init(
             address="local",  # always a new cluster: never attach to another Ray running on the machine
             num_cpus=4,  # logical CPUs: ingress 0.1 + engine replicas 0.5 each fit with room to spare

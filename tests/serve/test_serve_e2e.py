@@ -210,6 +210,7 @@ def test_client_disconnect_frees_the_engine(base_url):
         for _ in range(50):  # the router picks a replica per call; sample until ours answers
             stats = await asyncio.wait_for(handle.stats.remote(), 10)
             assert stats["cpu_threads"] == str(os.cpu_count())  # not Ray's OMP_NUM_THREADS=1
+            assert stats["niceness"] == 0  # not Ray's worker niceness of 15 (deployments/cluster_env.py)
             if stats["replica_id"] == replica_id:
                 return stats["num_running"] + stats["num_waiting"]
         raise AssertionError(f"replica {replica_id} never answered")
