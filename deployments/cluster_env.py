@@ -10,6 +10,10 @@ cluster was started with). A value already in the environment wins.
   default; idle, that is ~3 % of a core for the controller plus ~1 % in the GCS on a 2-core host
   (measured with per-process CPU time). Every 0.5 s: ~1.2 % and ~1 %. Deploys, health checks and
   replica restarts react up to 0.4 s later; health checks and autoscaling keep their own periods.
+- `RAY_task_events_report_interval_ms=10000`: every Ray process sends its task events (what `ray list
+  tasks` and the dashboard's task views show) to the GCS every second by default; every 10 s they reach
+  those views up to 10 s later, and the app's idle processes took about a quarter less CPU together
+  (`scripts/process_cpu.py`, docs/benchmarks.md).
 
 docs/benchmarks.md (CPU, session 11) has the serving runs with and without these.
 
@@ -25,6 +29,7 @@ from typing import Mapping, Optional
 CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_task_events_report_interval_ms": "10000",
 }
 
 

@@ -24,7 +24,7 @@ def test_module_prints_shell_exports_of_what_is_unset():
     env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "2"
     out = subprocess.run([sys.executable, "-m", "deployments.cluster_env"], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["export RAY_worker_niceness=0"]
+    assert out.splitlines() == ["export RAY_worker_niceness=0", "export RAY_task_events_report_interval_ms=10000"]
     shell = subprocess.run(["bash", "-c", f'eval "{out}"; echo "$RAY_worker_niceness $RAY_SERVE_CONTROL_LOOP_INTERVAL_S"'],
                            env=env, capture_output=True, text=True, check=True).stdout
     assert shell.split() == ["0", "2"]
