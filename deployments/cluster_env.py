@@ -7,13 +7,14 @@ cluster was started with). A value already in the environment wins.
   threads then yield to every wake-up of those daemons, and a matmul split across the cores waits for
   its preempted half. At 0 the replica shares the cores with them as equals.
 - `RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5`: Serve's controller runs its control loop every 0.1 s by
-  default; idle, that is ~3 % of a core for the controller plus ~1 % in the GCS on a 2-core host
-  (measured with per-process CPU time). Every 0.5 s: ~1.2 % and ~1 %. Deploys, health checks and
-  replica restarts react up to 0.4 s later; health checks and autoscaling keep their own periods.
+  default, which an idle app's controller and GCS feel most. Deploys and replica restarts react up to
+  0.4 s later; health checks and autoscaling keep their own periods.
 - `RAY_task_events_report_interval_ms=10000`: every Ray process sends its task events (what `ray list
   tasks` and the dashboard's task views show) to the GCS every second by default; every 10 s they reach
-  those views up to 10 s later, and the app's idle processes took about a quarter less CPU together
-  (`scripts/process_cpu.py`, docs/benchmarks.md).
+  those views up to 10 s later.
+
+With all three, the idle app's processes took 11.3 % of a core together on a 2-core host, against 16.6 %
+with Ray's defaults (`scripts/process_cpu.py`; docs/benchmarks.md, CPU session 11).
 
 docs/benchmarks.md (CPU, session 11) has the serving runs with and without these.
 
