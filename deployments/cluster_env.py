@@ -16,8 +16,6 @@ cluster was started with). A value already in the environment wins.
 With all three, the idle app's processes took 11.3 % of a core together on a 2-core host, against 16.6 %
 with Ray's defaults (`scripts/process_cpu.py`; docs/benchmarks.md, CPU session 11).
 
-docs/benchmarks.md (CPU, session 11) has the serving runs with and without these.
-
     eval "$(python -m deployments.cluster_env)"   # exports what is not set yet
 """
 
