@@ -11,7 +11,7 @@
     admission.py  AdmissionController (one detached Ray actor per app), the ingress's AdmittedReplicaClient,
                   the replicas' heartbeat (ReplicaReporter)
     admission_state.py / admission_queue.py   its pure accounting and bounded wait queue (no ray)
-    cluster_env.py  environment for Ray's own processes (worker niceness, Serve's control loop), set
+    cluster_env.py  environment for Ray's own processes (worker niceness, Serve's control loop, task events), set
                   before the cluster starts: `eval "$(python -m deployments.cluster_env)"`
     routing.py    AdmissionRequestRouter: Serve's request router, sends a request to the replica
                   admission chose (GenerateRequest.target_replica_id): prefix affinity, else most room

@@ -17,6 +17,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, environment  # noqa: E402
+from deployments.cluster_env import CLUSTER_ENV, with_cluster_env  # noqa: E402
 from bench_serving import RequestRecord, arrival_times, compare, fmt, summarize  # noqa: E402
 
 
@@ -171,8 +172,6 @@ def start_app(args) -> Server:
     os.makedirs(args.log_dir, exist_ok=True)
     cfg_path = Path(args.log_dir) / "serve_bench.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    from deployments.cluster_env import with_cluster_env
-
     env = dict(with_cluster_env(), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                RAY_TMPDIR=str(Path(args.log_dir) / "ray"))  # the cluster's environment as scripts/serve's
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
@@ -202,9 +201,8 @@ def http_mode(args) -> dict:
                   prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
                   environment=environment())
     if args.start_app:
-        from deployments.cluster_env import CLUSTER_ENV, with_cluster_env
-
-        result["cluster_env"] = {k: with_cluster_env()[k] for k in CLUSTER_ENV}  # what our app's Ray got
+        cluster_env = with_cluster_env()
+        result["cluster_env"] = {k: cluster_env[k] for k in CLUSTER_ENV}  # what our app's Ray got
     os.makedirs(args.log_dir, exist_ok=True)
     targets = []
     if args.start_app:
