@@ -215,33 +215,44 @@ def http_mode(args) -> dict:
         targets.append(("mlx_lm_server", lambda: start_mlx_lm(args, folder),
                         f"http://127.0.0.1:{args.mlx_lm_port}"))
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
-    for name, start, url in targets:
-        server = start() if start else None
-        try:
-            model = served_model(url) if name == "mlx_serve" else "default_model"
-            result["targets"][name] = {"url": url, "served_model": model, "runs": {}}
-            # warm-up: one short request per stream slot
-            warm = [maker.make(10_000 + i, min(32, args.prompt_tokens), args.seed) for i in range(2)]
-            asyncio.run(http_load(url, model, warm, [0.0] * 2, 2, 4, eos_ids, args.request_timeout_s,
-                                  args.api_key))
-            for conc in args.concurrency:
-                n = args.num_requests or conc
-                prompts = [maker.make(i + 1000 * conc, args.prompt_tokens, args.seed) for i in range(n)]
-                r = asyncio.run(http_load(url, model, prompts, arrival_times(n, args.rate, args.seed), conc,
-                                          args.output_tokens, eos_ids, args.request_timeout_s, args.api_key))
-                r["concurrency"] = conc
-                result["targets"][name]["runs"][str(conc)] = r
-                log(f"{name} x{conc}: TTFT mean {fmt(r['ttft_mean_s'])} s p95 {fmt(r['ttft_p95_s'])} s, "
-                    f"TPOT {fmt(r['tpot_mean_s'])} s, {fmt(r['output_tok_per_s'], 1)} tok/s, "
-                    f"errors {r['errors']}")
-        finally:
-            if server is not None:
-                server.stop()
+    for rep in range(args.repeat):
+        # each pass starts every server afresh; the order alternates (ABBA...), so drift of the host
+        # and whatever the first server leaves behind fall on both
+        for name, start, url in (targets if rep % 2 == 0 else targets[::-1]):
+            run_target(args, result, maker, eos_ids, name, start, url, rep, log)
     if "mlx_serve" in result["targets"] and "mlx_lm_server" in result["targets"]:
-        ours = {f"o@{c}": v for c, v in result["targets"]["mlx_serve"]["runs"].items()}
-        theirs = {f"t@{c}": v for c, v in result["targets"]["mlx_lm_server"]["runs"].items()}
-        result["comparison"] = compare({**ours, **theirs}, [str(c) for c in args.concurrency], "o", "t")
+        runs = {}
+        for prefix, name in (("o", "mlx_serve"), ("t", "mlx_lm_server")):
+            runs.update({f"{prefix}@{c}": v for c, v in result["targets"][name]["runs"].items()})
+        result["comparison"] = compare(runs, [str(c) for c in args.concurrency], "o", "t")
     return result
+
+
+def run_target(args, result: dict, maker, eos_ids: list[int], name: str, start, url: str, rep: int, log) -> None:
+    """One pass of one server: start it (if we own it), warm it with two short requests, run every
+    concurrency on prompts of this pass alone (the prefix cache helps no pass), stop it. Pass k's runs
+    are keyed "<concurrency>#k" (k > 0), as compare() reads them."""
+    server = start() if start else None
+    try:
+        model = served_model(url) if name == "mlx_serve" else "default_model"
+        target = result["targets"].setdefault(name, {"url": url, "served_model": model, "runs": {}})
+        warm = [maker.make(10_000 + i + 100_000 * rep, min(32, args.prompt_tokens), args.seed) for i in range(2)]
+        asyncio.run(http_load(url, model, warm, [0.0] * 2, 2, 4, eos_ids, args.request_timeout_s,
+                              args.api_key))
+        for conc in args.concurrency:
+            n = args.num_requests or conc
+            prompts = [maker.make(i + 1000 * conc + 100_000 * rep, args.prompt_tokens, args.seed)
+                       for i in range(n)]
+            r = asyncio.run(http_load(url, model, prompts, arrival_times(n, args.rate, args.seed), conc,
+                                      args.output_tokens, eos_ids, args.request_timeout_s, args.api_key))
+            r["concurrency"], r["repeat"] = conc, rep
+            target["runs"][str(conc) + (f"#{rep}" if rep else "")] = r
+            log(f"{name} x{conc}{f' (pass {rep + 1})' if args.repeat > 1 else ''}: TTFT mean "
+                f"{fmt(r['ttft_mean_s'])} s p95 {fmt(r['ttft_p95_s'])} s, TPOT {fmt(r['tpot_mean_s'])} s, "
+                f"{fmt(r['output_tok_per_s'], 1)} tok/s, errors {r['errors']}")
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def eos_token_ids(folder: Optional[str]) -> list[int]:

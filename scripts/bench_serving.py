@@ -4,6 +4,8 @@ HTTP (any OpenAI-compatible /v1/completions endpoint, streaming):
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --concurrency 8 --prompt-tokens 256 \
         --output-tokens 64 --num-requests 16 [--rate 2.0] [--compare-mlx-lm] --json
     python scripts/bench_serving.py --start-app --compare-mlx-lm ...   # starts `serve run config/serve.yaml`
+    ... --start-app --compare-mlx-lm --repeat 3   # 3 passes, each server started afresh for each, in
+                                                  # alternating order; the ratios are of the medians
 
 In-process (no HTTP): this engine (AsyncEngine, and the bare Engine.step loop with a per-step time
 breakdown) against mlx-lm's BatchGenerator with mlx_lm.server's defaults, same prompts, same load:
@@ -560,7 +562,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", choices=["full", "small"], default="full",
                    help="--engine-only warm-up: the same lengths at every concurrency (full) or short "
                         "requests at the largest one (small)")
-    p.add_argument("--repeat", type=int, default=1, help="--engine-only: timed passes over the concurrencies")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed passes over the concurrencies; over HTTP each pass starts every server afresh, "
+                   "in alternating order, and the comparison is of the medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--out", default=None, help="also write the result to this file")

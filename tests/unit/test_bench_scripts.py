@@ -1,5 +1,6 @@
-"""Pure logic of the benchmark scripts (numpy only, no measuring): bench_memory_grid.py's backend fit on a
-synthetic grid, and bench_serving.py's comparison over timed passes."""
+"""Pure logic of the benchmark scripts (no measuring): bench_memory_grid.py's backend fit on a synthetic
+grid, bench_serving.py's comparison over timed passes, and bench_http.py's passes (--repeat) against two
+stub OpenAI endpoints."""
 
 import json
 import sys
@@ -120,3 +121,93 @@ def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():
     assert all(isinstance(deep[v], str) for v in ("8b-2layers", "d2048-h16-i8192-v32k", "d4096-h64-i4096"))
     eight = grid.mixed_check(str(data / "h200_s7_grid_mixed_8layers.json"), CUDA_OPS8_COEFFICIENTS)
     assert eight["llama-8b"]["underpredicted"] == 0 and eight["llama-8b"]["min"] >= 1.0
+
+
+class _StubCompletions:
+    """An OpenAI-compatible /v1/completions that streams `max_tokens` one-token chunks (stdlib HTTP in a
+    thread): what bench_http's client reads, with every request's prompt recorded under the stub's name."""
+
+    def __init__(self, name: str, seen: list):
+        import http.server
+        import threading
+
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                body = json.dumps({"data": [{"id": name}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                seen.append((name, req["prompt"]))
+                events = [{"choices": [{"text": "x"}]} for _ in range(req["max_tokens"])]
+                events.append({"choices": [], "usage": {"completion_tokens": req["max_tokens"]}})
+                payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                body = payload.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        stub.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.httpd.shutdown()
+
+
+def test_http_repeat_alternates_the_servers_and_gives_each_pass_its_own_prompts(tmp_path, monkeypatch):
+    pytest.importorskip("httpx")
+    bench_http = pytest.importorskip("bench_http")
+    serving = pytest.importorskip("bench_serving")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # no tokenizer: prompts are counted in words
+    seen = []
+    ours, theirs = _StubCompletions("ours", seen), _StubCompletions("theirs", seen)
+    started = []
+
+    class Started:
+        def stop(self):
+            started.append("stop")
+
+    def fake_mlx_lm(args, folder):
+        started.append("start")
+        return Started()
+
+    monkeypatch.setattr(bench_http, "start_mlx_lm", fake_mlx_lm)
+    try:
+        args = serving.parse_args(["--url", ours.url, "--compare-mlx-lm", "--mlx-lm-port", str(theirs.port),
+                                   "--model", str(tmp_path / "model"), "--concurrency", "2",
+                                   "--prompt-tokens", "8", "--output-tokens", "3", "--num-requests", "2",
+                                   "--repeat", "3", "--log-dir", str(tmp_path / "logs")])
+        result = bench_http.http_mode(args)
+    finally:
+        ours.stop()
+        theirs.stop()
+    assert started == ["start", "stop"] * 3  # mlx_lm.server started afresh for every pass
+    # passes alternate which server goes first: ours, theirs | theirs, ours | ours, theirs
+    order = [name for name, _ in seen]
+    firsts = [order[i] for i in range(0, len(order), len(order) // 6)]  # 4 requests (2 warm-up) a server a pass
+    assert firsts == ["ours", "theirs", "theirs", "ours", "ours", "theirs"]
+    for name in ("ours", "theirs"):
+        prompts = [p for n, p in seen if n == name]
+        assert len(prompts) == 12 and len(set(prompts)) == 12  # no pass repeats a prompt (prefix cache)
+    assert set(result["targets"]["mlx_serve"]["runs"]) == {"2", "2#1", "2#2"}
+    assert set(result["targets"]["mlx_lm_server"]["runs"]) == {"2", "2#1", "2#2"}
+    comparison = result["comparison"]["2"]
+    assert comparison["passes"] == 3 and len(comparison["tok_per_s_ratio_per_pass"]) == 3
+    for run in result["targets"]["mlx_serve"]["runs"].values():
+        assert run["num_ok"] == 2 and run["output_tokens"] == 6
