@@ -142,20 +142,78 @@ def served_model(url: str, fallback: str = "default_model") -> str:
 class Server:
     """A server process this script started (its own process group, stopped by its pid only)."""
 
-    def __init__(self, cmd: list[str], log_path: str, env: Optional[dict] = None, cwd: Optional[str] = None):
+    def __init__(self, cmd: list[str], log_path: str, port: int, env: Optional[dict] = None,
+                 cwd: Optional[str] = None):
+        wait_port_free(port, 30.0)
+        self.port = port
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      env=env, start_new_session=True)
 
     def stop(self, grace_s: float = 30.0) -> None:
+        """Interrupt the group, wait until every process of it is gone (SIGKILL after `grace_s`), then
+        until its port is free: Ray's workers, the proxy that holds the HTTP port among them, run in
+        sessions of their own and outlive `serve run` by seconds; a server started meanwhile on the
+        same port would be answered by the old proxy until it exits."""
+        deadline = time.monotonic() + grace_s
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
+                pass
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._group_alive():
+            try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10.0
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.proc.wait()
         self.log.close()
+        wait_port_free(self.port, grace_s)
+
+    def _group_alive(self) -> bool:
+        if os.path.isdir("/proc"):
+            return _group_members(self.proc.pid) > 0
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def wait_port_free(port: int, timeout_s: float) -> None:
+    """Return once nothing accepts connections on 127.0.0.1:`port`; RuntimeError after `timeout_s`."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"port {port} is still in use after {timeout_s:.0f} s: stop what listens "
+                               "there (an earlier server?) or choose another port")
+        time.sleep(0.2)
+
+
+def _group_members(pgid: int) -> int:
+    """Live (not zombie) processes of process group `pgid`, from /proc (Linux); 0 where /proc is absent."""
+    count = 0
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            count += 1
+    return count
 
 
 def start_app(args) -> Server:
@@ -176,7 +234,7 @@ def start_app(args) -> Server:
                RAY_TMPDIR=str(Path(args.log_dir) / "ray"))  # the cluster's environment as scripts/serve's
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     serve = str(Path(sys.executable).with_name("serve"))
-    server = Server([serve, "run", "--address", "local", str(cfg_path)], args.log_dir + "/app.log",
+    server = Server([serve, "run", "--address", "local", str(cfg_path)], args.log_dir + "/app.log", port,
                     env=env, cwd=str(ROOT))
     wait_http(args.url, "/v1/models", args.start_timeout_s, server.proc)
     return server
@@ -185,7 +243,7 @@ def start_app(args) -> Server:
 def start_mlx_lm(args, folder: str) -> Server:
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", folder, "--port", str(args.mlx_lm_port),
            "--host", "127.0.0.1"]
-    server = Server(cmd, args.log_dir + "/mlx_lm_server.log")
+    server = Server(cmd, args.log_dir + "/mlx_lm_server.log", args.mlx_lm_port)
     wait_http(f"http://127.0.0.1:{args.mlx_lm_port}", "/v1/models", args.start_timeout_s, server.proc)
     return server
 

@@ -211,3 +211,16 @@ def test_http_repeat_alternates_the_servers_and_gives_each_pass_its_own_prompts(
     assert comparison["passes"] == 3 and len(comparison["tok_per_s_ratio_per_pass"]) == 3
     for run in result["targets"]["mlx_serve"]["runs"].values():
         assert run["num_ok"] == 2 and run["output_tokens"] == 6
+
+
+def test_a_server_is_not_started_on_a_port_still_in_use():
+    import socket
+
+    bench_http = pytest.importorskip("bench_http")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} is still in use"):
+            bench_http.wait_port_free(port, 0.3)
+    bench_http.wait_port_free(port, 0.3)  # closed: returns at once
