@@ -146,7 +146,9 @@ class Server:
                  cwd: Optional[str] = None):
         wait_port_free(port, 30.0)
         self.port = port
-        self.log = open(log_path, "w")
+        self.log = open(log_path, "a")  # every pass of --repeat appends its own start
+        self.log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        self.log.flush()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      env=env, start_new_session=True)
 
