@@ -17,6 +17,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ROOT, environment  # noqa: E402
+from process_cpu import pids, read_stat  # noqa: E402
 from deployments.cluster_env import CLUSTER_ENV, with_cluster_env  # noqa: E402
 from bench_serving import RequestRecord, arrival_times, compare, fmt, summarize  # noqa: E402
 
@@ -140,7 +141,8 @@ def served_model(url: str, fallback: str = "default_model") -> str:
 
 
 class Server:
-    """A server process this script started (its own process group, stopped by its pid only)."""
+    """A server process this script started, in a process group of its own; stopping it waits for every
+    process it started (`stop`)."""
 
     def __init__(self, cmd: list[str], log_path: str, port: int, env: Optional[dict] = None,
                  cwd: Optional[str] = None):
@@ -153,39 +155,61 @@ class Server:
                                      env=env, start_new_session=True)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """Interrupt the group, wait until every process of it is gone (SIGKILL after `grace_s`), then
-        until its port is free: Ray's workers, the proxy that holds the HTTP port among them, run in
-        sessions of their own and outlive `serve run` by seconds; a server started meanwhile on the
-        same port would be answered by the old proxy until it exits."""
+        """Interrupt the group, then wait until every process the server started is gone (SIGKILL after
+        `grace_s`) and its port is free. Ray's workers, the proxy that holds the HTTP port among them,
+        are the raylet's children in sessions of their own: outside the group, they outlive `serve run`
+        by seconds, and a server started meanwhile on the same port would be answered by the old proxy."""
+        tree = descendants(self.proc.pid)  # before they are orphaned (Linux /proc; empty elsewhere)
         deadline = time.monotonic() + grace_s
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                pass
-        while self._group_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if self._group_alive():
-            try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in alive(tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            deadline = time.monotonic() + 10.0
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.1)
-        self.proc.wait()
+        deadline = time.monotonic() + 10.0
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.log.close()
         wait_port_free(self.port, grace_s)
 
-    def _group_alive(self) -> bool:
-        if os.path.isdir("/proc"):
-            return _group_members(self.proc.pid) > 0
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live descendant of process `root`, from /proc's parent links: pid -> its start time (so a
+    pid the system reuses later is not taken for it)."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
+    for pid in pids():
+        stat = read_stat(pid)
+        if stat is not None:
+            children.setdefault(int(stat[1][1]), []).append(pid)  # ppid: field 4
+            started[pid] = stat[1][19]  # starttime: field 22
+    out, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out[child] = started[child]
+                todo.append(child)
+    return alive(out)
+
+
+def alive(processes: dict[int, str]) -> dict[int, str]:
+    """Those of `processes` (pid -> start time) that still run; zombies, whose exit is only unreported,
+    do not."""
+    out = {}
+    for pid, start in processes.items():
+        stat = read_stat(pid)
+        if stat is not None and stat[1][0] != "Z" and stat[1][19] == start:
+            out[pid] = start
+    return out
 
 
 def wait_port_free(port: int, timeout_s: float) -> None:
@@ -201,21 +225,6 @@ def wait_port_free(port: int, timeout_s: float) -> None:
             raise RuntimeError(f"port {port} is still in use after {timeout_s:.0f} s: stop what listens "
                                "there (an earlier server?) or choose another port")
         time.sleep(0.2)
-
-
-def _group_members(pgid: int) -> int:
-    """Live (not zombie) processes of process group `pgid`, from /proc (Linux); 0 where /proc is absent."""
-    count = 0
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not pid.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            count += 1
-    return count
 
 
 def start_app(args) -> Server:

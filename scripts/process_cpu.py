@@ -15,23 +15,39 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Optional
+
+
+def read_stat(pid: int) -> Optional[tuple[str, list[str]]]:
+    """/proc/<pid>/stat as (command name, fields from field 3 on: state, ppid, pgrp, ...); None if the
+    process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+
+def pids() -> list[int]:
+    """Every process id in /proc (none where there is no /proc)."""
+    root = Path("/proc")
+    return [int(e.name) for e in root.iterdir() if e.name.isdigit()] if root.is_dir() else []
 
 
 def snapshot() -> dict[int, tuple[int, int, str]]:
     """pid -> (user + system clock ticks, niceness, command line)."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in pids():
+        stat = read_stat(pid)
         try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone meanwhile
             continue
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
+        if stat is None:
+            continue
+        name, fields = stat
         ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-        out[int(entry.name)] = (ticks, int(fields[16]), cmd or f"[{name}]")  # nice: field 19
+        out[pid] = (ticks, int(fields[16]), cmd or f"[{name}]")  # nice: field 19
     return out
 
 

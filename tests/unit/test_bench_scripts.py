@@ -131,8 +131,6 @@ class _StubCompletions:
         import http.server
         import threading
 
-        stub = self
-
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
@@ -163,7 +161,7 @@ class _StubCompletions:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        stub.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self):
         self.httpd.shutdown()
@@ -224,3 +222,36 @@ def test_a_server_is_not_started_on_a_port_still_in_use():
         with pytest.raises(RuntimeError, match=f"port {port} is still in use"):
             bench_http.wait_port_free(port, 0.3)
     bench_http.wait_port_free(port, 0.3)  # closed: returns at once
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_stopping_a_server_waits_for_what_it_started_in_other_sessions(tmp_path):
+    """As `serve run`: the server's leader exits at once on SIGINT; a child in its group (the raylet)
+    takes 2 s to shut down; that child's child runs in a session of its own (a Ray worker, the proxy
+    holding the HTTP port among them) and ignores SIGINT. Stopping must not return while it lives."""
+    import socket
+    import time
+
+    bench_http = pytest.importorskip("bench_http")
+    pid_file = tmp_path / "worker.pid"
+    (tmp_path / "worker.py").write_text(
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)\n")
+    (tmp_path / "raylet.py").write_text(
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, {str(tmp_path / 'worker.py')!r}], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "try:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    time.sleep(2)\n")
+    leader = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(tmp_path / 'raylet.py')!r}])\n"
+              "time.sleep(600)\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # free once closed
+    server = bench_http.Server([sys.executable, "-c", leader], str(tmp_path / "log"), port)
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    worker = {pid: bench_http.read_stat(pid)[1][19]}  # pid -> start time
+    assert set(worker) <= set(bench_http.descendants(server.proc.pid))
+    server.stop(grace_s=3.0)  # the worker ignores SIGINT: killed after the grace
+    assert not bench_http.alive(worker)
