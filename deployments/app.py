@@ -17,18 +17,18 @@ from typing import Any, Callable, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
-from engine.telemetry import TelemetryConfig
+from deployments.telemetry.metrics import TelemetryConfig
 
-from deployments.admission_state import AdmissionConfig
-from deployments.ingress import IngressSettings, OpenAIIngress
-from deployments.observability import TelemetryFactory, process_telemetry
-from deployments.replica import EngineFactory, EngineReplica
+from deployments.admission.state import AdmissionConfig
+from deployments.ingress.ingress import IngressSettings, OpenAIIngress
+from deployments.telemetry.observability import TelemetryFactory, process_telemetry
+from deployments.replica.replica import EngineFactory, EngineReplica
 
 APP_NAME = "mlx-llm"
 REPLICA_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 API_KEY_ENV = "MLX_SERVE_API_KEY"  # the API key when serve.yaml's api_key is null
-ADMISSION_ROUTER = "deployments.routing:AdmissionRequestRouter"  # honours the admission controller's choice
+ADMISSION_ROUTER = "deployments.admission.routing:AdmissionRequestRouter"  # honours the admission controller's choice
 
 
 class AutoscalingArgs(BaseModel):
@@ -177,7 +177,7 @@ def build_app_with(
     """build_app with injected factories (tests use a fake engine; None means the real one)."""
     from ray import serve
 
-    from deployments.admission import ReporterFactory, admitted_client_factory
+    from deployments.admission.actor import ReporterFactory, admitted_client_factory
 
     app_args = parse_args(args)
     admission = app_args.admission if app_args.admission.enabled else None

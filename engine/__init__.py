@@ -1,4 +1,35 @@
-"""MLX inference engine: token-budgeted chunked-prefill scheduler, memory model and runner.
+"""MLX inference engine: a token-budgeted chunked-prefill scheduler, a memory model and a runner.
 
-Nothing in this package imports ray (house rule): it is usable on its own.
+Nothing in this package imports ray (house rule): it is usable on its own. Two layers:
+- `engine.core`: the scheduling core (scheduler, KV manager, memory model, request types); no mlx;
+- `engine.model`: what runs on MLX (runner, KV pool, loader, sampling, layer loops, kernels).
+
+The public API is exported here. Names that need MLX (Engine, AsyncEngine) load on first use, so that
+importing `engine.core` or `engine.config` never imports mlx.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "engine.engine",
+    "AsyncEngine": "engine.async_engine",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.core.types",
+    "RequestOutput": "engine.core.types",
+    "CompletionOutput": "engine.core.types",
+    "FinishReason": "engine.core.types",
+    "EngineStats": "engine.engine",
+    "StepRecord": "engine.async_engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -12,8 +12,8 @@ from typing import Callable, Optional, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats, StepMemory, mlx_backend
-from engine.request import RequestOutput, SamplingParams
-from engine.scheduler import ScheduledChunk
+from engine.core.types import RequestOutput, SamplingParams
+from engine.core.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

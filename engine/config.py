@@ -10,7 +10,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.memory import CPU_COEFFICIENTS, with_overrides
+from engine.core.memory.model import CPU_COEFFICIENTS, with_overrides
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -58,7 +58,7 @@ class EngineConfig(BaseModel):
     memory_coefficients: Optional[dict[str, Optional[float]]] = Field(
         None,
         description="Overrides of the memory model's transient coefficients for this backend (fields of "
-        "engine.memory.TransientCoefficients), e.g. the 'coefficients' that `python scripts/"
+        "engine.core.memory.model.TransientCoefficients), e.g. the 'coefficients' that `python scripts/"
         "bench_memory_grid.py --fit GRID --backend cuda` prints for a grid measured on your device.",
     )
     async_decode: bool = Field(
@@ -91,7 +91,7 @@ class EngineConfig(BaseModel):
         False,
         description="Decode forwards of llama-shaped models run the engine's own layer loop with one CUDA "
         "kernel for q/k RoPE and the q/k/v layout and one for each residual add and the RMSNorm after it "
-        "(MLX's CUDA backend, with paged_attention and fuse_projections; engine/decode_path.py). Off by "
+        "(MLX's CUDA backend, with paged_attention and fuse_projections; engine/model/layers/decode_path.py). Off by "
         "default: on the H200 it did not make decode steps consistently faster. False, or elsewhere: "
         "MLX's own operations.",
     )
@@ -99,26 +99,26 @@ class EngineConfig(BaseModel):
         True,
         description="A step that prefills while other rows decode runs its decode rows in the same forward "
         "as its first prompt chunk: the linear layers read the weights once for both (llama-shaped models "
-        "with fuse_projections; engine/mixed.py). False, or other models: the decode rows run their own "
+        "with fuse_projections; engine/model/layers/mixed.py). False, or other models: the decode rows run their own "
         "forward.",
     )
     layer_loops: bool = Field(
         True,
         description="Prompt chunks and decodes of llama-shaped models run the engine's own layer loops "
-        "over weights bound once (engine/chunk_path.py, decode_path.py): the same operations as "
+        "over weights bound once (engine/model/layers/chunk_path.py, decode_path.py): the same operations as "
         "mlx-lm's modules with less host work per forward, which the GPU otherwise waits for. False, or "
         "other models: mlx-lm's modules.",
     )
     compiled_decode: bool = Field(
         True,
         description="The layer loop's decodes (layer_loops on CUDA) build each layer's operations from a "
-        "compiled trace (mx.compile, one trace per batch size; engine/decode_path.py CompiledLayers): "
+        "compiled trace (mx.compile, one trace per batch size; engine/model/layers/decode_path.py CompiledLayers): "
         "less host work per decode step, the same operations. False: built in Python.",
     )
     cpu_math: bool = Field(
         True,
         description="On MLX's CPU backend, the layer loops compute attention and SwiGLU with exp as a "
-        "power (engine/cpu_math.py): MLX's CPU exp is some 3x slower than its power, and the softmax and "
+        "power (engine/model/layers/cpu_math.py): MLX's CPU exp is some 3x slower than its power, and the softmax and "
         "SiLU are most of a small model's CPU forward beside the matmuls. The same formulas; greedy "
         "output equals mlx-lm's. False, or other backends: MLX's attention and mlx-lm's SwiGLU.",
     )

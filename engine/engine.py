@@ -19,14 +19,14 @@ from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
 from engine.forwards import ForwardsMixin, StepMemory, _Deferred, _Inflight
-from engine.memory import MemoryModel, ModelShape, coefficients_for, with_overrides
-from engine.output import TextStream, process_token
-from engine.prefix_cache import PrefixCache, PrefixHit
-from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
+from engine.core.memory.model import MemoryModel, ModelShape, coefficients_for, with_overrides
+from engine.core.output import TextStream, process_token
+from engine.core.prefix_cache import PrefixCache, PrefixHit
+from engine.core.types import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
-from engine.runner import ModelRunner
-from engine.sampling import RequestSampler
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.model.runner import ModelRunner
+from engine.model.sampling import RequestSampler
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ KV_BLOCK_TOKENS = 256
 def backend_coefficients(shape: Optional[ModelShape] = None, cpu_math: bool = True):
     """(the memory model's coefficients, what they are) for this process's MLX backend and settings,
     calibrated for `shape` where a calibration ships (memory.SHAPE_CALIBRATIONS). `cpu_math`: prompt
-    chunks run the layer loop with engine/cpu_math.py (on the CPU: the default)."""
+    chunks run the layer loop with engine/model/layers/cpu_math.py (on the CPU: the default)."""
     ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "")
     return coefficients_for(mlx_backend(), int(ops) if ops.isdigit() else None, shape, cpu_math)
 
@@ -172,7 +172,7 @@ class Engine(ForwardsMixin):
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        from engine.models import load_model, resolve_model_path
+        from engine.model.loader import load_model, resolve_model_path
 
         dtype = resolve_dtype(config.dtype)
         path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))

@@ -15,9 +15,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.request import RequestOutput
-from engine.runner import DecodeWork, Forward, PrefillWork, finish
-from engine.scheduler import SchedulerOutput
+from engine.core.types import RequestOutput
+from engine.model.runner import DecodeWork, Forward, PrefillWork, finish
+from engine.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class ForwardsMixin:
 
     def _slice_reads(self, prefills) -> set[str]:
         """Requests whose prompt chunks (a step can hold several of one request, one after another) the
-        runner all reads as views of the pool (no gathered copy; engine/kv.py `slice_start`). Decodes are
+        runner all reads as views of the pool (no gathered copy; engine/model/kv_pool.py `slice_start`). Decodes are
         predicted by the memory model as the runner reads them: paged or gathered
         (`MemoryModel.paged_decode`)."""
         before: dict[str, int] = {}  # tokens of the request's earlier chunks in this step
@@ -167,7 +167,7 @@ class ForwardsMixin:
             ids = requests[chunk.request_id].prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
             works.append(PrefillWork(chunk.request_id, ids, chunk.start, chunk.completes_prompt))
         if plan.mixed:  # decode rows and chunks, and a runner that mixes (MemoryModel.mixed)
-            # the decode rows ride with the first chunk (engine/mixed.py); if that forward cannot be
+            # the decode rows ride with the first chunk (engine/model/layers/mixed.py); if that forward cannot be
             # built, the two run apart, so that a chunk's error still fails its own row only
             try:
                 mixed = self.runner.mixed_forward(works[0], self._decode_work(plan))

@@ -8,6 +8,8 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 export MLX_SERVE_CACHE="${MLX_SERVE_CACHE:-$HOME/.cache/mlx-serve}"
+# This checkout first on the path (Ray's workers too), whichever checkout the venv was installed from.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"

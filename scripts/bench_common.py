@@ -126,7 +126,7 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
         model = build_random_llama(config, dtype, init, seed)
         tokenizer, path = RandomModelTokenizer(), None
     else:
-        from engine.models import load_model, resolve_model_path
+        from engine.model.loader import load_model, resolve_model_path
 
         path = Path(resolve_model_path(name, dtype=dtype))
         model, tokenizer = load_model(path)
@@ -192,7 +192,7 @@ def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None, cpu_
     `overrides`: EngineConfig.memory_coefficients; `cpu_math`: False for forwards through mlx-lm's
     modules (MLX's attention: the set the CPU engine uses with EngineConfig.cpu_math off)."""
     from engine.engine import backend_coefficients
-    from engine.memory import MemoryModel, ModelShape, with_overrides
+    from engine.core.memory.model import MemoryModel, ModelShape, with_overrides
 
     dtype_bytes = DTYPES[loaded.dtype].size
     shape = ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes)

@@ -1,4 +1,4 @@
-"""MLX's CPU exp against its power, and engine/cpu_math.py's attention and SwiGLU against MLX's; JSON.
+"""MLX's CPU exp against its power, and engine/model/layers/cpu_math.py's attention and SwiGLU against MLX's; JSON.
 
     python scripts/bench_cpu_math.py --json          # on the CPU (LD_PRELOAD OpenBLAS as docs/benchmarks.md)
 
@@ -22,7 +22,7 @@ from bench_common import emit, environment  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.activations import swiglu  # noqa: E402
 
-from engine import cpu_math  # noqa: E402
+from engine.model.layers import cpu_math  # noqa: E402
 
 
 def best_ms(fn, repeat: int) -> float:

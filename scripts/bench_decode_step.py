@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 from bench_common import environment, free_memory, load_bench_model, memory_model_for  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.types import SamplingParams  # noqa: E402
 
 
 def op_types(outputs: mx.array) -> dict[str, int]:
@@ -176,7 +176,7 @@ def main() -> None:
                    help="1: the engine's default (decode computes q/k/v and gate/up as one matmul each), 0: "
                    "one matmul per projection; '1,0' runs both")
     p.add_argument("--decode-kernels", default="0",
-                   help="1: the engine's own decode layer loop and kernels (engine/decode_path.py, where MLX runs "
+                   help="1: the engine's own decode layer loop and kernels (engine/model/layers/decode_path.py, where MLX runs "
                    "on CUDA), 0: mlx-lm's modules (the engine's default); '1,0' runs both")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()

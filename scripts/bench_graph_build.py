@@ -1,9 +1,9 @@
 """Host time to build one forward's graph (nothing evaluated while timed), the engine's ways against each
-other: a prompt chunk through mlx-lm's modules or the engine's layer loop (engine/chunk_path.py), and a
-batched decode through mlx-lm's modules or the engine's decode loop (engine/decode_path.py, MLX ops).
+other: a prompt chunk through mlx-lm's modules or the engine's layer loop (engine/model/layers/chunk_path.py), and a
+batched decode through mlx-lm's modules or the engine's decode loop (engine/model/layers/decode_path.py, MLX ops).
 
 On MLX's CUDA backend the device waits for this time at every forward but the few layers of work the
-host may queue ahead (engine/chunk_path.py says why), so it is part of prefill and decode time.
+host may queue ahead (engine/model/layers/chunk_path.py says why), so it is part of prefill and decode time.
 
     python scripts/bench_graph_build.py --model llama-8b --dtype bfloat16 --json   # on a GPU
     python scripts/bench_graph_build.py --model llama-test --json                  # CPU
@@ -22,9 +22,9 @@ from bench_common import emit, environment, load_bench_model  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from engine.request import SamplingParams  # noqa: E402
-from engine.runner import DecodeWork, ModelRunner, PrefillWork  # noqa: E402
-from engine.sampling import RequestSampler  # noqa: E402
+from engine.core.types import SamplingParams  # noqa: E402
+from engine.model.runner import DecodeWork, ModelRunner, PrefillWork  # noqa: E402
+from engine.model.sampling import RequestSampler  # noqa: E402
 
 
 def timed_builds(runner: ModelRunner, build, repeat: int) -> list[float]:

@@ -260,7 +260,7 @@ def start_mlx_lm(args, folder: str) -> Server:
 
 
 def http_mode(args) -> dict:
-    from engine.models import resolve_model_path
+    from engine.model.loader import resolve_model_path
 
     folder = str(resolve_model_path(args.model)) if args.model else None
     tok_file = str(Path(folder) / "tokenizer.json") if folder else None

@@ -5,12 +5,12 @@ contiguous layout mlx-lm's BatchKVCache uses. Prints one JSON object.
     python scripts/bench_kv_gather.py --dtype float32 --layers 4 --steps 5      # a quick CPU check
     python scripts/bench_kv_gather.py --batches 1 --chunk 512 --context 4096    # a prefill chunk
 
-Per step, for every layer, like engine/kv.py's ForwardView:
+Per step, for every layer, like engine/model/kv_pool.py's ForwardView:
 - `pool`: scatter the B new keys and values into the `[H_kv * slots, D]` pool arrays, gather all rows'
   KV with a `[B, H_kv, L]` row index;
 - `pool_slice` (B = 1 and `--chunk` > 1 only): the same scatter, then read the row, whose blocks are
   consecutive, as a slice view `pool.reshape(H_kv, slots, D)[None, :, s0:s0 + L]` (ForwardView's read
-  of a prompt chunk of a row in consecutive blocks; one-query forwards always gather, engine/kv.py);
+  of a prompt chunk of a row in consecutive blocks; one-query forwards always gather, engine/model/kv_pool.py);
 - `contiguous`: write the new token into `[B, H_kv, L_cap, D]` with a slice update and read `[:, :, :L]`
   (mlx-lm's layout);
 - `*_sdpa`: the same, then `mx.fast.scaled_dot_product_attention` of B single-token queries over it
@@ -114,7 +114,7 @@ def main() -> None:
         row = {"batch": B, "context": L, "chunk": T, "layers": a.layers}
         variants = [("pool", pool, False), ("contiguous", contiguous, False),
                     ("pool_sdpa", pool, True), ("contiguous_sdpa", contiguous, True)]
-        if B == 1 and T > 1:  # the engine reads only prompt chunks as views (engine/kv.py slice_start)
+        if B == 1 and T > 1:  # the engine reads only prompt chunks as views (engine/model/kv_pool.py slice_start)
             view = (lambda attend: pool(attend, view=True))
             variants += [("pool_slice", view, False), ("pool_slice_sdpa", view, True)]
         for name, fn, attend in variants:

@@ -9,11 +9,11 @@ Measure mode runs the engine on one prompt per chunk size (every chunk of it is 
 B in --decode-rows (rows aborted one group at a time). `--variants` adds 2-layer random llamas of
 other shapes (the per-layer transient does not depend on the layer count), so every term of the
 formula varies independently and the coefficients can be separated. Every point carries the raw term
-values of engine/memory.py's formulas, so fitting is a linear problem.
+values of engine/core/memory/model.py's formulas, so fitting is a linear problem.
 
 Fit mode: non-negative least squares of measured bytes on the terms, then scaled up so that no
 point is under-predicted (the engine needs an upper bound), printed as a TransientCoefficients.
-With --backend NAME: a whole coefficient set for that backend, with engine/memory.py's
+With --backend NAME: a whole coefficient set for that backend, with engine/core/memory/model.py's
 layers_in_flight (scanned), step_overhead_bytes and prefill_overhead_bytes, fitted from above
 (`envelope_fit`) and checked point by point with MemoryModel itself. --fit-variants llama-8b fits one
 model alone (a per-deployment calibration, EngineConfig.memory_coefficients):
@@ -81,7 +81,7 @@ def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256
     """`paged`: attention read the pool in place (no gathered copy; the kernel's partials instead, one
     per span of PAGED_PARTIAL_KEYS keys: grids before session 6 were measured with one per pool block and
     keep the terms they recorded)."""
-    from engine.memory import PAGED_PARTIAL_KEYS
+    from engine.core.memory.model import PAGED_PARTIAL_KEYS
 
     spans = -(-n // block) * max(1, block // PAGED_PARTIAL_KEYS)
     return dict(decode_gather=0 if paged else b * n * sh["Hkv"] * (2 * sh["d"] * sh["s"] + 4),
@@ -116,7 +116,7 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
 
 
 def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, label: str) -> list[dict]:
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     points = []
     for c in chunks:
@@ -148,7 +148,7 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
 
 def start_decoding(engine, prompts: list[list[int]], max_tokens: int):
     """One request per prompt, stepped until each has decoded once: (recorder, meter, request ids)."""
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     recorder, meter = StepRecorder(engine), Meter()
     ids = [f"d{i}" for i in range(len(prompts))]
@@ -194,7 +194,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 if st["chunks"] or st["decodes"] != b:
                     continue
                 ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                paged = engine.runner.paged_attention  # else decode gathers (engine/kv.py)
+                paged = engine.runner.paged_attention  # else decode gathers (engine/model/kv_pool.py)
                 terms = decode_terms(shape, b, ctx, paged, engine.memory.kv_step)
                 points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=not paged,
                                    paged=paged,
@@ -209,13 +209,13 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
 
 def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,
                label: str) -> list[dict]:
-    """Mixed steps (engine/mixed.py): a probe prompt of two chunks of c tokens, each in one forward with
+    """Mixed steps (engine/model/layers/mixed.py): a probe prompt of two chunks of c tokens, each in one forward with
     B decoding rows of context n (after a first such probe, unmeasured: on CUDA every new shape builds
     kernels and attention graphs once, and the pool may grow), then the same probe with mixing off (the step's chunk and decode
     forwards apart: `apart_measured`, what the mixed forward adds to). One engine per context: its
     rows are prefilled in large chunks, then the chunk size is set per probe and the scheduler's bound
     lifted, so that every probe step mixes (bench instrumentation; the engine's code is untouched)."""
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     points = []
     rows = sorted(rows, reverse=True)
@@ -372,7 +372,7 @@ def _fit_rows(sel: list[dict], names: list[str], key) -> dict:
 def fit(path: str, variants: str = "", layer_scaled: bool = False, base: str = "CPU_COEFFICIENTS") -> dict:
     """Fit the engine's formula (per model: its terms have no layer count) or, with `layer_scaled`,
     the layer-aware formula above across every variant."""
-    from engine import memory as mem
+    from engine.core.memory import model as mem
 
     data = json.loads(Path(path).read_text())
     keep = set(v for v in variants.split(",") if v)
@@ -415,22 +415,22 @@ BACKEND_COLUMNS = (
 
 
 def _model_shape(sh: dict):
-    from engine.memory import ModelShape
+    from engine.core.memory.model import ModelShape
 
     return ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
                       head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
 
 
 def _model_of(sh: dict, coefficients, paged: bool = False):
-    from engine.memory import MemoryModel
+    from engine.core.memory.model import MemoryModel
 
     return MemoryModel(_model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True)
 
 
 def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
-    """engine/memory.py's prediction of every mixed grid point; None where the engine would run that
+    """engine/core/memory/model.py's prediction of every mixed grid point; None where the engine would run that
     step apart (a model no deeper than the set's `mixed_min_layers`, `MemoryModel.mixed`)."""
-    from engine.memory import PrefillChunkPlan
+    from engine.core.memory.model import PrefillChunkPlan
 
     out = []
     for p in pts:
@@ -444,7 +444,7 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth
     """Predicted / measured of a grid's mixed points (--grids mixed) by variant, with `coefficients`, or
     (None) what the engine would use for each variant's shape on `backend` under ops 8. `every_depth`:
     also models the engine runs apart (`mixed_min_layers` 0), to see the formula on them."""
-    from engine.memory import coefficients_for
+    from engine.core.memory.model import coefficients_for
 
     data = json.loads(Path(path).read_text())
     pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
@@ -466,7 +466,7 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth
 
 
 def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]:
-    """engine/memory.py's own prediction of every grid point (max(layers, logits) in decode, int
+    """engine/core/memory/model.py's own prediction of every grid point (max(layers, logits) in decode, int
     truncation): what the engine will use, so the no-under-prediction check is on this, not the fit."""
     out = []
     for p in pts:
@@ -588,7 +588,7 @@ def largest_per_chunk(pts: list[dict]) -> list[dict]:
 
 def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0,
                 exclude: str = "", chunk_maxima: bool = False, layers_in_flight: int = 0) -> dict:
-    """Fit a backend's TransientCoefficients (engine/memory.py's formulas, with layers_in_flight and
+    """Fit a backend's TransientCoefficients (engine/core/memory/model.py's formulas, with layers_in_flight and
     step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
     grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
     measured. With one depth in the grid layers_in_flight is not identifiable (it only rescales the
@@ -597,7 +597,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     does not fit, kept at their base values, count as many layers as in the backend's set)."""
     import numpy as np
 
-    from engine import memory as mem
+    from engine.core.memory import model as mem
 
     data = json.loads(Path(path).read_text())
     keep = set(v for v in variants.split(",") if v)
@@ -657,7 +657,7 @@ def prefill_bench_plans(data: dict, views: bool = False) -> list:
     with P + j keys; rows are greedy (the bench's SamplingParams); `views`: every chunk read its row as a
     view of the pool (the JSON does not record it). Checked by recomputing the recorded predictions
     (`replay_prefill`)."""
-    from engine.memory import PrefillChunkPlan, StepPlan
+    from engine.core.memory.model import PrefillChunkPlan, StepPlan
 
     lengths = sorted(data["lengths"])
     finished: dict = {}  # prompt length -> step index of its last chunk
@@ -679,13 +679,13 @@ def prefill_bench_plans(data: dict, views: bool = False) -> list:
 
 def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coefficients: Optional[dict] = None) -> dict:
     """Predicted / measured transient of every engine step of a prefill benchmark JSON, with the
-    recorded plans and `backend`'s coefficients (pure arithmetic on engine/memory.py). Decodes are
+    recorded plans and `backend`'s coefficients (pure arithmetic on engine/core/memory/model.py). Decodes are
     paged when the run's engine asked for it on a GPU. The rebuilt plans are checked first: they must
     give the predictions the run recorded, with the coefficients it ran with. Those are known for a run on
     the CPU (the CPU set) and for one with `memory_coefficients` in its config (complete sets, as the fit
     prints them), or the CPU set for GPU runs from before the CUDA sets; for other runs
     `recorded_predictions_reproduced` is None."""
-    from engine import memory as mem
+    from engine.core.memory import model as mem
 
     data = json.loads(Path(path).read_text())
     if data["model"] != "llama-8b":  # the JSON records the model's name, not its shape
@@ -788,7 +788,7 @@ def main(argv=None):
     p.add_argument("--decode-contexts", default="1024,4096,8192")
     p.add_argument("--grids", default="prefill,decode",
                    help="which grids to measure: some of prefill,decode,mixed (mixed: a chunk's forward "
-                        "with decoding rows, engine/mixed.py, beside the same step apart)")
+                        "with decoding rows, engine/model/layers/mixed.py, beside the same step apart)")
     p.add_argument("--mixed-chunks", default="16,128,512,2048")
     p.add_argument("--mixed-rows", default="32,8,2")
     p.add_argument("--mixed-contexts", default="1024,8192")
@@ -803,7 +803,7 @@ def main(argv=None):
         emit(result, args.json, args.out)
         return
     if args.check_mixed:
-        from engine import memory as mem
+        from engine.core.memory import model as mem
 
         backend = args.backend or "cuda"
         result = {f: {"engine's sets": mixed_check(f, None, backend),

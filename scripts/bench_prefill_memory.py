@@ -265,14 +265,14 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
 
 
 class StepRecorder:
-    """Wraps engine.scheduler.schedule to keep each step's plan, so each step's predicted transient
+    """Wraps engine.core.scheduler.schedule to keep each step's plan, so each step's predicted transient
     can be set beside the one measured around that step, and the engine's choice of prompt chunks read
     as views (bench instrumentation, engine untouched)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.plans: list = []
-        self.slices: list[set] = []  # the engine's view-or-gather decisions (engine/kv.py slice_start)
+        self.slices: list[set] = []  # the engine's view-or-gather decisions (engine/model/kv_pool.py slice_start)
         self._schedule = engine.scheduler.schedule
         engine.scheduler.schedule = self._record
         self._slice_reads = engine._slice_reads
@@ -326,7 +326,7 @@ class StepRecorder:
 
 def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], max_tokens: int,
                **overrides) -> dict:
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     lengths = [len(p) for p in prompts]
     engine = make_engine(lm, lengths, max_tokens, chunk, **overrides)

@@ -1,6 +1,6 @@
 """The engine's prefill time for one prompt with the KV pool's two reads: every layer's KV gathered
 (`KVPool.read_slices = False`) against a slice view of the row's consecutive blocks (the default).
-Prints one JSON object (engine/kv.py explains the two reads).
+Prints one JSON object (engine/model/kv_pool.py explains the two reads).
 
     python scripts/bench_prefill_read.py                         # default model (SmolLM2-135M), fp32, 1024 tokens
     python scripts/bench_prefill_read.py --model llama-test --prompt-tokens 2048 --repeat 5
@@ -25,7 +25,7 @@ for path in (ROOT, ROOT / "scripts"):
 
 from bench_common import emit, environment, load_bench_model, random_prompts  # noqa: E402
 from bench_decode_step import make_engine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.types import SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -16,7 +16,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 
 
 def ttft(engine: Engine, request_id: str, prompt: list[int]) -> tuple[float, int]:

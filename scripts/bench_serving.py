@@ -140,7 +140,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     paged_attention=False; engine_sync_unfused: fuse_projections=False; engine_sync_modules:
     layer_loops=False, mlx-lm's modules; engine_sync_kernels: decode_kernels=True; engine_sync_uncompiled:
     compiled_decode=False)."""
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
     tracer = StepTracer(engine, args.trace_steps) if args.trace_steps and breakdown else None
@@ -283,7 +283,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
     (docs/benchmarks.md). The bare-loop backends build a fresh engine per pass in the same thread,
     whose pool grows to the same sizes every pass."""
     from engine.async_engine import AsyncEngine
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     # Built in its thread, as the replica's; no built-in warm-up (the same-shape pass below replaces it)
     aengine = AsyncEngine(lambda: make_engine(lm, prompts, args, **overrides), warmup=args.async_warmup)

@@ -3,7 +3,7 @@
 
 Runs random workloads of several small random llamas through the real Engine, records every phase
 (the batched decode forward, each prefill chunk) with the engine's own measurement (MLX peak over the
-memory live before, less the KV it allocated), reports how the current coefficients (engine/memory.py CPU_COEFFICIENTS) do
+memory live before, less the KV it allocated), reports how the current coefficients (engine/core/memory/model.py CPU_COEFFICIENTS) do
 (predicted / measured, min and max), and random-searches coefficients that bound every sample from
 above with the smallest worst overestimate. The current ones were chosen from its runs. Usage:
     python scripts/calibrate_memory.py [--quick] > coefficients.json
@@ -23,9 +23,9 @@ from mlx_lm.models import llama
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.memory import CPU_COEFFICIENTS, MemoryModel, ModelShape, TransientCoefficients
-from engine.models import load_model, resolve_model_path
-from engine.request import SamplingParams
+from engine.core.memory.model import CPU_COEFFICIENTS, MemoryModel, ModelShape, TransientCoefficients
+from engine.model.loader import load_model, resolve_model_path
+from engine.core.types import SamplingParams
 
 SHAPES = [  # (heads, kv heads, hidden, mlp, vocab)
     (4, 2, 256, 512, 32000), (8, 2, 512, 1536, 8000), (9, 3, 576, 1536, 49152), (16, 4, 1024, 2816, 16000),
@@ -43,7 +43,7 @@ def build(h, kv, d, i, v, dtype):
 
 
 def predict(samples, coefficients: TransientCoefficients) -> np.ndarray:
-    """The engine's own formulas (engine/memory.py) with candidate coefficients."""
+    """The engine's own formulas (engine/core/memory/model.py) with candidate coefficients."""
     out = []
     for kind, shape, args in samples:
         model = MemoryModel(shape, coefficients=coefficients)
@@ -63,7 +63,7 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
         # every other workload runs one request and one chunk at a time: each step one prompt chunk alone
         max_num_seqs = 1 if w % 2 else rng.randint(2, 12)
         # decode rows in their own forwards: steps of one part each (mixed forwards are predicted from
-        # the same coefficients, engine/memory.py `mixed_bytes`)
+        # the same coefficients, engine/core/memory/model.py `mixed_bytes`)
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk,
                            max_num_batched_tokens=chunk if max_num_seqs == 1 else chunk * 3,
                            max_num_seqs=max_num_seqs, memory_limit_bytes=8 << 30, mixed_batches=False)

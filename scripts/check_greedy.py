@@ -24,14 +24,14 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
     """`read_slices` False: every read a gather (no views, no paged decode attention, so mlx-lm's
     modules for decode). `paths`: filled with which decode paths the engine took."""
     from bench_prefill_memory import make_engine
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     engine = make_engine(lm, [len(p) for p in prompts], max_tokens, chunk)
     engine.runner.pool.read_slices = read_slices
     if not read_slices:
         engine.runner.use_paged_attention(None)
     if paths is not None:
-        from engine.decode_path import CudaOps
+        from engine.model.layers.decode_path import CudaOps
 
         path = engine.runner.decode_path if engine.runner.paged_attention else None
         paths.update(paged_attention=engine.runner.paged_attention, decode_loop=path is not None,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The paged decode attention kernel (engine/paged_attention.py) against its MLX reference, and its
+"""The paged decode attention kernel (engine/model/kernels/paged_attention.py) against its MLX reference, and its
 time against the gather + masked attention it replaces. Needs MLX's CUDA backend. Prints JSON.
 
     python scripts/check_paged_attention.py --out paged.json
@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_common import emit, environment  # noqa: E402
-from engine.paged_attention import CudaPagedAttention, ReferenceAttention  # noqa: E402
+from engine.model.kernels.paged_attention import CudaPagedAttention, ReferenceAttention  # noqa: E402
 
 CASES = [[1], [255], [256], [257], [1, 700, 256, 3], [518] * 8, [8192], [8192, 100, 4000, 2049]]
 

@@ -84,7 +84,7 @@ import mlx.core as mx, mlx_lm, importlib.metadata as md
 print("mlx", mx.__version__, "mlx_lm", md.version("mlx-lm"), "device", mx.default_device())
 print("device_info", mx.device_info() if hasattr(mx, "device_info") else None)
 a = mx.random.normal((1024, 1024), dtype=mx.bfloat16); mx.eval(a @ a)
-import engine.engine, engine.memory
+import engine.engine, engine.core.memory.model
 print("engine from", engine.engine.__file__)
 print("engine imports ok")
 EOF

@@ -109,7 +109,7 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--decode-kernels", type=int, choices=[0, 1], default=0,
-                   help="1: the engine's own decode loop and kernels (engine/decode_path.py; off by default)")
+                   help="1: the engine's own decode loop and kernels (engine/model/layers/decode_path.py; off by default)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.summarize:

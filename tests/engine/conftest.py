@@ -39,7 +39,7 @@ def random_llama():
 
 @pytest.fixture(scope="session")
 def tiny_parts(model_cache_dir):
-    from engine.models import load_model, resolve_model_path
+    from engine.model.loader import load_model, resolve_model_path
 
     path = resolve_model_path("tiny", cache_dir=model_cache_dir, progress=False)
     model, tokenizer = load_model(path)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""engine/chunk_path.py and engine/bound.py: prompt chunks through the engine's own layer loop over bound
+"""engine/model/layers/chunk_path.py and engine/model/layers/bound.py: prompt chunks through the engine's own layer loop over bound
 weights compute what mlx-lm's modules compute (real MLX forwards of the tiny llama)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 
 
 def random_prompt(length, seed):
@@ -20,7 +20,7 @@ def random_prompt(length, seed):
 def run_chunks(runner, row, chunks, read_slices, sample_last):
     """Run the row's chunks through `runner.prefill`'s path (the chunk loop, or mlx-lm's modules if the
     runner has none); the last one samples if `sample_last`. Returns its final hidden state [1, 1, D]."""
-    from engine.kv import ForwardView
+    from engine.model.kv_pool import ForwardView
 
     hidden = None
     for i, chunk in enumerate(chunks):
@@ -43,8 +43,8 @@ def test_the_chunk_loop_gives_mlx_lm_logits_and_writes_the_same_kv(tiny_parts, r
     through the same pool."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.kv import Row
-    from engine.runner import ModelRunner
+    from engine.model.kv_pool import Row
+    from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
     loop = ModelRunner(model, block_size=4, max_kv_tokens=64)
@@ -70,8 +70,8 @@ def test_the_chunk_loop_gives_mlx_lm_logits_and_writes_the_same_kv(tiny_parts, r
 def test_a_chunk_that_samples_nothing_builds_no_output(tiny_parts):
     """Its forward only writes KV: no hidden state, and the runner's Forward finishes on the pool arrays
     as this chunk left them (not the pool's objects, which the next chunk's build rebinds), then lets go."""
-    from engine.runner import ModelRunner, PrefillWork
-    from engine.sampling import RequestSampler
+    from engine.model.runner import ModelRunner, PrefillWork
+    from engine.model.sampling import RequestSampler
 
     runner = ModelRunner(tiny_parts[0], block_size=4, max_kv_tokens=64)
     runner.grow_pool(16)
@@ -96,8 +96,8 @@ def test_a_chunk_that_samples_nothing_builds_no_output(tiny_parts):
 def test_bound_weights_are_views_not_copies(tiny_parts):
     """Binding a model's weights allocates nothing (MLX active memory) and the bound matmul is the
     layer's own."""
-    from engine.bound import bind_layers
-    from engine.fused import fuse_projections
+    from engine.model.layers.bound import bind_layers
+    from engine.model.layers.fused import fuse_projections
 
     model = tiny_parts[0]
     fuse_projections(model)
@@ -113,9 +113,9 @@ def test_bound_weights_are_views_not_copies(tiny_parts):
 
 def test_models_the_loop_cannot_run_keep_mlx_lm_modules(random_llama):
     """Quantized projections: the loops say why, and the runner keeps mlx-lm's modules."""
-    from engine.bound import unsupported
-    from engine.chunk_path import ChunkPath
-    from engine.runner import ModelRunner
+    from engine.model.layers.bound import unsupported
+    from engine.model.layers.chunk_path import ChunkPath
+    from engine.model.runner import ModelRunner
 
     model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256)
     nn.quantize(model, group_size=32, bits=8)
@@ -141,7 +141,7 @@ def test_one_token_chunks_of_a_paged_pool_equal_mlx_lm(make_engine, tiny_parts, 
     """A paged pool (the CUDA kernel's reference in its place): a prompt whose last chunk is one token,
     and a one-token prompt, read their keys through the paged attention in the chunk loop, and the
     engine's greedy tokens equal mlx-lm's."""
-    from engine.paged_attention import ReferenceAttention
+    from engine.model.kernels.paged_attention import ReferenceAttention
 
     engine = make_engine(prefill_chunk_size=64, max_num_batched_tokens=64, max_num_seqs=4,
                          prefix_cache_fraction=0.0)

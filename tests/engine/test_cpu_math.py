@@ -1,4 +1,4 @@
-"""engine/cpu_math.py: attention and SwiGLU with exp as a power compute what MLX's and mlx-lm's compute
+"""engine/model/layers/cpu_math.py: attention and SwiGLU with exp as a power compute what MLX's and mlx-lm's compute
 (real MLX on the CPU), hold less memory than MLX's attention, and the CPU engine runs them by default."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu
 
-from engine import cpu_math
-from engine.request import SamplingParams
+from engine.model.layers import cpu_math
+from engine.core.types import SamplingParams
 
 
 def normal(shape, seed, dtype=mx.float32):

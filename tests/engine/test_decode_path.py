@@ -1,4 +1,4 @@
-"""engine/decode_path.py: the engine's own decode layer loop (the CUDA kernels' structure). Here it runs
+"""engine/model/layers/decode_path.py: the engine's own decode layer loop (the CUDA kernels' structure). Here it runs
 with `ReferenceOps` (MLX operations) and `ReferenceAttention` in the kernels' place, so the loop itself
 (fused add + norm order, RoPE offsets per row, the pool writes, the final norm) is checked on real
 forwards against mlx-lm; the CUDA kernels are checked against `ReferenceOps` by `self_check` on a GPU."""
@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.decode_path import CompiledLayers, DecodePath, ReferenceOps, self_check, unsupported
-from engine.paged_attention import ReferenceAttention
-from engine.request import SamplingParams
+from engine.model.layers.decode_path import CompiledLayers, DecodePath, ReferenceOps, self_check, unsupported
+from engine.model.kernels.paged_attention import ReferenceAttention
+from engine.core.types import SamplingParams
 
 
 class CountingOps(ReferenceOps):
@@ -111,7 +111,7 @@ def test_self_check_passes_the_reference_and_catches_a_wrong_kernel(make_engine)
 
 
 def test_cpu_decode_runs_the_gathering_loop_and_refuses_kernels(make_engine):
-    """On the CPU the engine's decode runs the layer loop over gathered KV with engine/cpu_math.py's
+    """On the CPU the engine's decode runs the layer loop over gathered KV with engine/model/layers/cpu_math.py's
     attention and SwiGLU; asked for the CUDA kernels anyway, a runner whose decode gathers says why not
     and keeps that loop."""
     engine = make_engine()

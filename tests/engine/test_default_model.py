@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.request import FinishReason, SamplingParams
+from engine.core.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.slow
 

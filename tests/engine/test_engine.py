@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from engine.request import FinishReason, SamplingParams
+from engine.core.types import FinishReason, SamplingParams
 
 
 def random_prompts(lengths, vocab, seed=0):

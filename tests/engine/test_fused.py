@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections (engine/fused.py) on a real llama."""
+"""Fused q/k/v and gate/up projections (engine/model/layers/fused.py) on a real llama."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from engine.fused import FusedPart, fuse_projections, fused_forward
+from engine.model.layers.fused import FusedPart, fuse_projections, fused_forward
 
 
 def small_llama(bias=False):
@@ -61,7 +61,7 @@ def test_fused_model_computes_the_same_with_fewer_matmuls(bias):
 
 def decode_matmuls(engine) -> int:
     """Matmul nodes in the graph of the engine's next decode forward (after its prompts prefilled)."""
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     engine.add_request("a", [5, 9, 17, 4], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # the prompt

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 
 
 def random_prompts(lengths, vocab, seed=0):
@@ -71,7 +71,7 @@ def test_decode_graph_does_not_grow_with_the_batch(make_engine):
 
 def forward_logits(runner, row, chunks, read_slices):
     """Each chunk's logits [1, T, V] through a ForwardView of the row, and whether it read a slice."""
-    from engine.kv import ForwardView
+    from engine.model.kv_pool import ForwardView
 
     logits, slices = [], []
     for chunk in chunks:
@@ -86,8 +86,8 @@ def forward_logits(runner, row, chunks, read_slices):
 def test_contiguous_and_fragmented_rows_give_mlx_lm_logits(tiny_parts):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.kv import Row
-    from engine.runner import ModelRunner
+    from engine.model.kv_pool import Row
+    from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
     runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
@@ -108,7 +108,7 @@ def test_contiguous_and_fragmented_rows_give_mlx_lm_logits(tiny_parts):
                                              (fragmented, True, False)):
         row = Row(list(blocks), 4, runner.pool.block_bytes)
         logits, slices = forward_logits(runner, row, chunks, read_slices)
-        # prompt chunks only: one-token forwards (the decodes) always gather (engine/kv.py)
+        # prompt chunks only: one-token forwards (the decodes) always gather (engine/model/kv_pool.py)
         assert slices == [want_slices and len(c) > 1 for c in chunks]
         for got, want in zip(logits, expected):
             assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
@@ -147,16 +147,16 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
     before the previous one is finished, in steps mixing decode and prompt chunks and in pipelined
     decode alike, and every launched forward is finished."""
     import engine.forwards
-    import engine.runner
+    import engine.model.runner
 
     state = {"in_flight": False, "launches": 0}
-    real_finish = engine.runner.finish
+    real_finish = engine.model.runner.finish
 
     def finish(*arrays):
         real_finish(*arrays)
         state["in_flight"] = False
 
-    monkeypatch.setattr(engine.runner, "finish", finish)  # Forward.finish
+    monkeypatch.setattr(engine.model.runner, "finish", finish)  # Forward.finish
     monkeypatch.setattr(engine.forwards, "finish", finish)  # the pipelined decode's wait
     eng = make_engine(max_num_seqs=4, prefill_chunk_size=8, max_num_batched_tokens=24,
                       async_decode=async_decode)

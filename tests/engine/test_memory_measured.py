@@ -23,7 +23,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 
 VOCAB = 32000
 

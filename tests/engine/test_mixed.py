@@ -1,4 +1,4 @@
-"""engine/mixed.py: a step's decode rows run in the same forward as its first prompt chunk. Real forwards
+"""engine/model/layers/mixed.py: a step's decode rows run in the same forward as its first prompt chunk. Real forwards
 of the tiny llama: greedy output equals mlx-lm's with and without the paged path (its CPU stand-in),
 the step really mixes (fewer forwards than separate ones), the scheduler mixes only within the
 transient bound, and a mixed forward that cannot be built falls back to separate forwards."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.memory import MemoryModel, PrefillChunkPlan, StepPlan
-from engine.paged_attention import ReferenceAttention
-from engine.request import SamplingParams
+from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
+from engine.model.kernels.paged_attention import ReferenceAttention
+from engine.core.types import SamplingParams
 
 
 def prompts_of(lengths, vocab, seed=0):
@@ -116,7 +116,7 @@ def test_memory_model_predicts_a_mixed_forward():
     each forward alone. Models no deeper than the set's `mixed_min_layers` do not mix."""
     from dataclasses import replace
 
-    from engine.memory import CUDA_OPS8_COEFFICIENTS, ModelShape
+    from engine.core.memory.model import CUDA_OPS8_COEFFICIENTS, ModelShape
 
     shape = ModelShape(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                        intermediate_size=512, vocab_size=1000, dtype_bytes=4)
@@ -152,7 +152,7 @@ def test_traditional_rope_models_mix_too(tiny_parts, random_llama, reference_gre
     """The embedded SmolLM2 (from its GGUF) rotates with traditional RoPE, which the CUDA decode kernels
     do not take; the mixed forward rotates with mlx-lm's own module and takes it."""
     from engine.config import EngineConfig
-    from engine.decode_path import unsupported
+    from engine.model.layers.decode_path import unsupported
     from engine.engine import Engine
 
     model, config = random_llama(hidden_size=64, intermediate_size=128, vocab_size=1000, rope_traditional=True)
@@ -200,9 +200,9 @@ def test_mixed_forward_logits_equal_mlx_lm(tiny_parts, sample):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.fused import fused_forward
-    from engine.kv import ForwardView, Row
-    from engine.runner import ModelRunner
+    from engine.model.layers.fused import fused_forward
+    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
     runner = ModelRunner(model, block_size=4, max_kv_tokens=128)

@@ -15,8 +15,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import generate
 
-from engine import models
-from engine.models import load_model, resolve_cache_dir, resolve_model_path
+from engine.model import loader as models
+from engine.model.loader import load_model, resolve_cache_dir, resolve_model_path
 
 ROUND_TRIP_TEXTS = (
     "Hello world",
@@ -64,7 +64,7 @@ def test_tiny_dtype_is_stored(tmp_path):
 
 def test_concurrent_processes_share_one_folder(tmp_path):
     # Several replicas starting at once: every CLI process prints the same complete folder.
-    command = [sys.executable, "-m", "engine.models", "tiny", "--cache-dir", str(tmp_path), "--no-progress"]
+    command = [sys.executable, "-m", "engine.model.loader", "tiny", "--cache-dir", str(tmp_path), "--no-progress"]
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0].strip() for p in processes]
 

@@ -1,4 +1,4 @@
-"""Paged decode attention (engine/paged_attention.py): the engine's one-query forwards reading the pool
+"""Paged decode attention (engine/model/kernels/paged_attention.py): the engine's one-query forwards reading the pool
 through a block table instead of a gathered copy. The CUDA kernel runs only on a GPU
 (scripts/check_paged_attention.py checks it there against `ReferenceAttention`); here the engine takes
 the same path with `ReferenceAttention`, so the table, lengths, mask-free views and mlx-lm routing are
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.paged_attention import ReferenceAttention, install, unsupported
-from engine.request import SamplingParams
+from engine.model.kernels.paged_attention import ReferenceAttention, install, unsupported
+from engine.core.types import SamplingParams
 
 
 class CountingReference(ReferenceAttention):
@@ -114,8 +114,8 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.kv import ForwardView, Row
-    from engine.runner import ModelRunner
+    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
     runner = ModelRunner(model, block_size=4, max_kv_tokens=128)
@@ -149,7 +149,7 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
 
 
 def test_dispatcher_refuses_sinks_on_a_paged_forward_and_passes_other_caches_through():
-    from engine.paged_attention import _dispatch
+    from engine.model.kernels.paged_attention import _dispatch
 
     calls = []
     attention = _dispatch(lambda *a, **k: calls.append(k) or "mlx-lm")
@@ -166,7 +166,7 @@ def test_dispatcher_refuses_sinks_on_a_paged_forward_and_passes_other_caches_thr
 def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
     import mlx.core as mx
 
-    from engine.paged_attention import self_check
+    from engine.model.kernels.paged_attention import self_check
 
     self_check(ReferenceAttention(2, 256), num_heads=4, head_dim=64, dtype=mx.float32)
 
@@ -180,8 +180,8 @@ def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
 
 @pytest.mark.parametrize("works", [True, False])
 def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, monkeypatch, caplog, works):
-    import engine.runner as runner_module
-    from engine.runner import ModelRunner
+    import engine.model.runner as runner_module
+    from engine.model.runner import ModelRunner
 
     class FakeKernel(ReferenceAttention):  # stands for the CUDA kernel on this CPU
         def __call__(self, queries, *args):
@@ -206,7 +206,7 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     paged decodes (the ops-8 CUDA set is fitted on them), the forwards' bound is smaller than with
     gathering decodes and the KV budget no smaller; decode is still mlx-lm's greedy."""
     import engine.engine as engine_module
-    import engine.runner as runner_module
+    import engine.model.runner as runner_module
 
     monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
     monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "8")

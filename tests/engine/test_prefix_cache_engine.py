@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

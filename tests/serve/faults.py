@@ -66,7 +66,7 @@ class FaultyEngineFactory:
             return decode(works, *args)
 
         def faulty_mixed(work: Any, works: list) -> Any:
-            # a chunk with decode rows (engine/mixed.py): a fault in either makes the engine run them
+            # a chunk with decode rows (engine/model/layers/mixed.py): a fault in either makes the engine run them
             # apart, where the faulty part raises again
             check_prefill(work)
             if self.fail_decode_token_id in work.token_ids or any(w.request_id in marked for w in works):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.config import EngineConfig
-from engine.request import FinishReason, RequestOutput, SamplingParams
+from engine.core.types import FinishReason, RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.admission import NAMESPACE, decision_to_reservation
-from deployments.admission_state import AdmissionDecision
+from deployments.admission.actor import NAMESPACE, decision_to_reservation
+from deployments.admission.state import AdmissionDecision
 from deployments.errors import BadRequestError, ServiceUnavailableError, TooManyRequestsError
 from conftest import named_actor  # noqa: E402
 
@@ -138,11 +138,11 @@ def test_decisions_map_to_typed_errors():
 def test_replica_reports_its_cache_most_recent_first_within_the_bound():
     """No cluster: EngineReplica's report carries its engine's prefix-cache hashes; the reporter keeps
     the first max_prefix_hashes of them."""
-    from deployments.admission import ReplicaReporter
-    from deployments.admission_state import AdmissionConfig
-    from deployments.replica import EngineReplica
+    from deployments.admission.actor import ReplicaReporter
+    from deployments.admission.state import AdmissionConfig
+    from deployments.replica.replica import EngineReplica
     from engine.config import EngineConfig
-    from engine.prefix_hash import block_hashes
+    from engine.core.prefix_hash import block_hashes
     from serve_fakes import FakeEngine
 
     newest, oldest = block_hashes(list(range(10, 10 + 64 * 3))), block_hashes(list(range(500, 500 + 64 * 4)))
@@ -344,8 +344,8 @@ def test_router_sends_to_the_target_and_fails_a_gone_one(cluster):
     from ray import serve
 
     from deployments.errors import ReplicaUnavailableError, unwrap
-    from deployments.replica import GenerateRequest
-    from engine.request import SamplingParams
+    from deployments.replica.replica import GenerateRequest
+    from engine.core.types import SamplingParams
 
     handle = serve.get_deployment_handle("EngineReplica", app_name=APP).options(stream=True)
 
@@ -375,9 +375,9 @@ def chat_ids():
     """Token ids of a chat request exactly as the ingress computes them (same tokenizer, same function)."""
     from mlx_lm.utils import load_tokenizer
 
-    from deployments.protocol import chat_prompt_ids
-    from deployments.schemas import ChatCompletionRequest
-    from engine.models import resolve_model_path
+    from deployments.ingress.protocol import chat_prompt_ids
+    from deployments.ingress.schemas import ChatCompletionRequest
+    from engine.model.loader import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(MODEL))
     return lambda body_: chat_prompt_ids(tokenizer, ChatCompletionRequest(**body_))
@@ -392,8 +392,8 @@ def test_shared_system_prompt_lands_on_the_replica_that_caches_it(cluster, chat_
     the state the same for every one, whatever the timing of a real stream would be."""
     import ray
 
-    from engine.prefix_cache import common_prefix_len
-    from engine.prefix_hash import BLOCK_TOKENS, block_hashes
+    from engine.core.prefix_cache import common_prefix_len
+    from engine.core.prefix_hash import BLOCK_TOKENS, block_hashes
 
     url = cluster["url"]
     wait_for(lambda: stats()["num_reservations"] == 0, what="an idle cluster")

@@ -63,7 +63,7 @@ def admission_reservations() -> int:
     """Reservations the app's admission controller holds."""
     import ray
 
-    from deployments.admission import NAMESPACE
+    from deployments.admission.actor import NAMESPACE
 
     [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
                if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]

@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.app import API_KEY_ENV, AppArgs
-from deployments.ingress import IngressSettings, OpenAIIngress
-from deployments.replica import EngineReplica
+from deployments.ingress.ingress import IngressSettings, OpenAIIngress
+from deployments.replica.replica import EngineReplica
 from engine.config import EngineConfig
 from serve_fakes import FakeEngine, LocalReplicaClient
 
@@ -24,7 +24,7 @@ ROUTES = [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
 def tokenizer():
     from mlx_lm.utils import load_tokenizer
 
-    from engine.models import resolve_model_path
+    from engine.model.loader import resolve_model_path
 
     return load_tokenizer(resolve_model_path("tiny"))
 

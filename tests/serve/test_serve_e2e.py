@@ -17,7 +17,7 @@ import pytest
 
 from deployments.app import APP_NAME, REPLICA_DEPLOYMENT, build_app
 from deployments.errors import BadRequestError, ModelNotFoundError
-from deployments.schemas import (
+from deployments.ingress.schemas import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
 )
 from conftest import named_actor  # noqa: E402
@@ -72,7 +72,7 @@ def test_models_and_health(client, base_url):
 
 
 def test_completion_greedy_equals_engine(client, reference_engine):
-    from engine.request import SamplingParams
+    from engine.core.types import SamplingParams
 
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     ids = reference_engine.tokenizer.encode(PROMPT)

@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 
 from deployments.app import AppArgs, build_app_with, parse_args, serve_ingress_class
 from deployments.errors import BadRequestError, EngineError, ModelNotFoundError, ServiceUnavailableError
-from deployments.ingress import IngressSettings, OpenAIIngress
-from deployments.replica import AbortRequest, EngineReplica, GenerateRequest
-from deployments.schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest
+from deployments.ingress.ingress import IngressSettings, OpenAIIngress
+from deployments.replica.replica import AbortRequest, EngineReplica, GenerateRequest
+from deployments.ingress.schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest
 from engine.config import EngineConfig
-from engine.request import SamplingParams
+from engine.core.types import SamplingParams
 from serve_fakes import FakeEngine, LocalReplicaClient
 
 MODEL = "tiny"
@@ -32,7 +32,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 def tokenizer():
     from mlx_lm.utils import load_tokenizer
 
-    from engine.models import resolve_model_path
+    from engine.model.loader import resolve_model_path
 
     return load_tokenizer(resolve_model_path("tiny"))
 
@@ -332,7 +332,7 @@ class _FakeHandle:
 
 
 async def test_handle_client_retries_a_replica_that_died_before_output():
-    from deployments.ingress import HandleReplicaClient
+    from deployments.ingress.ingress import HandleReplicaClient
 
     request = GenerateRequest("r", [1], SamplingParams())
     handle = _FakeHandle([_FakeResponseGenerator([1, 2], die_after=0), _FakeResponseGenerator([1, 2])])

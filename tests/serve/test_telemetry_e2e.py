@@ -24,11 +24,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.app import REPLICA_DEPLOYMENT, build_app
-from deployments.ingress import IngressSettings, OpenAIIngress
-from deployments.observability import prometheus_urls
-from deployments.replica import EngineReplica
+from deployments.ingress.ingress import IngressSettings, OpenAIIngress
+from deployments.telemetry.observability import prometheus_urls
+from deployments.replica.replica import EngineReplica
 from engine.config import EngineConfig
-from engine.telemetry import Telemetry, TelemetryConfig
+from deployments.telemetry.metrics import Telemetry, TelemetryConfig
 from serve_fakes import FakeEngine, LocalReplicaClient
 
 from conftest import free_port
@@ -40,7 +40,7 @@ MESSAGES = [{"role": "user", "content": "Say hello."}]
 LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # > prefill_chunk_size tokens: several chunks
 DASHBOARD = Path(__file__).resolve().parents[2] / "config" / "grafana-dashboard.json"
 # Dashboard metrics no scraped process records yet: admission decisions are counted once the admission
-# controller is given a Telemetry (deployments.observability.admission_span / admission_telemetry_factory).
+# controller is given a Telemetry (deployments.telemetry.observability.admission_span / admission_telemetry_factory).
 NOT_FED_YET = {"mlx_serve_admission_decisions_total"}
 
 

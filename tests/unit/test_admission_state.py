@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deployments.admission_queue import Admitter
-from deployments.admission_state import (AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity,
+from deployments.admission.queue import Admitter
+from deployments.admission.state import (AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity,
                                          ReplicaReport)
-from engine.memory import MemoryModel, ModelShape
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.scheduler import Scheduler, SchedulerConfig
 
 KV_TOKEN = 512
 STEP = 256

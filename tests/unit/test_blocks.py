@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.blocks import BlockAllocator, num_blocks_for
+from engine.core.blocks import BlockAllocator, num_blocks_for
 
 
 def test_grows_by_doubling_up_to_the_cap_and_allocates_lowest_first():

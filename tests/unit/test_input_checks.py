@@ -7,10 +7,10 @@ import json
 import pytest
 
 from deployments.errors import BadRequestError
-from deployments.http_api import validation_body
-from deployments.protocol import SEED_MODULUS, Limits, check_text, make_samplings
-from deployments.schemas import CompletionRequest
-from engine.request import SamplingParams
+from deployments.ingress.http_api import validation_body
+from deployments.ingress.protocol import SEED_MODULUS, Limits, check_text, make_samplings
+from deployments.ingress.schemas import CompletionRequest
+from engine.core.types import SamplingParams
 
 LIMITS = Limits(max_model_len=128, vocab_size=100, max_n=4)
 

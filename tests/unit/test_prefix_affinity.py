@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from deployments.admission_queue import Admitter
-from deployments.admission_state import AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity, \
+from deployments.admission.queue import Admitter
+from deployments.admission.state import AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity, \
     ReplicaReport
-from engine.prefix_cache import PrefixCache
-from engine.prefix_hash import BLOCK_TOKENS, block_hashes, matched_blocks, summarize
+from engine.core.prefix_cache import PrefixCache
+from engine.core.prefix_hash import BLOCK_TOKENS, block_hashes, matched_blocks, summarize
 
 B = BLOCK_TOKENS
 STEP = 256
@@ -62,7 +62,7 @@ def test_block_hashes_cover_full_blocks_and_chain_the_whole_prefix():
 def test_hashes_are_the_same_in_another_process():
     """Never Python's hash(): the ingress, the controller and each replica are different processes."""
     tokens = list(range(5, 5 + 2 * B))
-    code = "from engine.prefix_hash import block_hashes; print(block_hashes(list(range(5, 5 + 2 * %d))))" % B
+    code = "from engine.core.prefix_hash import block_hashes; print(block_hashes(list(range(5, 5 + 2 * %d))))" % B
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from engine.prefix_cache import PrefixCache
+from engine.core.prefix_cache import PrefixCache
 
 
 @dataclass

@@ -3,9 +3,9 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.memory import MemoryModel, ModelShape
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.types import FinishReason, Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                    intermediate_size=128, vocab_size=1000, dtype_bytes=4)

@@ -1,4 +1,4 @@
-"""engine.telemetry against the real OpenTelemetry SDK: in-memory reader/exporter, a real Prometheus
+"""deployments.telemetry.metrics against the real OpenTelemetry SDK: in-memory reader/exporter, a real Prometheus
 endpoint scraped over HTTP, and a real OTLP/HTTP receiver decoding the protobuf bodies."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from engine import telemetry as tm
-from engine.telemetry import EngineGauges, RequestMetrics, Telemetry, TelemetryConfig
+from deployments.telemetry import metrics as tm
+from deployments.telemetry.metrics import EngineGauges, RequestMetrics, Telemetry, TelemetryConfig
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "config" / "grafana-dashboard.json"
 
@@ -140,11 +140,11 @@ def test_step_gauges_admission_prefix_cache(telemetry):
 
 
 def test_record_methods_never_raise_and_warn_once(telemetry, caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="deployments.telemetry.metrics"):
         for _ in range(3):
             telemetry.record_request(None)  # type: ignore[arg-type]
             telemetry.set_engine_gauges("r0", "not gauges")  # type: ignore[arg-type]
-    warnings = [r for r in caplog.records if r.name == "engine.telemetry"]
+    warnings = [r for r in caplog.records if r.name == "deployments.telemetry.metrics"]
     assert len(warnings) == 2
     telemetry.record_request(_request())  # still records after a failure
     assert _points(telemetry)[tm.REQUEST_DURATION.name][0].count == 1
@@ -228,7 +228,7 @@ def test_prometheus_port_taken_warns_and_continues(caplog):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         config = TelemetryConfig(prometheus_port=taken.getsockname()[1])
-        with caplog.at_level(logging.WARNING, logger="engine.telemetry"):
+        with caplog.at_level(logging.WARNING, logger="deployments.telemetry.metrics"):
             telemetry = Telemetry.from_config(config)
     assert telemetry.prometheus_url is None
     assert any("not started" in record.message for record in caplog.records)

@@ -1,0 +1,384 @@
+"""OpenAIIngress: the OpenAI-compatible front door, over HTTP (FastAPI) and over a Python handle.
+
+A plain class. Its FastAPI app is built per instance by `build_asgi_app()` (routes are closures over the
+instance, so there is no module-level app); `build_app` hands that method to Ray Serve as the late-bound
+ASGI builder (`serve.ingress()` + `__serve_build_asgi_app__`), and unit tests mount it in a TestClient.
+
+Python handle API (`serve.get_app_handle("mlx-llm")`):
+
+    resp = await handle.chat.remote(ChatCompletionRequest(...))            # ChatCompletionResponse
+    async for chunk in handle.options(stream=True).chat_stream.remote(req):  # ChatCompletionChunk
+    resp = await handle.completions.remote(CompletionRequest(...))         # CompletionResponse
+    async for chunk in handle.options(stream=True).completions_stream.remote(req):
+    await handle.models.remote()  /  handle.health.remote()  /  handle.stats.remote()
+
+Requests may also be plain dicts. Errors are the typed exceptions of `deployments.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.config import EngineConfig
+from deployments.telemetry.metrics import TelemetryConfig
+
+from deployments.errors import APIError, BadRequestError, EngineError, ModelNotFoundError, \
+    ReplicaUnavailableError, ServiceUnavailableError, unwrap
+from deployments.telemetry.observability import RequestObservation, TelemetryFactory, process_telemetry
+from deployments.ingress.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
+    usage_chunk
+from deployments.replica.replica import AbortRequest, GenerateOutput, GenerateRequest, ReplicaInfo
+from deployments.ingress.schemas import ChatCompletionRequest, CompletionRequest, HealthStatus, ModelCard, ModelList
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what engine.model "default" serves
+
+
+class IngressSettings(BaseModel):
+    """What the ingress needs from AppArgs (built by `AppArgs.ingress_settings()`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="For the tokenizer.")
+    served_model_name: Optional[str] = Field(None, description="None: derived from engine.model.")
+    max_tokens_cap: Optional[int] = Field(None, ge=1, description="None: the model's context.")
+    max_n: int = Field(8, ge=1)
+    max_request_body_bytes: int = Field(8 << 20, ge=1024)
+    api_key: Optional[str] = Field(None, description="Bearer token required on /v1/*; None: open.")
+    health_timeout_s: float = Field(5.0, gt=0)
+    created: int = Field(0, description="Unix time reported in the model card.")
+    telemetry: TelemetryConfig = Field(default_factory=lambda: TelemetryConfig(exporter="none"),
+                                       description="This process's metrics and traces (AppArgs.telemetry).")
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine.model
+        if model == "default":
+            return DEFAULT_MODEL_NAME
+        return model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def default_tokenizer_factory(config: EngineConfig) -> Any:
+    """Load only the tokenizer of the engine's model (the ingress never loads weights)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.engine import resolve_dtype
+    from engine.model.loader import resolve_model_path
+
+    # The replicas' dtype, so a shared cache holds one converted copy of an embedded model, not two.
+    return load_tokenizer(resolve_model_path(config.model, config.cache_dir, resolve_dtype(config.dtype)))
+
+
+class HandleReplicaClient:
+    """Calls EngineReplica through a Ray Serve DeploymentHandle; maps Ray errors to API errors."""
+
+    def __init__(self, handle: Any, max_attempts: int = 3) -> None:
+        self._handle = handle
+        self._max_attempts = max_attempts
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream from one replica. A replica that dies before its first output is retried on another
+        (nothing was produced yet); after that, its death is the request's error."""
+        for attempt in range(1, self._max_attempts + 1):
+            gen = child_call(self._handle.options(stream=True).generate, request)
+            done = started = False
+            try:
+                async for out in gen:
+                    started = True
+                    yield out
+                done = True
+                return
+            except Exception as e:
+                if started or attempt == self._max_attempts or not _replica_died(e):
+                    raise replica_error(e) from None
+                logger.warning("replica died before output (attempt %d): %r; retrying", attempt, e)
+            finally:
+                if not done:  # client went away or failed: cancel the replica call, which aborts the engine
+                    gen.cancel()
+                    self._abort_on_target(request)
+
+    def _abort_on_target(self, request: GenerateRequest) -> None:
+        """Serve's cancel is best effort: a call cancelled while Serve dispatches it still reaches the
+        replica and runs to its end (seen in a timeout storm: abandoned prompts kept the engine busy for
+        20 s). When admission chose the replica, tell it directly; it drops the request whether the call
+        is already there or arrives later. Fire and forget: the caller is being cancelled."""
+        if request.target_replica_id is None:
+            return
+        try:
+            child_call(self._handle.abort, AbortRequest(request.request_id, request.target_replica_id))
+        except Exception:  # the replica is gone: nothing runs there any more
+            logger.debug("abort of %s not sent", request.request_id, exc_info=True)
+
+    async def call(self, method: str, timeout_s: float) -> Any:
+        response = child_call(getattr(self._handle, method))
+
+        async def result() -> Any:
+            return await response
+
+        try:
+            return await asyncio.wait_for(result(), timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ServiceUnavailableError(f"no engine replica answered within {timeout_s:g} s",
+                                          retry_after_s=timeout_s) from None
+        except Exception as e:
+            raise replica_error(e) from None
+
+
+def child_call(method: Any, *args: Any) -> Any:
+    """`method.remote(*args)` under a Serve request id of its own.
+
+    Serve gives every call made while handling a request the caller's internal request id. Two calls of
+    one request in flight at once (the n choices of a request, each streamed from a replica) then share
+    it, and Serve loses one of them: it never reaches a replica and its stream never ends (seen with
+    Ray 2.60, about one n=2 request in a few; tests/serve/test_serve_e2e.py::test_n_choices_never_hang).
+    Each call gets its own id in a copy of the context, so the caller's own context is untouched.
+    """
+    return contextvars.copy_context().run(_call_with_own_request_id, method, args)
+
+
+def _call_with_own_request_id(method: Any, args: tuple) -> Any:
+    from ray.serve import context as serve_context
+    from ray.serve._private.utils import generate_request_id
+
+    current = serve_context._serve_request_context.get()
+    if current is not None:
+        serve_context._serve_request_context.set(
+            dataclasses.replace(current, _internal_request_id=generate_request_id()))
+    return method.remote(*args)
+
+
+def _replica_died(exc: BaseException) -> bool:
+    from ray import exceptions as ray_exceptions
+
+    return isinstance(unwrap(exc), (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError))
+
+
+def replica_error(exc: BaseException) -> APIError:
+    """An API error for whatever a replica call raised."""
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    cause = unwrap(exc)
+    if isinstance(cause, APIError):
+        return cause
+    if isinstance(cause, serve_exceptions.BackPressureError):
+        return ServiceUnavailableError("engine replicas are at capacity", retry_after_s=1.0)
+    if isinstance(cause, serve_exceptions.DeploymentUnavailableError):
+        return ServiceUnavailableError("the engine deployment is unavailable", retry_after_s=5.0)
+    if isinstance(cause, (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)):
+        return ReplicaUnavailableError(f"the engine replica failed: {type(cause).__name__}")
+    logger.error("replica call failed: %r", exc)
+    return EngineError(f"the engine replica failed: {type(cause).__name__}: {cause}")
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as (index, item); the first error ends the merge."""
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((index, item, None))
+        except Exception as e:
+            await queue.put((index, None, e))
+        finally:
+            queue.put_nowait((index, finished, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is finished:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIIngress:
+    """Validates and tokenizes requests, fans them out to the engine replicas, builds responses."""
+
+    def __init__(
+        self,
+        replica: Any,
+        settings: IngressSettings | dict,
+        tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
+        client_factory: Optional[Callable[[Any], Any]] = None,
+        telemetry_factory: Optional[TelemetryFactory] = None,
+    ) -> None:
+        self._settings = IngressSettings.model_validate(settings)
+        self._telemetry = (telemetry_factory or process_telemetry)(self._settings.telemetry, "ingress")
+        self._replicas = (client_factory or HandleReplicaClient)(replica)
+        self._tokenizer = (tokenizer_factory or default_tokenizer_factory)(self._settings.engine)
+        self._model_name = self._settings.model_name()
+        self._info: Optional[ReplicaInfo] = None
+
+    # ------------------------------------------------------------------ handle API
+
+    async def models(self) -> ModelList:
+        if self._info is None:  # before any request: ask a replica, briefly (the card can do without)
+            try:
+                self._info = await self._replicas.call("info", 2.0)
+            except Exception:  # noqa: BLE001 - no replica answered yet: max_model_len stays null
+                logger.debug("no replica info for /v1/models yet", exc_info=True)
+        return ModelList(data=[self._model_card()])
+
+    async def chat(self, request: ChatCompletionRequest | dict) -> Any:
+        """Non-streaming chat completion: a ChatCompletionResponse."""
+        return await self._complete(await self._prepare(request, ChatCompletionRequest))
+
+    async def chat_stream(self, request: ChatCompletionRequest | dict) -> AsyncIterator[Any]:
+        """Streaming chat completion: ChatCompletionChunk objects (call with stream=True)."""
+        async with aclosing(self._stream(await self._prepare(request, ChatCompletionRequest))) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def completions(self, request: CompletionRequest | dict) -> Any:
+        """Non-streaming completion: a CompletionResponse."""
+        return await self._complete(await self._prepare(request, CompletionRequest))
+
+    async def completions_stream(self, request: CompletionRequest | dict) -> AsyncIterator[Any]:
+        """Streaming completion: CompletionChunk objects (call with stream=True)."""
+        async with aclosing(self._stream(await self._prepare(request, CompletionRequest))) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def health(self) -> HealthStatus:
+        """Raises ServiceUnavailableError unless an engine replica answers healthy in time."""
+        info = await self._replicas.call("info", self._settings.health_timeout_s)
+        self._info = self._info or info
+        return HealthStatus()
+
+    async def stats(self) -> dict[str, Any]:
+        """Stats of one engine replica (the one the router picks)."""
+        return await self._replicas.call("stats", self._settings.health_timeout_s)
+
+    async def metrics_url(self) -> Optional[str]:
+        """This ingress process's Prometheus /metrics URL (None: not served)."""
+        return self._telemetry.prometheus_url
+
+    def __del__(self) -> None:
+        telemetry = getattr(self, "_telemetry", None)
+        if telemetry is not None:
+            telemetry.shutdown()
+
+    def build_asgi_app(self) -> Any:
+        """The FastAPI app serving this instance (see deployments.ingress.http_api)."""
+        from deployments.ingress.http_api import build_fastapi_app
+
+        return build_fastapi_app(self, self._settings)
+
+    # ------------------------------------------------------------------ internals
+
+    def _model_card(self) -> ModelCard:
+        max_len = self._info.max_model_len if self._info else None
+        return ModelCard(id=self._model_name, created=self._settings.created, max_model_len=max_len)
+
+    def check_model(self, name: str) -> None:
+        if name not in (self._model_name, self._settings.engine.model):
+            raise ModelNotFoundError(f"The model '{name}' does not exist; this server serves "
+                                     f"'{self._model_name}'")
+
+    async def _limits(self) -> Limits:
+        if self._info is None:  # engines decide max_model_len; ask one replica once
+            self._info = await self._replicas.call("info", max(30.0, self._settings.health_timeout_s))
+        return Limits(max_model_len=self._info.max_model_len, vocab_size=_vocab_size(self._tokenizer),
+                      max_tokens_cap=self._settings.max_tokens_cap, max_n=self._settings.max_n)
+
+    async def _prepare(self, request: Any, cls: type[BaseModel]) -> PreparedRequest:
+        received_ns = time.monotonic_ns()
+        req = parse_request(request, cls)
+        self.check_model(req.model)
+        prepared = prepare(req, self._tokenizer, await self._limits(), self._model_name)
+        return dataclasses.replace(prepared, received_ns=received_ns)
+
+    async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Every increment of every choice; the request's telemetry is recorded when this ends."""
+        observation = RequestObservation(self._telemetry, prepared)
+        error: Optional[BaseException] = None
+        try:
+            async with aclosing(self._replica_outputs(prepared, observation.carrier())) as outputs:
+                async for index, out in outputs:
+                    observation.on_output(index, out)
+                    yield index, out
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            observation.finish(error)
+
+    async def _replica_outputs(self, prepared: PreparedRequest,
+                               trace_context: dict[str, str]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        streams = [
+            self._replicas.generate(GenerateRequest(f"{prepared.request_id}-{i}", prepared.prompt_token_ids, s,
+                                                    trace_context))
+            for i, s in enumerate(prepared.samplings)
+        ]
+        if len(streams) == 1:
+            async with aclosing(streams[0]) as stream:
+                async for out in stream:
+                    yield 0, out
+            return
+        async with aclosing(merge_streams(streams)) as merged:
+            async for item in merged:
+                yield item
+
+    async def _complete(self, prepared: PreparedRequest) -> Any:
+        acc = Accumulator(len(prepared.samplings))
+        async with aclosing(self._outputs(prepared)) as outputs:
+            async for index, out in outputs:
+                acc.add(index, out)
+        return final_response(prepared, acc)
+
+    async def _stream(self, prepared: PreparedRequest) -> AsyncIterator[Any]:
+        acc = Accumulator(len(prepared.samplings))
+        started: set[int] = set()
+        async with aclosing(self._outputs(prepared)) as outputs:
+            async for index, out in outputs:
+                chunk = chunk_for(prepared, index, out, first=index not in started)
+                started.add(index)
+                acc.add(index, out)
+                yield chunk
+        if prepared.include_usage:
+            yield usage_chunk(prepared, acc)
+
+
+def parse_request(request: Any, cls: type[BaseModel]) -> Any:
+    """A request model from a model or a dict; pydantic errors become BadRequestError(param=field)."""
+    if isinstance(request, cls):
+        return request
+    try:
+        data = request.model_dump() if isinstance(request, BaseModel) else request
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise BadRequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return max(len(inner), int(getattr(inner, "vocab_size", 0) or 0))
+    except TypeError:
+        return int(getattr(inner, "vocab_size"))

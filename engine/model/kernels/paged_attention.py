@@ -1,0 +1,334 @@
+"""Decode attention read straight from the KV pool (paged attention), on MLX's CUDA backend.
+
+Without it a one-query forward (decode, or a 1-token prompt chunk) gathers, per layer, every row's K
+and V out of the pool into a contiguous `[B, H_kv, L_max, D]` copy, then calls MLX's attention with a
+`[B, 1, 1, L_max]` mask. On CUDA that mask rules out MLX's fused decode kernel: attention falls back to
+a dozen separate operations per layer. With it, per layer and forward: two kernels, reading each
+row's keys and values where they lie in the pool, through the rows' block table (the idea of vLLM's
+PagedAttention, with the split over the sequence of flash-decoding):
+
+1. `partial`: one thread block per (row, KV head, span of `PAGED_PARTIAL_KEYS` keys of the row, within
+   one pool block): the softmax statistics (max, sum) and the unnormalised output of the GQA group's
+   queries over that span's keys;
+2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output.
+
+`install(model)` routes mlx-lm's attention call (`scaled_dot_product_attention` of the model's module)
+through a dispatcher: a cache layer that offers `paged_attention` (engine/model/kv_pool.py, for a one-query
+forward with a kernel set) gets the kernel's output; everything else, mlx-lm's own caches included,
+goes to mlx-lm's function unchanged. `ReferenceAttention` computes the same thing with MLX operations
+(gather, mask, MLX attention): the CPU tests run the engine's paged path with it,
+scripts/check_paged_attention.py checks the kernel against it on a GPU, and `self_check` does so on
+a small case before the runner uses the kernel (a device or MLX version it fails on falls back to
+gathering, with a warning).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from engine.core.memory.model import PAGED_PARTIAL_KEYS
+
+_HEADER = """
+__device__ __forceinline__ float pa_warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+__device__ __forceinline__ float pa_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+"""
+
+# grid: B * HKV * NP thread blocks of THREADS (NW = THREADS / 32 warps), NP = NB * (BLOCK / CH); block
+# g = ((b * HKV) + h) * NP + j covers positions [j * CH, (j + 1) * CH) of row b, which lie in pool block
+# table[b, j * CH / BLOCK] (rows h * S + slot). Short spans of keys give many small blocks: a decode's
+# attention is a few MB per layer, so the kernel's time is its longest dependent chain, not bandwidth.
+# Lane i of a warp holds dims [i * DPL, (i + 1) * DPL) of the queries, keys and values (lanes past D / DPL
+# idle when D < 32 * DPL); warp w takes keys w, w + NW, ... and loads all of their keys and values before
+# using any (2 * KPW independent loads in flight per lane).
+_PARTIAL = """
+  constexpr int DPL = D <= 32 ? 1 : D <= 64 ? 2 : D <= 128 ? 4 : 8;  // D % DPL == 0 for D % 8 == 0
+  constexpr int NW = THREADS / 32;
+  constexpr int KPW = CH / NW;
+  constexpr int SUBS = BLOCK / CH;
+  struct alignas(sizeof(T) * DPL) Vec { T v[DPL]; };
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  __shared__ float ps[NREP][CH];
+  __shared__ float red[NW][NREP][D];
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const bool active = lane * DPL < D;
+  const int NB = table_shape[1];
+  const int NP = NB * SUBS;
+  const int g = blockIdx.x;
+  const int j = g % NP;
+  const int b = g / (NP * HKV);
+  const int h = (g / NP) % HKV;
+  const int n = min(CH, lengths[b] - j * CH);  // keys in this span (<= 0: none)
+  float* part_out = part + (size_t)g * NREP * D;
+  float* stats_out = stats + (size_t)g * NREP * 2;
+  if (n <= 0) {
+    for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
+    if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
+    return;
+  }
+  const size_t S = k_pool_shape[0] / HKV;
+  const size_t base = (size_t)h * S + (size_t)table[b * NB + j / SUBS] * BLOCK + (size_t)(j % SUBS) * CH;
+  const float sc = scale[0];
+  float qr[NREP][DPL];
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
+    #pragma unroll
+    for (int e = 0; e < DPL; ++e) qr[r][e] = 0.0f;
+    if (active) {  // scalar loads: q may be a view at any element offset
+      const T* qp = q + ((size_t)(b * HKV + h) * NREP + r) * D + lane * DPL;
+      #pragma unroll
+      for (int e = 0; e < DPL; ++e) qr[r][e] = static_cast<float>(qp[e]) * sc;
+    }
+  }
+  Vec kv[KPW];
+  Vec vv[KPW];
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {
+    #pragma unroll
+    for (int e = 0; e < DPL; ++e) { kv[i].v[e] = static_cast<T>(0.0f); vv[i].v[e] = static_cast<T>(0.0f); }
+    const int k = warp + i * NW;
+    if (k < n && active) {  // V's loads go out with K's: one memory round trip for the whole block
+      kv[i] = *reinterpret_cast<const Vec*>(k_pool + (base + k) * D + lane * DPL);
+      vv[i] = *reinterpret_cast<const Vec*>(v_pool + (base + k) * D + lane * DPL);
+    }
+  }
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {
+    const int k = warp + i * NW;
+    if (k < n) {  // uniform over the warp
+      float s[NREP];
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        s[r] = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < DPL; ++e) s[r] += qr[r][e] * static_cast<float>(kv[i].v[e]);
+      }
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) s[r] = pa_warp_sum(s[r]);
+      if (lane == 0) {
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) ps[r][k] = s[r];
+      }
+    }
+  }
+  __syncthreads();
+  for (int r = warp; r < NREP; r += NW) {
+    float m = NEG_INF;
+    for (int k = lane; k < n; k += 32) m = fmaxf(m, ps[r][k]);
+    m = pa_warp_max(m);
+    float l = 0.0f;
+    for (int k = lane; k < n; k += 32) {
+      const float p = __expf(ps[r][k] - m);
+      ps[r][k] = p;
+      l += p;
+    }
+    l = pa_warp_sum(l);
+    if (lane == 0) { stats_out[2 * r] = m; stats_out[2 * r + 1] = l; }
+  }
+  __syncthreads();
+  float acc[NREP][DPL];
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
+    #pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[r][e] = 0.0f;
+  }
+  #pragma unroll
+  for (int i = 0; i < KPW; ++i) {
+    const int k = warp + i * NW;
+    if (k < n) {
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        const float p = ps[r][k];
+        #pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[r][e] += p * static_cast<float>(vv[i].v[e]);
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
+    #pragma unroll
+    for (int e = 0; e < DPL; ++e) {
+      if (active) red[warp][r][lane * DPL + e] = acc[r][e];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < NREP * D; i += THREADS) {
+    float sum = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) sum += red[w][i / D][i % D];
+    part_out[i] = sum;
+  }
+"""
+
+# grid: B * HKV * NREP thread blocks of D threads; block (b, h, r) is query head h * NREP + r of row b.
+_COMBINE = """
+  const int NB = stats_shape[2];
+  const int bq = blockIdx.x;  // (b * HKV + h) * NREP + r
+  const int r = bq % NREP;
+  const int bh = bq / NREP;   // b * HKV + h
+  const int d = threadIdx.x;
+  float M = -__int_as_float(0x7f800000);
+  for (int j = 0; j < NB; ++j) M = fmaxf(M, stats[((size_t)(bh * NB + j) * NREP + r) * 2]);
+  float L = 0.0f, acc = 0.0f;
+  for (int j = 0; j < NB; ++j) {
+    const size_t i = (size_t)(bh * NB + j) * NREP + r;
+    const float l = stats[2 * i + 1];
+    if (l > 0.0f) {
+      const float w = __expf(stats[2 * i] - M);
+      L += l * w;
+      acc += part[i * D + d] * w;
+    }
+  }
+  out[(size_t)bq * D + d] = static_cast<T>(acc / L);
+"""
+
+_THREADS = 128  # 4 warps, 16 keys each
+_CH = PAGED_PARTIAL_KEYS
+
+
+class PagedAttention:
+    """Attention of one query per row over its KV in the pool. `__call__(queries [B, H, 1, D], k_pool,
+    v_pool [H_kv * slots, D], table [B, NB] int32 (the rows' first NB pool blocks), lengths [B] int32
+    (keys per row, NB = ceil(max(lengths) / block_size)), scale) -> [B, H, 1, D]`."""
+
+    def __init__(self, num_kv_heads: int, block_size: int):
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+
+
+class ReferenceAttention(PagedAttention):
+    """The same computation with MLX operations: gather the rows' KV through the table, mask the
+    positions past each row's length, MLX's attention (the CPU tests' stand-in for the kernel, and
+    the kernel's oracle)."""
+
+    def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
+        hkv, bs = self.num_kv_heads, self.block_size
+        slots_per_head = k_pool.shape[0] // hkv
+        pos = mx.arange(table.shape[1] * bs)
+        slots = table[:, pos // bs] * bs + pos % bs  # [B, L]
+        rows = mx.arange(hkv)[None, :, None] * slots_per_head + slots[:, None, :]  # [B, H_kv, L]
+        mask = (pos[None] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        return mx.fast.scaled_dot_product_attention(
+            queries, k_pool[rows], v_pool[rows], scale=scale, mask=mask)
+
+
+class CudaPagedAttention(PagedAttention):
+    """The two CUDA kernels (module docstring)."""
+
+    def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS):
+        """`keys_per_partial` and `threads` other than the defaults are for timing variants
+        (scripts/check_paged_attention.py --variants): the memory model counts PAGED_PARTIAL_KEYS."""
+        super().__init__(num_kv_heads, block_size)
+        if block_size % keys_per_partial or keys_per_partial % (threads // 32):
+            raise ValueError(f"keys_per_partial={keys_per_partial} must divide block_size={block_size} "
+                             f"and be a multiple of threads / 32 = {threads // 32}")
+        self.keys_per_partial, self.threads = keys_per_partial, threads
+        self._scales: dict[float, mx.array] = {}  # the kernel takes the scale as a [1] array
+        self._partial = mx.fast.cuda_kernel(
+            name="pool_attention_partial",
+            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            output_names=["part", "stats"], source=_PARTIAL, header=_HEADER)
+        self._combine = mx.fast.cuda_kernel(
+            name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
+            source=_COMBINE)
+
+    def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
+        if scale not in self._scales:
+            self._scales[scale] = mx.array([scale], mx.float32)
+        B, hq, _, d = queries.shape
+        ch, threads = self.keys_per_partial, self.threads
+        hkv, np_ = self.num_kv_heads, table.shape[1] * (self.block_size // ch)
+        nrep = hq // hkv
+        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
+                    ("CH", ch), ("THREADS", threads)]
+        part, stats = self._partial(
+            inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
+            grid=(B * hkv * np_ * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)],
+            output_dtypes=[mx.float32, mx.float32])
+        (out,) = self._combine(
+            inputs=[part, stats], template=[("T", queries.dtype), ("D", d), ("NREP", nrep)],
+            grid=(B * hq * d, 1, 1), threadgroup=(d, 1, 1),
+            output_shapes=[(B, hq, 1, d)], output_dtypes=[queries.dtype])
+        return out
+
+
+def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> None:
+    """Run `impl` once on a small case of this model's attention shape (two rows, one across a block
+    boundary, blocks out of order) against `ReferenceAttention`; raise if it fails or disagrees. The
+    runner calls it before using the kernel, so a GPU or MLX version it does not work on falls back to
+    gathering instead of failing every decode."""
+    hkv, bs = impl.num_kv_heads, impl.block_size
+    lengths = [bs + 3, 5]
+    slots = 3 * bs
+    k_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(1)).astype(dtype)
+    v_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(2)).astype(dtype)
+    queries = mx.random.normal((2, num_heads, 1, head_dim), key=mx.random.key(3)).astype(dtype)
+    table, lens = mx.array([[2, 0], [1, 0]], mx.int32), mx.array(lengths, mx.int32)
+    scale = head_dim ** -0.5
+    got = impl(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
+    want = ReferenceAttention(hkv, bs)(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
+    err = mx.abs(got - want).max().item()
+    tolerance = 1e-3 if dtype == mx.float32 else 5e-2
+    if not err <= tolerance:  # NaN fails too
+        raise RuntimeError(f"paged attention kernel differs from the reference by {err} (> {tolerance})")
+
+
+def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> Optional[str]:
+    """Why the kernel cannot serve this attention shape (None: it can)."""
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 8 up to 256"
+    if block_size % _CH:
+        return f"block_size {block_size} is not a multiple of {_CH}"
+    if (num_heads // num_kv_heads) * (_CH + (_THREADS // 32) * head_dim) * 4 > 40_000:
+        return "the kernel's shared memory would exceed 40 kB"
+    if dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return f"dtype {dtype} is not a float type"
+    return None
+
+
+# --- routing mlx-lm's attention call ------------------------------------------------------------
+
+_ORIGINAL = "_mlx_serve_original_sdpa"
+
+
+def install(model) -> bool:
+    """Route the attention of `model`'s layers through `_dispatch` (idempotent). False when the
+    model's attention module does not call mlx-lm's `scaled_dot_product_attention` (the engine then
+    never takes the paged path)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    module = sys.modules.get(type(attention).__module__) if attention is not None else None
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    if getattr(original, _ORIGINAL, None) is None:
+        module.scaled_dot_product_attention = _dispatch(original)
+    return True
+
+
+def _dispatch(original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        paged = getattr(cache, "paged_attention", None)
+        out = paged(queries, scale) if paged is not None else None
+        if out is None:
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if sinks is not None:  # the cache returned only the new keys: mlx-lm's function cannot take over
+            raise NotImplementedError("attention sinks are not supported with paged_attention; "
+                                      "set paged_attention: false")
+        return out
+
+    setattr(scaled_dot_product_attention, _ORIGINAL, original)
+    return scaled_dot_product_attention

@@ -1,0 +1,271 @@
+"""The KV pool (one K and one V array per layer, in blocks of token slots) and the views through which
+mlx-lm attention layers read and write it (mlx-lm's cache protocol: offset, update_and_fetch, make_mask).
+
+Layout: per layer, keys and values are each one `[H_kv * num_slots, D]` array (head-major: head h's
+slots are rows h*num_slots ...), with `num_slots = num_blocks * block_size`. A request owns a list of
+blocks (engine/core/blocks.py); its position p lives in slot `blocks[p // block_size] * block_size +
+p % block_size`. Every forward, prefill of one row or decode of B rows, touches each layer with a fixed
+number of operations whatever B is:
+- write: one scatter per K and V of the forward's new tokens (`[B, H_kv, T, D]` flattened, rows
+  `h*num_slots + slot`) into the pool, in place (the pool array is donated to the scatter);
+- read, a prompt chunk (T > 1) of a row whose blocks are consecutive: head h's positions
+  [0, n) are pool rows h*num_slots + s0 ... + n, so K and V are each a strided slice view of
+  `pool.reshape(H_kv, num_slots, D)`, `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
+- read, a one-query forward (decode) with a paged-attention kernel set (`KVPool.paged`, the CUDA
+  kernel of engine/model/kernels/paged_attention.py): nothing is read here; attention reads each row's blocks in
+  the pool through a `[B, NB]` block table (`ForwardView.attend`), and no mask is built;
+- read, otherwise: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the
+  contiguous `[B, H_kv, L_max, D]` that attention wants (no transposed copy); padded positions read
+  row 0 and are masked by a `[B, 1, 1, L_max]` boolean mask (none for one row).
+The choice and the indices are made once per forward (numpy, shared by all layers); `KVPool.read_slices
+= False` (or ForwardView's `read_slices`) forces the gather, so benchmarks can compare the two. Per layer
+and step: 2 scatters, 2 gathers (or 2 slices) and 2 reshapes, against 2 + 4B small operations of the
+per-row buffers this replaces. The gathered copy is one layer's KV of the rows in the forward (on the
+CPU only one layer's is alive at a time), which the memory model counts; for a view it counts none
+(`slice_start` decides, for the forward and for the engine's prediction alike).
+
+Why a pool rather than one `[B, H_kv, L, D]` batch tensor (mlx-lm's BatchKVCache): a batch tensor is
+padded to the longest row and must be rebuilt (a copy of all of it) when rows join or leave; blocks
+keep KV equal to what the scheduler reserved and never copy a row's KV. The pool is allocated lazily
+and grows (doubling, capped at the KV budget) by one copy per array, between forwards, each array
+evaluated before the next: that transient is one layer's K (or V) of the old pool, which the memory
+model counts (`MemoryModel.kv_copy_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+class Row:
+    """One request's KV: the pool blocks it owns and how many positions hold computed KV."""
+
+    def __init__(self, blocks: list[int], block_size: int, block_bytes: int):
+        self.blocks = blocks
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.offset = 0  # tokens whose KV is stored
+        self._pending = 0  # tokens written by the forward being built, committed by advance()
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.block_bytes
+
+    def slots(self, start: int, end: int) -> np.ndarray:
+        """Pool slots of positions [start, end)."""
+        if end > self.capacity:
+            raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
+        pos = np.arange(start, end)
+        blocks = np.asarray(self.blocks, np.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def contiguous_start(self, end: int) -> Optional[int]:
+        """First slot of positions [0, end) if they lie in consecutive blocks (so in consecutive
+        slots), else None."""
+        num = -(-end // self.block_size)
+        first = self.blocks[0] if self.blocks else 0
+        if self.blocks[:num] != list(range(first, first + num)):
+            return None
+        return first * self.block_size
+
+    def advance(self) -> None:
+        self.offset += self._pending
+        self._pending = 0
+
+
+def slice_start(pool: "KVPool", rows: list["Row"], num_new: int, read_slices: Optional[bool] = None
+                ) -> Optional[int]:
+    """First pool slot of the one row's KV when a forward of `rows` computing `num_new` tokens each reads
+    it as a view of the pool, else None (it gathers). Views are for prompt chunks (T > 1) of a row in
+    consecutive blocks only: for one query (decode, or a 1-token chunk) MLX's CUDA attention takes a K/V
+    view whose buffer is a 256-multiple long for mlx-lm's `keys[..., :n, :]` and reads from the
+    buffer's start, which is not our row's (seen on an H200: an illegal memory access).
+    `read_slices`: None follows `pool.read_slices`."""
+    use = pool.read_slices if read_slices is None else read_slices
+    if not use or len(rows) != 1 or num_new < 2 or not rows[0].blocks:
+        return None
+    return rows[0].contiguous_start(rows[0].offset + num_new)
+
+
+class KVPool:
+    """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
+                 read_slices: bool = True):
+        self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
+        # One-query forwards' attention straight from the pool (engine/model/kernels/paged_attention.py); None: they gather
+        self.paged = None
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self._dtype = dtype
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.num_slots = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self._dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        """Pool rows of `slots` ([...]) for every head: [H_kv, ...]."""
+        heads = np.arange(self.num_kv_heads).reshape((-1,) + (1,) * slots.ndim)
+        return heads * self.num_slots + slots[None]
+
+    def grow(self, num_blocks: int) -> None:
+        """Resize to `num_blocks`: one array at a time, so the transient is one old array (an empty pool
+        allocates every array at once: nothing is copied)."""
+        slots = num_blocks * self.block_size
+        if slots <= self.num_slots:
+            return
+        h, d = self.num_kv_heads, self.head_dim
+        if not self.num_slots:  # nothing to copy: every array at once (one wait, not one per array)
+            self.keys = [mx.zeros((h * slots, d), self._dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros((h * slots, d), self._dtype) for _ in range(self.num_layers)]
+            mx.eval(self.keys, self.values)
+            self.num_slots = slots
+            return
+        for arrays in (self.keys, self.values):
+            for i, old in enumerate(arrays):
+                grown = mx.pad(old.reshape(h, self.num_slots, d),
+                               [(0, 0), (0, slots - self.num_slots), (0, 0)])  # [H_kv, slots, D]
+                arrays[i] = grown.reshape(h * slots, d)  # [H_kv * slots, D]
+                del old, grown
+                mx.eval(arrays[i])
+        self.num_slots = slots
+        mx.clear_cache()  # the old arrays' buffers are smaller than any later pool array
+
+    def copy(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """KV of `src_slots` into `dst_slots` (a prefix-cache hit), one array at a time."""
+        src = mx.array(self.rows(src_slots).reshape(-1), mx.int32)
+        dst = mx.array(self.rows(dst_slots).reshape(-1), mx.int32)
+        for arrays in (self.keys, self.values):
+            for i in range(self.num_layers):
+                arrays[i][dst] = arrays[i][src]  # [H_kv * n, D]
+                mx.eval(arrays[i])
+
+
+class _ViewLayer:
+    """One layer of a forward, as an mlx-lm attention layer sees its cache."""
+
+    def __init__(self, view: "ForwardView", index: int):
+        self._view = view
+        self._index = index
+
+    @property
+    def offset(self):
+        return self._view.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return self._view.write_and_read(self._index, keys, values)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None or return_array:
+            raise NotImplementedError("sliding-window / explicit-mask models are not supported")
+        if n > 1:
+            return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
+        return self._view.mask
+
+    def paged_attention(self, queries: mx.array, scale: float) -> Optional[mx.array]:
+        """The attention output read from the pool in place (engine/model/kernels/paged_attention.py), or None
+        when this forward gathers (mlx-lm's attention then runs on what update_and_fetch returned)."""
+        return self._view.attend(self._index, queries, scale)
+
+
+class ForwardView:
+    """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
+
+    def __init__(self, pool: KVPool, rows: list[Row], num_new: int, read_slices: Optional[bool] = None):
+        """`read_slices`: read a consecutive row as a slice (None: the pool's `read_slices`)."""
+        if num_new > 1 and len(rows) > 1:
+            raise ValueError("a forward of several rows computes one token per row")
+        self.pool = pool
+        self.rows = rows
+        lengths = [r.offset + num_new for r in rows]  # KV length after this forward
+        write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
+        self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
+        for row in rows:
+            row._pending = num_new
+        self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
+        self._read: Optional[mx.array] = None
+        self._paged: Optional[tuple[mx.array, mx.array]] = None  # (block table, lengths) of a paged read
+        if pool.paged is not None and num_new == 1:
+            num_blocks = -(-max(lengths) // pool.block_size)
+            table = np.zeros((len(rows), num_blocks), np.int32)  # past a row's blocks: block 0, unread
+            for b, row in enumerate(rows):
+                used = row.blocks[:num_blocks]
+                table[b, : len(used)] = used
+            self._paged = (mx.array(table), mx.array(lengths, mx.int32))
+        elif (start := slice_start(pool, rows, num_new, read_slices)) is not None:
+            self._slice = (start, start + lengths[0])
+        else:
+            read = np.zeros((len(rows), max(lengths)), np.int64)  # padded positions read slot 0, masked
+            for b, (row, n) in enumerate(zip(rows, lengths)):
+                read[b, :n] = row.slots(0, n)
+            self._read = mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_max]
+        # per-row RoPE offsets ([B]) and, for a gathered batch, a [B, 1, 1, L_max] mask, True where a row
+        # has a real key (one row needs none; the paged kernel reads each row's own length)
+        self.offset = rows[0].offset if len(rows) == 1 else mx.array([r.offset for r in rows])
+        self.mask = None
+        if len(rows) > 1 and self._read is not None:
+            self.mask = mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
+
+    def layers(self) -> list[_ViewLayer]:
+        return [_ViewLayer(self, i) for i in range(self.pool.num_layers)]
+
+    @property
+    def reads_slice(self) -> bool:
+        return self._slice is not None
+
+    def write_and_read(self, layer: int, keys: mx.array, values: mx.array):
+        """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]. A paged
+        forward reads nothing here (`attend` does): it returns its arguments."""
+        self.write(layer, keys, values)
+        return (keys, values) if self._paged is not None else self.read(layer)
+
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Scatter this forward's new keys/values [B, H_kv, T, D] into the pool, in place. A forward
+        that writes through two views (engine/model/layers/mixed.py) makes both writes of a layer before either view
+        reads it: a read holds the pool array, and MLX would copy it for a later write."""
+        for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
+            pool_arrays[layer][self._write] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
+
+    def read(self, layer: int):
+        """All rows' KV, right-padded [B, H_kv, L_max, D] (a gathered copy, or a view of a consecutive
+        row): what mlx-lm's attention takes."""
+        return self._read_layer(self.pool.keys[layer]), self._read_layer(self.pool.values[layer])
+
+    def attend(self, layer: int, queries: mx.array, scale: float) -> Optional[mx.array]:
+        """queries [B, H, 1, D] -> attention over each row's KV in the pool, [B, H, 1, D]; None if this
+        forward is not paged. Called after the layer's write: the pool holds the new keys."""
+        if self._paged is None:
+            return None
+        table, lengths = self._paged
+        return self.pool.paged(queries, self.pool.keys[layer], self.pool.values[layer], table, lengths, scale)
+
+    @property
+    def reads_paged(self) -> bool:
+        return self._paged is not None
+
+    def _read_layer(self, pool_array: mx.array) -> mx.array:
+        if self._slice is None:
+            return pool_array[self._read]  # [B, H_kv, L_max, D], a copy
+        start, end = self._slice
+        heads = pool_array.reshape(self.pool.num_kv_heads, self.pool.num_slots, self.pool.head_dim)
+        return heads[None, :, start:end, :]  # [1, H_kv, n, D], a view of the pool
+
+    def advance(self) -> None:
+        for row in self.rows:
+            row.advance()

@@ -1,0 +1,103 @@
+"""A llama block's weights bound once, for the engine's own layer loops (engine/model/layers/chunk_path.py,
+engine/model/layers/decode_path.py, engine/model/layers/mixed.py).
+
+mlx-lm's `nn.Linear` builds `weight.T` at every call, and the fused projections of engine/model/layers/fused.py a
+slice and a transpose per part, plus module dispatch: host work at every forward that the GPU waits
+for (engine/model/layers/chunk_path.py says why). Here every projection's weight is transposed once, as an evaluated
+view of the model's own weight (no copy), so the loops build one matmul (or, with a bias, one addmm)
+per projection: the same operation on the same memory as mlx-lm's layer computes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.model.layers.fused import FusedPart
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def unsupported(model: nn.Module) -> Optional[str]:
+    """Why the engine's loops cannot run `model` (None: they can): mlx-lm's llama blocks (llama, and the
+    families that reuse its block), RMSNorm norms, float linear projections (plain or fused; quantized
+    ones are left to mlx-lm's modules)."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None) or []
+    if not layers or not hasattr(backbone, "embed_tokens") or type(getattr(backbone, "norm", None)) is not nn.RMSNorm:
+        return "not an mlx-lm llama-shaped model (model.model.layers, embed_tokens, RMSNorm norm)"
+    for layer in layers:
+        if type(layer).__name__ != "TransformerBlock" or not type(layer).__module__.endswith(".llama"):
+            return f"layer type {type(layer).__module__}.{type(layer).__name__} is not mlx-lm's llama block"
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+        if not (type(layer.input_layernorm) is nn.RMSNorm and type(layer.post_attention_layernorm) is nn.RMSNorm):
+            return "norms are not nn.RMSNorm"
+        for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
+            for name in names:
+                proj = getattr(getattr(layer, block), name)
+                if type(proj) not in (nn.Linear, FusedPart):
+                    return f"{block}.{name} is {type(proj).__name__}"
+    return None
+
+
+def project(x: mx.array, weight_t: mx.array, bias: Optional[mx.array] = None) -> mx.array:
+    """x @ W^T (+ b): one matmul (or addmm) on the bound W^T."""
+    if bias is None:
+        return x @ weight_t
+    return mx.addmm(bias, x, weight_t)
+
+
+class Projection:
+    """x -> x @ W^T (+ b), with W^T bound once."""
+
+    __slots__ = ("weight_t", "bias")
+
+    def __init__(self, weight: mx.array, bias: Optional[mx.array]):
+        self.weight_t = weight.T
+        self.bias = bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return project(x, self.weight_t, self.bias)
+
+    def arrays(self) -> list:
+        return [self.weight_t] + ([self.bias] if self.bias is not None else [])
+
+
+def _bind(proj: nn.Module) -> Projection:
+    if type(proj) is FusedPart:  # its rows of the group's weight (and bias)
+        fused = proj._ref.fused
+        a, b = fused.bounds(proj._index)
+        return Projection(fused.weight[a:b], fused.bias[a:b] if "bias" in fused else None)
+    return Projection(proj.weight, proj.bias if "bias" in proj else None)
+
+
+class BoundLayer:
+    """One block: its norms, rotation, and projections (q, k, v, o, gate, up, down; and the fused q/k/v
+    and gate/up products where engine/model/layers/fused.py fused them, else None)."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.in_w, self.in_eps = layer.input_layernorm.weight, layer.input_layernorm.eps
+        self.post_w, self.post_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
+        self.q, self.k, self.v, self.o = (_bind(getattr(attn, n)) for n in ATTENTION)
+        self.gate, self.up, self.down = (_bind(getattr(mlp, n)) for n in MLP)
+        self.qkv = _bind(attn.qkv_proj) if "qkv_proj" in attn else None
+        self.gate_up = _bind(mlp.gate_up_proj) if "gate_up_proj" in mlp else None
+        self.up_start = self.gate.weight_t.shape[1]  # the up part's first column of gate_up's product
+        self.rope, self.scale = attn.rope, attn.scale
+
+    def projections(self) -> list[Projection]:
+        return [p for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.qkv,
+                            self.gate_up) if p is not None]
+
+
+def bind_layers(layers: list) -> list[BoundLayer]:
+    """Every block's BoundLayer, its views evaluated (they share the weights' memory). Bind after any
+    change of the model's weights (fusion, dtype): the views are of the weights as they are now."""
+    bound = [BoundLayer(layer) for layer in layers]
+    mx.eval([p.arrays() for b in bound for p in b.projections()])
+    return bound

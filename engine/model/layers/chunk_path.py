@@ -1,0 +1,80 @@
+"""The forward of a prompt chunk with less host work: the engine's own layer loop over weights bound once.
+
+Building a forward's graph is host work the device waits for: MLX's CUDA backend lets the host run at
+most some ten committed batches of operations ahead of the GPU (`mlx/transforms.cpp`,
+`MAX_ACTIVE_TASKS`; 8 operations a batch under `MLX_MAX_OPS_PER_BUFFER=8`), so launching a forward
+returns only when most of it has run, and the next forward's graph is built while the device finishes
+the last few layers. On an H200 host, with mlx-lm's modules, the engine built each 8B chunk's graph in
+5.0-6.1 ms after its predecessor's launch returned, and then waited 0.2-0.5 ms for that predecessor:
+the device had been idle most of the build (docs/benchmarks.md, session 8, run A8).
+
+This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, RoPE, the KV write and
+read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down; on the CPU
+the attention and SwiGLU of engine/model/layers/cpu_math.py, `EngineConfig.cpu_math`) with:
+- every projection's weight bound once (engine/model/layers/bound.py), so the same matmuls run on the same memory
+  without a slice or transpose built per call;
+- no module dispatch (attribute lookups, fused-product bookkeeping) per layer;
+- in the last layer, only what the chunk's output needs: the keys and values of every position, and,
+  when the chunk samples, the query, attention and MLP of its last position alone (a sequential
+  prefill does the same work with a last one-token forward); nothing more for a chunk that samples
+  nothing.
+
+Models: mlx-lm's llama blocks with float projections (engine/model/layers/bound.py `unsupported` says why not);
+others run mlx-lm's modules. Greedy output equals mlx-lm's (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from engine.model.layers.bound import bind_layers, unsupported
+from engine.model.layers.decode_path import ReferenceOps
+
+
+class ChunkPath:
+    """Prompt-chunk forwards of a supported model (module docstring). Bind after any change of the
+    model's weights (fusion, dtype): the views are of the weights as they are now."""
+
+    def __init__(self, model, ops: Optional[ReferenceOps] = None):
+        """`ops`: the attention and SwiGLU (ReferenceOps: MLX's, or engine/model/layers/cpu_math.py's)."""
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"chunk path: {why}")
+        backbone = model.model
+        self.embed = backbone.embed_tokens
+        self.layers = bind_layers(backbone.layers)
+        self.ops = ops or ReferenceOps()
+        self.norm_w, self.norm_eps = backbone.norm.weight, backbone.norm.eps
+        attn = backbone.layers[0].self_attn
+        self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
+        self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
+
+    def forward(self, tokens: mx.array, view, sample: bool) -> Optional[mx.array]:
+        """tokens [1, T] -> the final-normed hidden state of the last position, [1, 1, D], if `sample`
+        (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
+        row and T new tokens, whose KV it writes (and reads)."""
+        H, H_kv, d = self.heads, self.kv_heads, self.head_dim
+        swiglu = self.ops.swiglu
+        T = tokens.shape[1]
+        offset = view.offset
+        h = self.embed(tokens)  # [1, T, D]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = mx.fast.rms_norm(h, layer.in_w, layer.in_eps)
+            k = layer.rope(layer.k(x).reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=offset)
+            v = layer.v(x).reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
+            view.write(i, k, v)
+            if i == last:
+                if not sample:
+                    return None
+                if T > 1:  # the last position's query, attention and MLP alone
+                    x, h = x[:, -1:], h[:, -1:]
+            Tq = x.shape[1]
+            q = layer.rope(layer.q(x).reshape(1, Tq, H, d).transpose(0, 2, 1, 3), offset=offset + T - Tq)
+            out = self.ops.attend(view, i, q, layer.scale)
+            h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
+            x = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
+            h = h + layer.down(swiglu(layer.gate(x), layer.up(x)))
+        return mx.fast.rms_norm(h, self.norm_w, self.norm_eps)

@@ -1,0 +1,87 @@
+"""One forward for a prompt chunk and the step's decodes together (vLLM's chunked prefill batches them
+the same way).
+
+Without it a step that has both runs the decode rows' forward and then the chunk's, and each reads
+every weight of the model: on a GPU a decode forward is bound by that read (an 8B llama's 16 GB, some
+5-8 ms on an H200), so every step that prefills while other rows decode paid a second weight read.
+Here the chunk's T tokens and the B decode tokens go through the linear layers as one sequence of T + B
+rows (the norms, q/k/v, o, MLP and the LM head read the weights once); only attention runs apart, each
+part against its own rows' KV:
+- the chunk: its row's keys through its `ForwardView` (a view of the pool, or a gathered copy), MLX's
+  causal attention, as mlx-lm's attention module computes it;
+- the decodes: RoPE at each row's own position, then the paged kernel (or, without it, mlx-lm's
+  attention over the gathered rows with their mask), as `decode_path.DecodePath` computes it.
+Both views write a layer's keys and values before either reads them (`ForwardView.write`).
+
+Only models the engine's decode loop takes (`decode_path.unsupported(model, kernels=False)`: mlx-lm's
+llama blocks with fused projections, any of their RoPE) are batched so; others run the two forwards.
+The last layer computes the chunk's queries, attention and MLP for its sampled position only (none if
+it samples nothing), as engine/model/layers/chunk_path.py does for a chunk alone. The memory model predicts the forward
+with `MemoryModel.mixed_bytes` and runs models no deeper than its set's `mixed_min_layers` apart; the
+scheduler mixes a step only when the prediction stays within the bound of separate forwards
+(`SchedulerOutput.mixed`). Measured on an H200 (8B, docs/benchmarks.md, session 6): a mixed step's
+transient is the chunk's plus 4 MB, and its time below that of the two forwards (51.6-60.0 ms against
+58.7-63.9 ms with one decode row).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.model.layers.decode_path import DecodePath
+
+
+class MixedForward:
+    """The combined forward of a supported model (module docstring), with `path`'s model, RoPE specs
+    and ops (`ReferenceOps`, or the decode path's CUDA kernels) for the decode rows."""
+
+    def __init__(self, path: DecodePath):
+        self.path = path
+
+    def forward(self, tokens: mx.array, chunk_view, decode_view, sample: bool = True) -> mx.array:
+        """tokens [T + B]: the chunk's T tokens, then one per decode row -> the final-normed hidden
+        states of the rows that go on to the LM head, [1, (1 +) B, D]: the chunk's last position if it
+        `sample`s, then the decode rows. `chunk_view`: one row, T new tokens; `decode_view`: B rows,
+        one each. The last layer computes the other chunk positions' keys and values only (as
+        engine/model/layers/chunk_path.py does for a chunk alone)."""
+        path = self.path
+        backbone, ops = path.backbone, path.ops
+        H, H_kv, d = path.heads, path.kv_heads, path.head_dim
+        B = len(decode_view.rows)
+        T = tokens.shape[0] - B
+        offsets = decode_view.offset if isinstance(decode_view.offset, mx.array) else mx.array([decode_view.offset])
+        offsets = offsets.astype(mx.int32)
+        layers = path.layers  # engine/model/layers/bound.py: every projection bound once
+        h = backbone.embed_tokens(tokens[None])  # [1, T + B, D]
+        y = mx.fast.rms_norm(h, layers[0].in_w, layers[0].in_eps)
+        for i, layer in enumerate(layers):
+            # chunk positions whose queries, attention, MLP this layer computes: all but in the last
+            # layer, where only the sampled one's output is read
+            q_from = T - int(sample) if i == len(layers) - 1 else 0
+            # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
+            # are then a contiguous array, where slices of one fused product would be copied per layer
+            q = layer.q(y[:, q_from:] if q_from else y)  # [1, T - q_from + B, H d]
+            k, v = layer.k(y), layer.v(y)  # [1, T + B, H_kv d]
+            Tq = T - q_from
+            # the decode rows: [B, 1, ...] each at its own position
+            dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
+            dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv)
+            # the chunk: mlx-lm's attention module, step by step
+            k = layer.rope(k[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
+            decode_view.write(i, dk, dv)
+            chunk_view.write(i, k, v)
+            parts = [ops.attend(decode_view, i, dq, layer.scale).transpose(2, 0, 1, 3)]  # [1, B, H, d]
+            if Tq:
+                q = layer.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
+                              offset=chunk_view.offset + q_from)
+                # the chunk's queries are its last Tq positions: causal, or (one query) every key
+                parts.insert(0, ops.attend(chunk_view, i, q, layer.scale).transpose(0, 2, 1, 3))
+            # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
+            # (mlx-lm's module makes the same one copy of the chunk's alone)
+            out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
+            if q_from:
+                h = h[:, q_from:]
+            h, y = ops.add_rms_norm(h, layer.o(out), layer.post_w, layer.post_eps)
+            h, y = ops.add_rms_norm(h, path.mlp(layer, y), *path.next_norm(i))
+        return y

@@ -1,0 +1,386 @@
+"""ModelRunner: the only place that runs the model (mlx, mlx-lm modules).
+
+Takes plain data from the scheduler (which rows compute which tokens) and returns sampled token ids.
+- Prefill: one forward per row and chunk, evaluated before the next row's, so a step's transient is
+  the largest single chunk's, never their sum. Only the prompt's last position reaches the LM head.
+- Decode: every decoding row in one batched forward, one token each.
+Both only build their graph and return it as a `Forward`; `launch` starts it and `Forward.finish`
+waits for it. Forwards never overlap on the device (`finish` says why); the engine builds the next one
+while the current one runs (engine/forwards.py).
+Both read and write the KV pool through a `ForwardView` (engine/model/kv_pool.py): per layer a constant number of
+operations whatever the number of rows. The pool's blocks are handed out by a `BlockAllocator`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.core.blocks import BlockAllocator, num_blocks_for
+from engine.model.layers.bound import unsupported as loops_unsupported
+from engine.model.layers.chunk_path import ChunkPath
+from engine.model.layers.decode_path import CudaOps, DecodePath, ReferenceOps
+from engine.model.layers.decode_path import self_check as decode_self_check
+from engine.model.layers.decode_path import unsupported as decode_unsupported
+from engine.model.layers.fused import fuse_projections, fused_forward
+from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start
+from engine.model.layers.mixed import MixedForward
+from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
+from engine.model.sampling import RequestSampler, sample_rows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Compute `token_ids` of one row at positions [start, start + len); sample if it ends the prompt."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    request_id: str
+    token_id: int  # the last sampled token, fed back (-1: given by `decode`'s lazy `tokens`)
+
+
+def _split_model(model: nn.Module):
+    """(backbone, head) for mlx-lm models shaped Model(model=backbone, lm_head | tied embeddings)."""
+    backbone = getattr(model, "model", None)
+    if backbone is None or not hasattr(backbone, "layers"):
+        raise ValueError(f"unsupported model {type(model).__name__}: expected model.model.layers")
+    args = getattr(model, "args", None)
+    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        head = backbone.embed_tokens.as_linear
+    else:
+        head = model.lm_head
+    return backbone, head
+
+
+def check_plain_kv_cache(model: nn.Module) -> None:
+    """The runner stores KV per row; models whose cache is not a plain KVCache are refused."""
+    if hasattr(model, "make_cache"):
+        kinds = {type(c).__name__ for c in model.make_cache()}
+        if kinds != {"KVCache"}:
+            raise ValueError(f"model cache types {sorted(kinds)} are not supported (need KVCache only)")
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
+                 paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
+                 mixed: bool = True, layer_loops: bool = True, compiled_decode: bool = True,
+                 cpu_math: bool = False):
+        """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
+        `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
+        asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
+        self-check (engine/model/kernels/paged_attention.py); else they gather.
+        `fuse`: the engine's decode forwards compute q/k/v and gate/up as one matmul each (engine/model/layers/fused.py;
+        this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before).
+        `decode_kernels`: decode forwards run engine/model/layers/decode_path.py's loop with its CUDA kernels (the
+        engine asks for them where MLX runs on CUDA), if the model is supported, its decode is paged
+        and fused, and the kernels pass their self-check; else mlx-lm's modules.
+        `mixed`: a prompt chunk and decode rows can run as one forward (`mixed_forward`,
+        engine/model/layers/mixed.py), if the model is supported and fused (`self.mixed`).
+        `layer_loops`: prompt chunks run engine/model/layers/chunk_path.py's loop, and decodes engine/model/layers/decode_path.py's
+        (with MLX's operations, unless `decode_kernels`), if the model is supported (bound after fusion:
+        their views are of the fused weights); else mlx-lm's modules.
+        `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers).
+        `cpu_math`: the loops' attention and SwiGLU are engine/model/layers/cpu_math.py's (for MLX's CPU backend)."""
+        check_plain_kv_cache(model)
+        self.model = model
+        self._backbone, self._head = _split_model(model)
+        self.num_layers = len(self._backbone.layers)
+        attention = self._backbone.layers[0].self_attn
+        head_dim = getattr(attention, "head_dim", None) or model.args.hidden_size // attention.n_heads
+        proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
+        dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
+        self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
+        self.fused = fuse and fuse_projections(model) > 0
+        if paged_attention:
+            self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
+        self.decode_path: Optional[DecodePath] = None
+        self.mixed: Optional[MixedForward] = None
+        self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
+        if decode_kernels:
+            self._enable_decode_kernels(dtype)
+        why_not = decode_unsupported(self.model, kernels=False)
+        if layer_loops and self.decode_path is None and self.fused and why_not is None:
+            self.decode_path = DecodePath(self.model, self.ops, compiled=compiled_decode)
+        if mixed and self.fused and why_not is None:
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
+        elif mixed and self.fused:
+            logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
+        self.chunk_path: Optional[ChunkPath] = None
+        if layer_loops:
+            why_not = loops_unsupported(self.model)
+            if why_not is None:
+                self.chunk_path = ChunkPath(self.model, self.ops)
+            else:
+                logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
+        self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
+        self.seed = seed
+        self.rows: dict[str, Row] = {}
+        self.samplers: dict[str, RequestSampler] = {}
+        self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
+        self.num_tokens_computed = 0
+
+    def _enable_paged_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                             dtype) -> None:
+        """The CUDA kernel for one-query forwards, if this model's shape allows it and it passes its
+        self-check here; else decode gathers (logged)."""
+        why_not = unsupported(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        if why_not is None:
+            try:
+                kernel = CudaPagedAttention(num_kv_heads, block_size)
+                self_check(kernel, num_heads, head_dim, dtype)
+                self.use_paged_attention(kernel)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means: do without it
+                why_not = f"{type(exc).__name__}: {exc}"
+        logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
+
+    def _enable_decode_kernels(self, dtype) -> None:
+        if not (self.fused and self.paged_attention):
+            why_not = "needs fused projections and paged attention"
+        else:
+            why_not = decode_unsupported(self.model)
+        if why_not is None:
+            try:
+                ops = CudaOps()
+                decode_self_check(ops, self.model, dtype)
+                self.use_decode_path(ops)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means: do without them
+                why_not = f"{type(exc).__name__}: {exc}"
+        logger.warning("decode kernels not used (%s): decode runs %s", why_not,
+                       "mlx-lm's modules" if self.decode_path is None else "the layer loop with MLX's operations")
+
+    def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:
+        """Decode forwards run engine/model/layers/decode_path.py's loop with `ops` (None: mlx-lm's modules), its
+        layers `compiled` where they can be. ValueError if the model is not supported."""
+        self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled)
+        if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
+
+    @property
+    def paged_attention(self) -> bool:
+        """Whether one-query forwards read the pool in place (else they gather)."""
+        return self.pool.paged is not None
+
+    def set_max_kv_tokens(self, max_kv_tokens: int) -> None:
+        """The most KV the pool may hold (the engine sets it once it knows its budget, which depends on
+        whether decode is paged); before any block is allocated."""
+        if self.blocks.num_blocks:
+            raise RuntimeError("set_max_kv_tokens after the pool has grown")
+        self.blocks = BlockAllocator(self.blocks.block_size, max_kv_tokens // self.blocks.block_size)
+
+    def use_paged_attention(self, impl: Optional[PagedAttention]) -> None:
+        """One-query forwards compute attention with `impl` over the pool in place (None: they gather).
+        ValueError if the model's attention cannot be routed to it."""
+        if impl is not None and not install(self.model):
+            raise ValueError(f"{type(self.model).__name__}: its attention does not call mlx-lm's "
+                             "scaled_dot_product_attention, so it cannot read the pool in place")
+        self.pool.paged = impl
+
+    # --- KV pool and rows -----------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return num_blocks_for(num_tokens, self.blocks.block_size)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool.num_slots
+
+    def pool_growth_target(self, num_blocks: int) -> Optional[int]:
+        """Blocks the pool must grow to before `num_blocks` more can be allocated (None: they fit)."""
+        return self.blocks.growth_target(num_blocks)
+
+    def grow_pool(self, num_blocks: int) -> None:
+        self.pool.grow(num_blocks)
+        self.blocks.grow(num_blocks)
+
+    def add_row(self, request_id: str, capacity: int, sampler: RequestSampler) -> None:
+        """Give the request the blocks of `capacity` tokens (the pool must have grown for them)."""
+        blocks = self.blocks.allocate(self.blocks_for(capacity))
+        if blocks is None:
+            raise RuntimeError(f"{request_id}: KV pool has {self.blocks.num_free} free blocks, needs "
+                               f"{self.blocks_for(capacity)} (grow_pool first)")
+        self.rows[request_id] = Row(blocks, self.blocks.block_size, self.pool.block_bytes)
+        self.samplers[request_id] = sampler
+
+    def free_row(self, request_id: str) -> Optional[Row]:
+        """Forget the row; returns it with its blocks still held (the prefix cache may keep them):
+        the caller gives them back with `release` or `keep_prefix`."""
+        self.samplers.pop(request_id, None)
+        return self.rows.pop(request_id, None)
+
+    def release(self, row: Row) -> None:
+        self.blocks.free(row.blocks)
+        row.blocks = []
+
+    def keep_prefix(self, row: Row) -> Row:
+        """Free the blocks past the row's computed tokens; the row keeps the rest (for the prefix cache)."""
+        keep = self.blocks_for(row.offset)
+        self.blocks.free(row.blocks[keep:])
+        row.blocks = row.blocks[:keep]
+        return row
+
+    def copy_prefix(self, request_id: str, source: Row, num_tokens: int) -> None:
+        """Start the row with the first `num_tokens` positions of `source`'s KV (a prefix-cache hit)."""
+        row = self.rows[request_id]
+        self.pool.copy(source.slots(0, num_tokens), row.slots(0, num_tokens))
+        row.offset = num_tokens
+
+    @property
+    def kv_used_bytes(self) -> int:
+        """KV held by running rows (their reserved blocks)."""
+        return sum(r.nbytes for r in self.rows.values())
+
+    @property
+    def kv_allocated_bytes(self) -> int:
+        """The pool's arrays: running rows, prefix-cache entries and free blocks."""
+        return self.pool.nbytes
+
+    def reads_slice(self, request_id: str, num_new: int) -> bool:
+        """Whether the next forward of this row alone, computing `num_new` tokens, reads its KV as a
+        view of the pool instead of a gathered copy (engine/model/kv_pool.py `slice_start`)."""
+        row = self.rows.get(request_id)
+        return row is not None and slice_start(self.pool, [row], num_new) is not None
+
+    # --- compute --------------------------------------------------------------------------------
+    def _count(self, num_tokens: int) -> None:
+        """One forward built, of `num_tokens` tokens (tests check the forwards a step runs)."""
+        self.num_forward_calls += 1
+        self.num_tokens_computed += num_tokens
+
+    def _forward(self, tokens: mx.array, cache: list) -> mx.array:
+        """tokens [B, T] -> final hidden states [B, T, D] (no LM head)."""
+        self._count(tokens.size)
+        if not self.fused or tokens.shape[1] > 1:  # prompt chunks: compute-bound, nothing to gain
+            return self._backbone(tokens, cache=cache)
+        with fused_forward():
+            return self._backbone(tokens, cache=cache)
+
+    def _decode_forward(self, tokens: mx.array, view: ForwardView) -> mx.array:
+        """tokens [B, 1] -> final hidden states [B, 1, D]: the engine's decode loop where it is enabled
+        (engine/model/layers/decode_path.py), else mlx-lm's modules."""
+        if self.decode_path is None:
+            return self._forward(tokens, view.layers())
+        self._count(tokens.size)
+        with fused_forward():
+            return self.decode_path.forward(tokens, view)
+
+    def _chunk_row(self, work: PrefillWork) -> Row:
+        """The row a prompt chunk extends; its KV must end where the chunk starts."""
+        row = self.rows[work.request_id]
+        if row.offset != work.start:
+            raise RuntimeError(f"{work.request_id}: KV holds {row.offset} tokens, chunk starts at {work.start}")
+        return row
+
+    def prefill(self, work: PrefillWork) -> "Forward":
+        """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
+        the sampled token ([1]) when the chunk ends the prompt, else None."""
+        row = self._chunk_row(work)
+        T = len(work.token_ids)
+        view = ForwardView(self.pool, [row], T)
+        tokens = mx.array(work.token_ids)[None]
+        if self.chunk_path is not None:
+            self._count(T)
+            hidden = self.chunk_path.forward(tokens, view, work.sample)  # [1, 1, D], or None
+        else:
+            hidden = self._forward(tokens, view.layers())  # [1, T, D]
+        view.advance()
+        if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
+            # Handles to this chunk's pool arrays, not the pool's array objects: MLX rebinds those on
+            # `a[idx] = v`, so once the next chunk's graph is built, finishing this forward would
+            # evaluate that chunk too, and the host would build the one after with the device idle.
+            return Forward([[_alias(a) for a in self.pool.keys + self.pool.values]], None)
+        logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
+        token = sample_rows(logits, [self.samplers[work.request_id]])
+        return Forward([[token]], token)  # every layer's KV write is in its graph (attention reads it)
+
+    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None) -> "Forward":
+        """Build (only: nothing runs) one batched decode forward of `work`'s rows; `launch` runs it.
+        `tokens` ([B], possibly the lazy output of the previous decode) replaces the rows' `token_id`s
+        as inputs, so the engine can build the next step while the device computes the current one."""
+        view = ForwardView(self.pool, [self.rows[w.request_id] for w in work], 1)
+        if tokens is None:
+            tokens = mx.array([w.token_id for w in work])
+        hidden = self._decode_forward(tokens[:, None], view)  # [B, 1, D]
+        logits = self._head(hidden)[:, 0, :]  # [B, V]
+        sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
+        view.advance()
+        # The hidden states are their own batch, so the last layer's gathered KV is freed before the
+        # logits exist.
+        return Forward([[hidden], [sampled]], sampled)
+
+    def mixed_forward(self, work: PrefillWork, decodes: list[DecodeWork]) -> "Forward":
+        """Build (only) one forward of a prompt chunk and decode rows (engine/model/layers/mixed.py; `self.mixed`
+        must be set). Its `tokens`: the chunk's sampled token if it ends the prompt, then one per
+        decode row, in `decodes` order."""
+        row = self._chunk_row(work)
+        T = len(work.token_ids)
+        chunk_view = ForwardView(self.pool, [row], T)
+        decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1)
+        tokens = mx.array(list(work.token_ids) + [w.token_id for w in decodes])
+        self._count(tokens.size)
+        with fused_forward():
+            # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
+            hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample)
+        chunk_view.advance()
+        decode_view.advance()
+        samplers = ([self.samplers[work.request_id]] if work.sample else []) + [
+            self.samplers[w.request_id] for w in decodes]
+        # 2-D: MLX's matmul of a [1, n, D] slice would hold the [n, V] logits twice
+        logits = self._head(hidden[0])  # [(1 +) B, V]
+        sampled = sample_rows(logits, samplers)
+        return Forward([[hidden], [sampled]], sampled)
+
+    @staticmethod
+    def launch(forward: "Forward") -> None:
+        """Start a built forward on the device without waiting. The caller must `finish` it (and drop
+        it) before launching another forward: see `finish`."""
+        for stage in forward.stages:
+            mx.async_eval(*stage)
+
+
+@dataclass
+class Forward:
+    """A built forward: `stages` are evaluated one after another by `launch`; `tokens` are its sampled
+    token ids (None for a prompt chunk that samples nothing)."""
+
+    stages: list
+    tokens: Optional[mx.array]
+
+    def finish(self) -> None:
+        """Wait for it, then let go of its arrays: a prompt chunk's are the pool's arrays as it left
+        them, which the next forward (built, not launched yet) writes in place only if nothing else
+        holds them."""
+        finish(*self.stages[-1])
+        self.stages = []
+
+
+def _alias(a: mx.array) -> mx.array:
+    """Another handle to the array `a` is now (a reshape to its own shape returns `a` itself): it stays
+    that array when `a[idx] = v` rebinds `a`."""
+    return a.reshape(a.shape)
+
+
+def finish(*arrays) -> None:
+    """Evaluate and wait until the device is idle, its finished kernels' buffers released.
+
+    Every forward writes the KV pool in place: MLX can update an array in place (donate it) only when
+    nothing else holds its buffer, and MLX's GPU backends hold a kernel's inputs until a completion
+    handler runs after the kernel. A forward encoded while the previous one is still in flight would
+    therefore copy whole pool arrays (slow, and a transient as large as the pool). So forwards that
+    write the pool never overlap on the device; only Python work (building the next graph, reading
+    outputs) overlaps a running forward."""
+    if arrays:
+        mx.eval(*arrays)
+    mx.synchronize()
