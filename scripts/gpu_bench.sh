@@ -4,17 +4,13 @@
 #   prefill.json   scripts/bench_prefill_memory.py  8B, 8192/6144/4096/2048 (sequential, engine, mlx_lm)
 #   prefill_only.json  the same, sequential and engine, prompts stopping at their first token (PREFILL_ONLY=1)
 #   serving.json   scripts/bench_serving.py --engine-only  4 and 8 x 512-token prompts, 128 new tokens
-#   decode.json    scripts/bench_decode_step.py  decode step time and graph ops at B = 1, 4, 8 (512-token context)
-#   paged.json     scripts/check_paged_attention.py  the paged decode attention kernel vs its MLX reference, and its time
 #   greedy.json    scripts/check_greedy.py  the engine's greedy tokens vs mlx-lm's (default reads and all gathers)
 #   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
-#   kv_gather.json scripts/bench_kv_gather.py  the KV pool's per-layer decode ops vs a contiguous layout
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   log.txt, env.txt
-# SERVING_BACKENDS (engine_sync,engine_sync_unfused,engine,mlx_lm), DECODE_PAGED (1), DECODE_FUSE (1,0), DECODE_KERNELS (1,0): the
-# variants of serving.json and decode.json (scripts/bench_serving.py --backends, bench_decode_step.py);
-# SERVING_REPEAT (2) timed passes, SERVING_CAP (200) the serving step's seconds, DECODE_STEPS (20) timed steps.
-# SKIP_PAGED / SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_DECODE / SKIP_KVGATHER / SKIP_NAIVE=1 leave a step out; FIT=1 fits
+# SERVING_BACKENDS (engine_sync,engine,mlx_lm): the variants of serving.json (scripts/bench_serving.py --backends);
+# SERVING_REPEAT (2) timed passes, SERVING_CAP (200) the serving step's seconds.
+# SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid (FIT_ARGS: bench_memory_grid.py's fit options, default
 # the benchmark model alone) and runs the prefill benchmark with them; MLX_* variables pass
 # through (MLX_MAX_OPS_PER_BUFFER=8 is what scripts/serve sets on CUDA).
@@ -99,7 +95,6 @@ else
 fi
 COMMON=(--model "$MODEL" --dtype "$DTYPE")
 
-[[ -n "${SKIP_PAGED:-}" ]] || step paged 90 240 python3 scripts/check_paged_attention.py --out "$OUT/paged.json"
 [[ -n "${SKIP_CHECK:-}" ]] || step check 120 200 python3 scripts/check_greedy.py "${COMMON[@]}" --lengths $CHECK_LENGTHS \
   --out "$OUT/greedy.json"
 # The grid first: with FIT=1 its fit (scripts/bench_memory_grid.py --fit) gives the coefficients the
@@ -123,13 +118,8 @@ fi
 [[ -z "${PREFILL_ONLY:-}" ]] || step prefill_only 120 160 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS \
   --ways sequential,engine --max-tokens 1 --warmup full --peak-tflops 790 --json --out "$OUT/prefill_only.json"
 [[ -n "${SKIP_SERVING:-}" ]] || step serving ${SERVING_CAP:-200} 120 python3 scripts/bench_serving.py --engine-only "${COMMON[@]}" --concurrency $CONC \
-  --backends ${SERVING_BACKENDS:-engine_sync,engine_sync_unfused,engine,mlx_lm} --repeat ${SERVING_REPEAT:-2} --prompt-tokens $PT --output-tokens $NT --json \
+  --backends ${SERVING_BACKENDS:-engine_sync,engine,mlx_lm} --repeat ${SERVING_REPEAT:-2} --prompt-tokens $PT --output-tokens $NT --json \
   --out "$OUT/serving.json"
-[[ -n "${SKIP_DECODE:-}" ]] || step decode 100 60 python3 scripts/bench_decode_step.py --models "$MODEL" --dtype "$DTYPE" \
-  --prompt-tokens $PT --batches 1,4,8 --warmup 5 --steps ${DECODE_STEPS:-20} --async-decode 1 --paged-attention ${DECODE_PAGED:-1} --fuse-projections ${DECODE_FUSE:-1,0} \
-  --decode-kernels ${DECODE_KERNELS:-1,0} --out "$OUT/decode.json"
-[[ -n "${SKIP_KVGATHER:-}" ]] || step kv_gather 60 0 python3 scripts/bench_kv_gather.py --dtype "$DTYPE" \
-  --out "$OUT/kv_gather.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
   --peak-tflops 790 --json --out "$OUT/naive.json"
 # EXTRA_CMD: one more command (e.g. a variant of a benchmark), run last with the same environment
