@@ -2,7 +2,7 @@
 context n) and of batched decode steps (B rows of context n), through this engine, plus a fit.
 
     python scripts/bench_memory_grid.py --model llama-8b --dtype bfloat16 --variants --out grid.json
-    python scripts/bench_memory_grid.py --fit scripts/data/cuda_memory_grid_h200.json   # here, on CPU
+    python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json   # anywhere: arithmetic only
 
 Measure mode runs the engine on one prompt per chunk size (every chunk of it is one grid point:
 (c, c), (c, 2c), ... (c, n), the last one with logits), then B prompts decoding together for each
@@ -79,8 +79,8 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
 
 def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256) -> dict:
     """`paged`: attention read the pool in place (no gathered copy; the kernel's partials instead, one
-    per span of PAGED_PARTIAL_KEYS keys: grids before session 6 were measured with one per pool block and
-    keep the terms they recorded)."""
+    per span of PAGED_PARTIAL_KEYS keys: older grids, measured with one per pool block, keep the terms they
+    recorded)."""
     from engine.core.memory.model import PAGED_PARTIAL_KEYS
 
     spans = -(-n // block) * max(1, block // PAGED_PARTIAL_KEYS)

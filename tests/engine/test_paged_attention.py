@@ -1,6 +1,6 @@
 """Paged decode attention (engine/model/kernels/paged_attention.py): the engine's one-query forwards reading the pool
 through a block table instead of a gathered copy. The CUDA kernel runs only on a GPU
-(the runner's `self_check` compares it there to `ReferenceAttention` before using it); here the engine takes
+(scripts/check_paged_attention.py checks it there against `ReferenceAttention`); here the engine takes
 the same path with `ReferenceAttention`, so the table, lengths, mask-free views and mlx-lm routing are
 checked on real forwards."""
 
