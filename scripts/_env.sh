@@ -24,8 +24,8 @@ if [ "$(uname -s)" = "Linux" ]; then
 fi
 if [ "${extras#cuda}" != "$extras" ]; then
   # MLX's CUDA backend frees a kernel's temporaries only when its committed batch of ops has run, so
-  # small batches keep fewer layers' intermediates alive; the CUDA memory coefficients are fitted at 8
-  # (docs/memory.md, "CUDA").
+  # many layers' intermediates coexist; 8 ops per batch cut the engine's prefill transient 4.3x on an
+  # H200 for 1.5% prefill time and made decode faster (docs/benchmarks.md, buffer experiment).
   export MLX_MAX_OPS_PER_BUFFER="${MLX_MAX_OPS_PER_BUFFER:-8}"
 fi
 stamp="$VENV/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-$extras"

@@ -13,7 +13,7 @@
 # SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_NAIVE=1 leave a step out; FIT=1 fits
 # the memory model's CUDA coefficients to the grid (FIT_ARGS: bench_memory_grid.py's fit options, default
 # the benchmark model alone) and runs the prefill benchmark with them; MLX_* variables pass
-# through (MLX_MAX_OPS_PER_BUFFER=8 is what scripts/serve sets on CUDA).
+# through (the engine's memory model assumes EngineConfig.execution.max_ops_per_buffer: 8 on CUDA).
 #
 # Wheels: /root/stash/part_aa (carried by an earlier call) + wheels_b/ (part_ab and the small wheels):
 #   call 1: carry wheels_a: mkdir -p /root/stash && cp wheels_a/part_aa /root/stash/
