@@ -10,7 +10,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.core.memory.model import CPU_COEFFICIENTS, with_overrides
+from engine.core.memory.coefficients import CPU_COEFFICIENTS, with_overrides
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 

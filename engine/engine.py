@@ -19,7 +19,8 @@ from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
 from engine.forwards import ForwardsMixin, StepMemory, _Deferred, _Inflight
-from engine.core.memory.model import MemoryModel, ModelShape, coefficients_for, with_overrides
+from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.memory.coefficients import coefficients_for, with_overrides
 from engine.core.output import TextStream, process_token
 from engine.core.prefix_cache import PrefixCache, PrefixHit
 from engine.core.types import (CompletionOutput, FinishReason, Request, RequestOutput,

@@ -192,7 +192,8 @@ def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None, cpu_
     `overrides`: EngineConfig.memory_coefficients; `cpu_math`: False for forwards through mlx-lm's
     modules (MLX's attention: the set the CPU engine uses with EngineConfig.cpu_math off)."""
     from engine.engine import backend_coefficients
-    from engine.core.memory.model import MemoryModel, ModelShape, with_overrides
+    from engine.core.memory.model import MemoryModel, ModelShape
+    from engine.core.memory.coefficients import with_overrides
 
     dtype_bytes = DTYPES[loaded.dtype].size
     shape = ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes)

@@ -372,7 +372,7 @@ def _fit_rows(sel: list[dict], names: list[str], key) -> dict:
 def fit(path: str, variants: str = "", layer_scaled: bool = False, base: str = "CPU_COEFFICIENTS") -> dict:
     """Fit the engine's formula (per model: its terms have no layer count) or, with `layer_scaled`,
     the layer-aware formula above across every variant."""
-    from engine.core.memory import model as mem
+    from engine.core.memory import coefficients as coefs, model as mem
 
     data = json.loads(Path(path).read_text())
     keep = set(v for v in variants.split(",") if v)
@@ -444,7 +444,7 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth
     """Predicted / measured of a grid's mixed points (--grids mixed) by variant, with `coefficients`, or
     (None) what the engine would use for each variant's shape on `backend` under ops 8. `every_depth`:
     also models the engine runs apart (`mixed_min_layers` 0), to see the formula on them."""
-    from engine.core.memory.model import coefficients_for
+    from engine.core.memory.coefficients import coefficients_for
 
     data = json.loads(Path(path).read_text())
     pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
@@ -597,7 +597,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     does not fit, kept at their base values, count as many layers as in the backend's set)."""
     import numpy as np
 
-    from engine.core.memory import model as mem
+    from engine.core.memory import coefficients as coefs, model as mem
 
     data = json.loads(Path(path).read_text())
     keep = set(v for v in variants.split(",") if v)
@@ -615,7 +615,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
     if layers_in_flight:
         candidates = [layers_in_flight]
-    base = mem.coefficients_for_backend("cpu")  # sampling: the CPU value (no sampled rows in the grid)
+    base = coefs.coefficients_for_backend("cpu")  # sampling: the CPU value (no sampled rows in the grid)
     best = None
     scan = {}
     for k in candidates:
@@ -685,7 +685,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     the CPU (the CPU set) and for one with `memory_coefficients` in its config (complete sets, as the fit
     prints them), or the CPU set for GPU runs from before the CUDA sets; for other runs
     `recorded_predictions_reproduced` is None."""
-    from engine.core.memory import model as mem
+    from engine.core.memory import coefficients as coefs, model as mem
 
     data = json.loads(Path(path).read_text())
     if data["model"] != "llama-8b":  # the JSON records the model's name, not its shape
@@ -699,9 +699,9 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
     recorded = None
     if not on_gpu:
-        recorded = mem.coefficients_for_backend("cpu")
+        recorded = coefs.coefficients_for_backend("cpu")
     elif config.get("memory_coefficients"):
-        recorded = mem.with_overrides(mem.CPU_COEFFICIENTS, config["memory_coefficients"])
+        recorded = coefs.with_overrides(coefs.CPU_COEFFICIENTS, config["memory_coefficients"])
     wanted = [st["predicted"] for st in steps]
     reproduced = None
     if recorded is not None:
@@ -711,11 +711,11 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
             raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")
         reproduced = True
     else:  # GPU runs of engines that predicted with the CPU set (before the CUDA sets existed)
-        cpu = mem.MemoryModel(shape, coefficients=mem.coefficients_for_backend("cpu"))
+        cpu = mem.MemoryModel(shape, coefficients=coefs.coefficients_for_backend("cpu"))
         if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
             reproduced = True
-    coef = (mem.with_overrides(mem.CPU_COEFFICIENTS, coefficients) if coefficients
-            else mem.coefficients_for(backend, 8, shape)[0])  # the 8B's shape calibration where it ships
+    coef = (coefs.with_overrides(coefs.CPU_COEFFICIENTS, coefficients) if coefficients
+            else coefs.coefficients_for(backend, 8, shape)[0])  # the 8B's shape calibration where it ships
     model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged)
     pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     meas = [st["measured"] for st in steps]
@@ -803,11 +803,11 @@ def main(argv=None):
         emit(result, args.json, args.out)
         return
     if args.check_mixed:
-        from engine.core.memory import model as mem
+        from engine.core.memory import coefficients as coefs, model as mem
 
         backend = args.backend or "cuda"
         result = {f: {"engine's sets": mixed_check(f, None, backend),
-                      "backend set (no shape calibration)": mixed_check(f, mem.coefficients_for_backend(backend, 8)),
+                      "backend set (no shape calibration)": mixed_check(f, coefs.coefficients_for_backend(backend, 8)),
                       "engine's sets, models of every depth mixing": mixed_check(f, None, backend, every_depth=True)}
                   for f in args.check_mixed.split(",")}
         emit(result, True, None)

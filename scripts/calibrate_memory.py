@@ -23,7 +23,8 @@ from mlx_lm.models import llama
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.core.memory.model import CPU_COEFFICIENTS, MemoryModel, ModelShape, TransientCoefficients
+from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients
 from engine.model.loader import load_model, resolve_model_path
 from engine.core.types import SamplingParams
 

@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.core.memory.model import MemoryModel, ModelShape, PrefillChunkPlan, coefficients_for, with_overrides
+from engine.core.memory.model import MemoryModel, ModelShape, PrefillChunkPlan
+from engine.core.memory.coefficients import coefficients_for, with_overrides
 
 LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                        intermediate_size=14336, vocab_size=128256, dtype_bytes=2,

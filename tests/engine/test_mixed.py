@@ -116,7 +116,9 @@ def test_memory_model_predicts_a_mixed_forward():
     each forward alone. Models no deeper than the set's `mixed_min_layers` do not mix."""
     from dataclasses import replace
 
-    from engine.core.memory.model import CUDA_OPS8_COEFFICIENTS, ModelShape
+    from engine.core.memory.model import ModelShape
+
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
 
     shape = ModelShape(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                        intermediate_size=512, vocab_size=1000, dtype_bytes=4)

@@ -45,7 +45,7 @@ def test_fit_from_above_hugs_each_chunk_sizes_worst_case(tmp_path):
     assert coef["decode_paged"] is not None  # fitted: the grid's decodes were paged
     assert out["predicted_over_measured"]["min"] >= 1.0  # never under, every point included
     data = json.loads(Path(tmp_path / "grid_True.json").read_text())
-    from engine.core.memory.model import TransientCoefficients
+    from engine.core.memory.coefficients import TransientCoefficients
     pts = data["points"]
     pred = grid.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef))
     for c in (128, 256, 512, 1024):
@@ -113,7 +113,7 @@ def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():
     decoding rows, 8B llama, its 8-layer cut and three 2-layer shapes): the shipped CUDA set predicts
     every mixed step of the 8- and 32-layer models from above; the 2-layer shapes, where a mixed forward
     measured above the formula, are run apart."""
-    from engine.core.memory.model import CUDA_OPS8_COEFFICIENTS
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
 
     data = Path(__file__).resolve().parents[2] / "scripts/data"
     deep = grid.mixed_check(str(data / "h200_s7_grid_mixed.json"), CUDA_OPS8_COEFFICIENTS)

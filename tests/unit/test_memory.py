@@ -57,7 +57,7 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine.core.memory.model import (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS, CUDA_COEFFICIENTS,  # noqa: E402
+from engine.core.memory.coefficients import (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS, CUDA_COEFFICIENTS,  # noqa: E402
                            CUDA_OPS8_COEFFICIENTS, TransientCoefficients, coefficients_for_backend)
 
 
@@ -92,7 +92,7 @@ def test_coefficients_for_backend_picks_the_set():
 def test_a_shape_calibration_replaces_the_backend_set_for_that_shape_only():
     """memory.SHAPE_CALIBRATIONS: the Llama-3-8B shape in bf16 under CUDA's ops-8 set takes its own fit
     (tighter for it); another shape, dtype or backend set keeps the backend's."""
-    from engine.core.memory.model import coefficients_for
+    from engine.core.memory.coefficients import coefficients_for
 
     bf16 = LLAMA3_8B
     calibrated, what = coefficients_for("cuda", 8, bf16)
@@ -165,7 +165,7 @@ def test_transient_coefficients_stays_frozen_with_defaults():
 
 
 def test_memory_coefficient_overrides():
-    from engine.core.memory.model import with_overrides
+    from engine.core.memory.coefficients import with_overrides
 
     assert with_overrides(CPU_COEFFICIENTS, None) is CPU_COEFFICIENTS
     tuned = with_overrides(CUDA_COEFFICIENTS, {"prefill_mlp": 2.5, "layers_in_flight": 3.0})
@@ -179,7 +179,7 @@ def test_memory_coefficient_overrides():
 
 def test_engine_config_checks_memory_coefficients():
     from engine.config import EngineConfig
-    from engine.core.memory.model import with_overrides
+    from engine.core.memory.coefficients import with_overrides
 
     assert EngineConfig(memory_coefficients={"decode_logits": 2.0}).memory_coefficients == {"decode_logits": 2.0}
     with pytest.raises(ValueError, match="memory_coefficients.*'decode_logit'"):
@@ -203,7 +203,7 @@ def test_decode_counts_sampling_temporaries_per_sampling_row():
 
 
 def test_paged_decode_counts_the_kernels_partials_not_a_gather():
-    from engine.core.memory.model import CUDA_OPS8_COEFFICIENTS
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
 
     gathering = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS)
     paged = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True)
@@ -226,7 +226,7 @@ def test_paged_decode_counts_the_kernels_partials_not_a_gather():
 
 
 def test_a_set_not_fitted_on_paged_decodes_predicts_them_as_gathering():
-    from engine.core.memory.model import CPU_COEFFICIENTS, CUDA_COEFFICIENTS
+    from engine.core.memory.coefficients import CPU_COEFFICIENTS, CUDA_COEFFICIENTS
 
     for coefficients in (CPU_COEFFICIENTS, CUDA_COEFFICIENTS):
         assert coefficients.decode_paged is None
@@ -236,7 +236,7 @@ def test_a_set_not_fitted_on_paged_decodes_predicts_them_as_gathering():
 
 
 def test_prefill_overhead_is_added_to_prompt_chunks_only():
-    from engine.core.memory.model import TransientCoefficients, with_overrides, CPU_COEFFICIENTS
+    from engine.core.memory.coefficients import TransientCoefficients, with_overrides, CPU_COEFFICIENTS
 
     base = MemoryModel(LLAMA3_8B)
     over = MemoryModel(LLAMA3_8B, coefficients=with_overrides(CPU_COEFFICIENTS, {"prefill_overhead_bytes": 5e6}))
@@ -248,7 +248,7 @@ def test_prefill_overhead_is_added_to_prompt_chunks_only():
 
 
 def test_prefill_layer_rows_is_per_layer_in_flight_and_chunk_independent():
-    from engine.core.memory.model import CPU_COEFFICIENTS, with_overrides
+    from engine.core.memory.coefficients import CPU_COEFFICIENTS, with_overrides
 
     k = with_overrides(CPU_COEFFICIENTS, {"prefill_layer_rows": 100.0, "layers_in_flight": 4})
     base = MemoryModel(LLAMA3_8B, coefficients=with_overrides(CPU_COEFFICIENTS, {"layers_in_flight": 4}))

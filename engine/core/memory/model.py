@@ -36,18 +36,15 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   forward (plus `prefill_overhead_bytes` to every prompt chunk of more than one token, and per layer
   `prefill_layer_rows` rows of MLP width, I*s each, whatever the chunk's size); on the CPU m = 1 and
   these constants are 0 (`coefficients_for_backend`).
-The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
-MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
-no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
-pool replaced per-request buffers, see docs/memory.md); scripts/calibrate_memory.py reports how they do
-on random workloads and searches others, and tests/engine/test_memory_measured.py checks them step by
-step.
+The coefficient sets, and where each was fitted: coefficients.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients
 
 FLOAT32_BYTES = 4
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
@@ -82,164 +79,6 @@ class ModelShape:
             dtype_bytes=dtype_bytes,
             weights_bytes=weights_bytes,
         )
-
-
-@dataclass(frozen=True)
-class TransientCoefficients:
-    """Multipliers of each term of the transient formulas (see the module docstring)."""
-
-    prefill_scores: float
-    prefill_mask: float
-    prefill_mlp: float
-    prefill_hidden: float
-    prefill_logits: float
-    decode_gather: float
-    decode_scores: float
-    decode_logits: float
-    decode_mlp: float
-    decode_hidden: float
-    sampling: float = 11.0  # x 4*V per sampling row: temperature / top-k / top-p temporaries
-    prefill_gather: float = 1.0  # x n*H_kv*(2*d*s + 4): one layer's KV of the row, gathered from the pool
-    # The per-layer terms count min(L, layers_in_flight) layers: 1 where MLX frees a layer's
-    # intermediates before the next layer runs (CPU); more on CUDA, which frees them per committed batch.
-    layers_in_flight: int = 1
-    step_overhead_bytes: int = 0  # added to every forward (0 on CPU)
-    prefill_overhead_bytes: int = 0  # added to every prompt chunk of more than one token (0 on CPU)
-    # x I*s per layer in flight, whatever the chunk's size (prompt chunks of more than one token): a
-    # per-layer constant that scales with the MLP width (fitted on CUDA; 0 on CPU)
-    prefill_layer_rows: float = 0.0
-    # x B*H*ceil(n/kv_step)*(kv_step/64)*(d+2)*4, the paged kernel's float32 partials; None: not fitted on
-    # paged decodes, which it then predicts as gathering ones (an over-estimate)
-    decode_paged: Optional[float] = None
-    # A step's decode rows run in its first chunk's forward (engine/model/layers/mixed.py) only for models with more
-    # layers than this. On CUDA, which frees per committed batch, a model no deeper than the batches in
-    # flight holds every layer's temporaries at once, and there a mixed forward measured above
-    # `MemoryModel.mixed_bytes` (2-layer shapes on an H200 under ops 8: predicted / measured down to 0.687;
-    # 8 and 32 layers: at least 1.28; docs/memory.md). Not a fitted coefficient: a per-model fit leaves it.
-    mixed_min_layers: int = 0
-
-
-# MLX's CPU backend with the engine's attention and SwiGLU of engine/model/layers/cpu_math.py (EngineConfig.cpu_math,
-# the default there): its prompt chunks score 1/16 of their queries at a time, so the scores term is
-# small beside the hidden-size ones. The prefill terms fitted from 2011 prompt chunks of four 2-layer
-# shapes (predicted / measured 1.0-1.74); the decode terms kept at the earlier set's, which bound the
-# engine's decode loop from above on the same run's 985 decode steps (1.02-2.22: it holds less than
-# mlx-lm's modules did):
-#     python scripts/calibrate_memory.py --iterations 600
-CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.1, prefill_mask=0.4, prefill_mlp=0.25, prefill_hidden=19.2, prefill_logits=1.6,
-    decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
-    prefill_gather=1.13,
-)
-# The CPU backend with MLX's attention (cpu_math off), and Metal, which has no data of its own: the set
-# chosen by hand before cpu_math (docs/memory.md).
-CPU_MLX_ATTENTION_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
-    decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
-)
-
-# Fitted on an H200 (MLX 0.32.4 CUDA, default MLX settings, KV-pool engine before slice reads and the
-# summed decode phases; 8B and three 2-layer shapes) from scripts/data/h200_pool_grid.json, scaled up
-# until no grid point is under-predicted:
-#     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
-# `sampling` is not in the grids (greedy rows): the CPU value.
-CUDA_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=1.939, prefill_hidden=6.829, prefill_logits=123.0,
-    decode_gather=0.9141, decode_scores=2.491, decode_logits=6.371, decode_mlp=0.0, decode_hidden=0.0,
-    sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1064000,
-    mixed_min_layers=29,  # not measured without ops 8: its window, as under ops 8
-)
-# The same under MLX_MAX_OPS_PER_BUFFER=8 (what scripts/serve sets on CUDA: MLX commits every 8 ops,
-# so fewer layers' temporaries coexist), this engine (slice reads, paged decode attention), fitted from
-# above on each chunk size's largest point, without context-dependent prefill terms (cuDNN's attention
-# never materializes the scores), on the prefill points of the grids of sessions 5 and 6 and the decode
-# points of session 6 (the paged kernel's partials per 64-key span), 8B and three 2-layer shapes:
-#     python scripts/bench_memory_grid.py --merge scripts/data/h200_s5_grid_paged.json,\
-#         scripts/data/h200_s6_grid_decode.json --out scripts/data/h200_s6_grid_merged.json
-#     python scripts/bench_memory_grid.py --fit scripts/data/h200_s6_grid_merged.json --backend cuda \
-#         --exclude-terms prefill_scores,prefill_mask --chunk-maxima
-# One set for every model shape over-predicts each one (1.25x an 8B 512-token chunk); a fit on the served
-# model alone (--fit-variants, then EngineConfig.memory_coefficients) is tighter: docs/memory.md.
-CUDA_OPS8_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=2.057, prefill_hidden=6.208, prefill_logits=0.0,
-    decode_gather=1.001, decode_scores=0.01799, decode_logits=1.465, decode_mlp=2.729, decode_hidden=2.585,
-    sampling=11.0, prefill_gather=1.001, layers_in_flight=7, step_overhead_bytes=50710,
-    prefill_overhead_bytes=0, prefill_layer_rows=132.5, decode_paged=1.018, mixed_min_layers=7,
-)
-
-
-def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None) -> TransientCoefficients:
-    """`base` with some coefficients replaced (EngineConfig.memory_coefficients)."""
-    if not overrides:
-        return base
-    known = {f.name for f in fields(TransientCoefficients)}
-    for name, value in overrides.items():
-        if name not in known:
-            raise ValueError(f"memory_coefficients: unknown coefficient {name!r}; known: {sorted(known)}")
-        if value is None and name == "decode_paged":
-            continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
-    values = dict(overrides)
-    for name in ("layers_in_flight", "mixed_min_layers", "step_overhead_bytes", "prefill_overhead_bytes"):
-        if name in values:
-            values[name] = int(values[name])
-    return replace(base, **values)
-
-
-def shape_key(shape: "ModelShape") -> tuple:
-    """What a shape calibration is keyed by: every dimension the formulas read (not the weights' bytes)."""
-    return (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-            shape.intermediate_size, shape.vocab_size, shape.dtype_bytes)
-
-
-# Calibrations of one model shape under one backend set: that shape's own grid points fitted alone are
-# tighter than the set fitted for every shape (vLLM ships its tuned kernel configurations per shape and
-# device the same way). Used in place of the backend's set for a model of that shape; a deployment's
-# EngineConfig.memory_coefficients still applies on top. The Llama-3-8B shape in bf16 (Llama 3 / 3.1
-# 8B), CUDA under ops 8, from the 8B points of session 6's merged grid (173 points, predicted /
-# measured 1.0-4.75), with the backend set's layers_in_flight (so the terms no grid point fits, such
-# as a fragmented row's gathered KV, count as many layers as in that set; docs/memory.md):
-#     python scripts/bench_memory_grid.py --fit scripts/data/h200_s6_grid_merged.json --backend cuda \
-#         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
-#         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
-LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
-SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the set)
-    # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
-    ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
-        CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_scores=2.109,
-        decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
-        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
-}
-
-
-def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None,
-                             cpu_math: bool = True) -> TransientCoefficients:
-    """The coefficient set of an MLX backend: "cpu", "cuda", or "metal" (no Metal data yet: the CPU
-    set with MLX's attention, whose one-layer-at-a-time freeing Metal's per-command-buffer release may
-    not match). `max_ops_per_buffer`: MLX_MAX_OPS_PER_BUFFER if set; on CUDA at most 8 picks the set
-    fitted so. `cpu_math`: on the CPU, the engine's layer loops run engine/model/layers/cpu_math.py (else MLX's
-    attention)."""
-    cpu = CPU_COEFFICIENTS if cpu_math else CPU_MLX_ATTENTION_COEFFICIENTS
-    table = {"cpu": cpu, "cuda": CUDA_COEFFICIENTS, "metal": CPU_MLX_ATTENTION_COEFFICIENTS}
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key not in table:
-        raise ValueError(f"unknown MLX backend {name!r}: expected one of {sorted(table)}")
-    if key == "cuda" and max_ops_per_buffer is not None and 0 < max_ops_per_buffer <= 8:
-        return CUDA_OPS8_COEFFICIENTS
-    return table[key]
-
-
-def coefficients_for(name: str, max_ops_per_buffer: Optional[int] = None,
-                     shape: Optional["ModelShape"] = None, cpu_math: bool = True) -> tuple[TransientCoefficients, str]:
-    """(the set, what it is): the backend's set (`coefficients_for_backend`), or its calibration for
-    `shape` where one ships (SHAPE_CALIBRATIONS)."""
-    base = coefficients_for_backend(name, max_ops_per_buffer, cpu_math)
-    set_name = ("cuda-ops8" if base is CUDA_OPS8_COEFFICIENTS else "cuda" if base is CUDA_COEFFICIENTS
-                else "cpu-mlx-attention" if base is CPU_MLX_ATTENTION_COEFFICIENTS and name.strip().lower() == "cpu"
-                else name.strip().lower())
-    entry = SHAPE_CALIBRATIONS.get((set_name, shape_key(shape))) if shape is not None else None
-    return (entry[1], entry[0]) if entry else (base, f"{set_name} set")
 
 
 @dataclass(frozen=True)
