@@ -6,13 +6,65 @@ way everywhere: pydantic's ValidationError is a ValueError whose message names t
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, with_overrides
 
+logger = logging.getLogger(__name__)
+
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+MAX_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
+# On MLX's CUDA backend: what the shipped CUDA coefficient set for bounded batches was fitted under.
+CUDA_MAX_OPS_PER_BUFFER = 8
+
+
+class ExecutionConfig(BaseModel):
+    """The execution choices a deployment may have a reason to turn. The engine's other ways of running
+    a forward (pipelined decode, fused projections, its own layer loops, mixed batches, compiled decode
+    layers, the CPU's exp-as-power math) are what measured best and are not configurable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    paged_attention: bool = Field(
+        True,
+        description="On MLX's CUDA backend, decodes of llama-shaped models read each row's KV where it "
+        "lies in the pool with the engine's CUDA kernel (engine/model/kernels/paged_attention.py), "
+        "checked against MLX's attention once at start and left out if it disagrees. Turn it off if "
+        "decode output on your GPU or MLX version looks wrong, to rule the hand-written kernel out: "
+        "decode then gathers each layer's KV into a copy for MLX's attention (more memory per step, "
+        "which the memory model then predicts).",
+    )
+    max_ops_per_buffer: Optional[int] = Field(
+        None, ge=1, le=1024,
+        description="Operations MLX batches into one committed GPU command batch (it sets "
+        "MLX_MAX_OPS_PER_BUFFER for the process before MLX runs its first GPU work). MLX's CUDA backend "
+        "frees a kernel's temporaries only when its committed batch has run, so fewer ops per batch "
+        "bound the prefill transient, at a small cost in launch overhead; the memory model picks its "
+        "coefficients from this value. None: 8 on MLX's CUDA backend, MLX's own default elsewhere. "
+        "Raise it only with coefficients fitted for it (memory_coefficients).",
+    )
+
+    def resolved_max_ops_per_buffer(self, backend: str) -> Optional[int]:
+        """The value for MLX backend `backend` ("cpu", "cuda", "metal"); None: MLX's default."""
+        if self.max_ops_per_buffer is not None:
+            return self.max_ops_per_buffer
+        return CUDA_MAX_OPS_PER_BUFFER if backend == "cuda" else None
+
+
+def export_max_ops_per_buffer(value: Optional[int]) -> None:
+    """Set MLX_MAX_OPS_PER_BUFFER to `value` (None: leave the environment alone). MLX reads it once per
+    process, when its GPU backend first commits work, so call this before any GPU work."""
+    if value is None:
+        return
+    current = os.environ.get(MAX_OPS_ENV)
+    if current is not None and current != str(value):
+        logger.warning("%s=%s in the environment replaced by execution.max_ops_per_buffer=%d (it takes "
+                       "effect only if this process has run no GPU work yet)", MAX_OPS_ENV, current, value)
+    os.environ[MAX_OPS_ENV] = str(value)
 
 
 class EngineConfig(BaseModel):
@@ -58,69 +110,13 @@ class EngineConfig(BaseModel):
     memory_coefficients: Optional[dict[str, Optional[float]]] = Field(
         None,
         description="Overrides of the memory model's transient coefficients for this backend (fields of "
-        "engine.core.memory.model.TransientCoefficients), e.g. the 'coefficients' that `python scripts/"
+        "engine.core.memory.coefficients.TransientCoefficients), e.g. the 'coefficients' that `python scripts/"
         "bench_memory_grid.py --fit GRID --backend cuda` prints for a grid measured on your device.",
     )
-    async_decode: bool = Field(
-        True,
-        description="Pipeline decode steps (after mlx-lm's BatchGenerator): build the next decode's graph "
-        "while the current one runs, launch it as soon as that is done, and read back and detokenize the "
-        "current one's tokens while the next runs. A request that stops on EOS or a stop string has one "
-        "extra token computed and dropped.",
-    )
-    overlap_steps: bool = Field(
-        True,
-        description="On MLX's CUDA backend, a step whose last forward is a prompt chunk that samples nothing "
-        "returns without waiting for it: the next step is scheduled and its first forward built while it "
-        "runs (vLLM's async scheduling, for prompt chunks). Forwards still never overlap on the device. "
-        "Not on the CPU, where a forward returns before it has run: a step's measured transient would be "
-        "mostly the next step's.",
-    )
-    paged_attention: bool = Field(
-        True,
-        description="Decode attention reads each row's KV where it lies in the pool, with a CUDA kernel "
-        "(MLX's CUDA backend only). False, or on other backends: decode gathers every layer's KV of "
-        "the batch into a contiguous copy and runs MLX's attention on it.",
-    )
-    fuse_projections: bool = Field(
-        True,
-        description="Decode forwards compute attention's q, k, v projections as one matmul, and the MLP's "
-        "gate and up as one (plain float linear layers only; quantized ones are left as they are).",
-    )
-    decode_kernels: bool = Field(
-        False,
-        description="Decode forwards of llama-shaped models run the engine's own layer loop with one CUDA "
-        "kernel for q/k RoPE and the q/k/v layout and one for each residual add and the RMSNorm after it "
-        "(MLX's CUDA backend, with paged_attention and fuse_projections; engine/model/layers/decode_path.py). Off by "
-        "default: on the H200 it did not make decode steps consistently faster. False, or elsewhere: "
-        "MLX's own operations.",
-    )
-    mixed_batches: bool = Field(
-        True,
-        description="A step that prefills while other rows decode runs its decode rows in the same forward "
-        "as its first prompt chunk: the linear layers read the weights once for both (llama-shaped models "
-        "with fuse_projections; engine/model/layers/mixed.py). False, or other models: the decode rows run their own "
-        "forward.",
-    )
-    layer_loops: bool = Field(
-        True,
-        description="Prompt chunks and decodes of llama-shaped models run the engine's own layer loops "
-        "over weights bound once (engine/model/layers/chunk_path.py, decode_path.py): the same operations as "
-        "mlx-lm's modules with less host work per forward, which the GPU otherwise waits for. False, or "
-        "other models: mlx-lm's modules.",
-    )
-    compiled_decode: bool = Field(
-        True,
-        description="The layer loop's decodes (layer_loops on CUDA) build each layer's operations from a "
-        "compiled trace (mx.compile, one trace per batch size; engine/model/layers/decode_path.py CompiledLayers): "
-        "less host work per decode step, the same operations. False: built in Python.",
-    )
-    cpu_math: bool = Field(
-        True,
-        description="On MLX's CPU backend, the layer loops compute attention and SwiGLU with exp as a "
-        "power (engine/model/layers/cpu_math.py): MLX's CPU exp is some 3x slower than its power, and the softmax and "
-        "SiLU are most of a small model's CPU forward beside the matmuls. The same formulas; greedy "
-        "output equals mlx-lm's. False, or other backends: MLX's attention and mlx-lm's SwiGLU.",
+    execution: ExecutionConfig = Field(
+        default_factory=ExecutionConfig,
+        description="How the engine runs its forwards where a deployment has a reason to choose "
+        "(ExecutionConfig); everything else runs what measured best.",
     )
     cache_dir: Optional[str] = Field(
         None, description="Where the converted default model is kept. None: $MLX_SERVE_CACHE or "

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ExecutionConfig, export_max_ops_per_buffer
 from engine.forwards import ForwardsMixin, StepMemory, _Deferred, _Inflight
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.memory.coefficients import coefficients_for, with_overrides
@@ -25,7 +25,7 @@ from engine.core.output import TextStream, process_token
 from engine.core.prefix_cache import PrefixCache, PrefixHit
 from engine.core.types import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, RunnerOptions
 from engine.model.sampling import RequestSampler
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -76,12 +76,15 @@ def mlx_backend() -> str:
 KV_BLOCK_TOKENS = 256
 
 
-def backend_coefficients(shape: Optional[ModelShape] = None, cpu_math: bool = True):
-    """(the memory model's coefficients, what they are) for this process's MLX backend and settings,
-    calibrated for `shape` where a calibration ships (memory.SHAPE_CALIBRATIONS). `cpu_math`: prompt
-    chunks run the layer loop with engine/model/layers/cpu_math.py (on the CPU: the default)."""
-    ops = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "")
-    return coefficients_for(mlx_backend(), int(ops) if ops.isdigit() else None, shape, cpu_math)
+def backend_coefficients(shape: Optional[ModelShape] = None, cpu_math: bool = True,
+                         max_ops_per_buffer: Optional[int] = None):
+    """(the memory model's coefficients, what they are) for this process's MLX backend, calibrated for
+    `shape` where a calibration ships (coefficients.SHAPE_CALIBRATIONS). `cpu_math`: prompt chunks run
+    the layer loop with engine/model/layers/cpu_math.py (on the CPU: the default). `max_ops_per_buffer`:
+    ExecutionConfig.max_ops_per_buffer (None: the engine's default for the backend)."""
+    backend = mlx_backend()
+    ops = max_ops_per_buffer or ExecutionConfig().resolved_max_ops_per_buffer(backend)
+    return coefficients_for(backend, ops, shape, cpu_math)
 
 
 def resolve_dtype(name: str) -> str:
@@ -104,7 +107,10 @@ def device_memory_bytes() -> int:
 class Engine(ForwardsMixin):
     """One model on one MLX device; `step()` runs one scheduler step and returns output increments."""
 
-    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict):
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict,
+                 runner_options: RunnerOptions = RunnerOptions()):
+        """`runner_options`: the runner's ways of building forwards (tests and benchmarks compare them;
+        the defaults are what measured best)."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -113,17 +119,18 @@ class Engine(ForwardsMixin):
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the transient bound and KV budget.
+        backend, options = mlx_backend(), runner_options
         self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS, max_kv_tokens=0,
-                                  paged_attention=config.paged_attention and mlx_backend() == "cuda",
-                                  fuse=config.fuse_projections,
-                                  decode_kernels=config.decode_kernels and mlx_backend() == "cuda",
-                                  mixed=config.mixed_batches, layer_loops=config.layer_loops,
-                                  compiled_decode=config.compiled_decode and mlx_backend() == "cuda",
-                                  cpu_math=config.cpu_math and mlx_backend() == "cpu")
+                                  paged_attention=config.execution.paged_attention and backend == "cuda",
+                                  fuse=options.fuse_projections, mixed=options.mixed_batches,
+                                  layer_loops=options.layer_loops,
+                                  compiled_decode=options.compiled_decode and backend == "cuda",
+                                  cpu_math=options.cpu_math and backend == "cpu")
         shape = ModelShape.from_config(model_config, dtype_bytes, weights_bytes)
         runner = self.runner
         coefficients, self.memory_coefficients_source = backend_coefficients(
-            shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math)
+            shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
+            max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend))
         if config.memory_coefficients:
             self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
         logger.info("memory model: %s", self.memory_coefficients_source)
@@ -166,7 +173,10 @@ class Engine(ForwardsMixin):
         self.last_step_memory: Optional[StepMemory] = None
         self.last_plan: Optional[SchedulerOutput] = None
         self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back
-        self._overlap_steps = config.overlap_steps and mlx_backend() == "cuda"
+        # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the next
+        # step (forwards.py): what measured best; tests turn them to compare.
+        self._async_decode = True
+        self._overlap_steps = backend == "cuda"
         self._deferred: Optional[_Deferred] = None  # the previous step's last prompt chunk, still running
         self._carried: Optional[StepMemory] = None  # its measured tail, for the next step's record
         self._launch_base_bytes = 0  # MLX active memory when it was launched
@@ -175,6 +185,8 @@ class Engine(ForwardsMixin):
     def from_config(cls, config: EngineConfig) -> "Engine":
         from engine.model.loader import load_model, resolve_model_path
 
+        # Before any GPU work: MLX reads it once per process, at its GPU backend's first commit.
+        export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(mlx_backend()))
         dtype = resolve_dtype(config.dtype)
         path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))
         model, tokenizer = load_model(path)
@@ -232,7 +244,7 @@ class Engine(ForwardsMixin):
         """One step: schedule, run the forwards, read back their tokens, return the increments.
 
         Forwards that write the KV pool never overlap on the device (runner.finish says why). Decode-
-        only steps are pipelined on the host (`EngineConfig.async_decode`), like mlx-lm's
+        only steps are pipelined on the host (`Engine._async_decode`), like mlx-lm's
         BatchGenerator but without overlapping two forwards: while decode k runs, the engine builds
         decode k+1's graph (fed with k's tokens as a lazy array); once k is done it launches k+1
         and, while k+1 runs, reads back and commits k (scheduler update, detokenizing, stops). So
@@ -240,7 +252,7 @@ class Engine(ForwardsMixin):
         string has had one more token computed, which is dropped; rows reaching max_tokens are left
         out of the next decode. Anything new for the scheduler (a waiting request, a prompt chunk)
         ends the pipeline for one step. On CUDA a step whose last forward is a prompt chunk that
-        samples nothing returns without waiting for it (`EngineConfig.overlap_steps`): the next step is
+        samples nothing returns without waiting for it (`Engine._overlap_steps`): the next step is
         scheduled and its first forward built while it runs, and waits for it before launching."""
         if self._inflight is not None:
             return self._advance_pipeline()

@@ -42,7 +42,7 @@ class _Inflight:
 @dataclass(frozen=True)
 class _Deferred:
     """A step's last forward, a prompt chunk that samples nothing, left running when the step returned
-    (`EngineConfig.overlap_steps`): the next step is scheduled and its first forward built meanwhile."""
+    (`Engine._overlap_steps`): the next step is scheduled and its first forward built meanwhile."""
 
     forward: Forward
     predicted_bytes: int  # its step's prediction
@@ -87,7 +87,7 @@ class ForwardsMixin:
     # --- pipelined decode -----------------------------------------------------------------------
 
     def _can_pipeline(self, plan: SchedulerOutput) -> bool:
-        return (self.config.async_decode and bool(plan.decodes) and not plan.prefills
+        return (self._async_decode and bool(plan.decodes) and not plan.prefills
                 and not plan.new_rows and self.scheduler.num_waiting == 0)
 
     def _build_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:

@@ -190,7 +190,7 @@ def chunk_bytes(memory, num_tokens: int, context_len: int, computes_logits: bool
 def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None, cpu_math: bool = True):
     """The engine's memory model for this model on this MLX backend (as Engine builds it);
     `overrides`: EngineConfig.memory_coefficients; `cpu_math`: False for forwards through mlx-lm's
-    modules (MLX's attention: the set the CPU engine uses with EngineConfig.cpu_math off)."""
+    modules (MLX's attention: the set the CPU engine uses with RunnerOptions.cpu_math off)."""
     from engine.engine import backend_coefficients
     from engine.core.memory.model import MemoryModel, ModelShape
     from engine.core.memory.coefficients import with_overrides

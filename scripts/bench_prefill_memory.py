@@ -354,7 +354,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
         # The engine's own figure is per forward (KV of rows allocated later in the step not
         # subtracted); the whole-step one is the fallback for engines that expose none.
         # The engine's record pairs its measurement with its prediction: with overlapped steps
-        # (EngineConfig.overlap_steps) a step's record also holds the previous step's deferred forward,
+        # (Engine._overlap_steps) a step's record also holds the previous step's deferred forward,
         # measured and predicted (the plan's prediction is this step's alone).
         own = getattr(engine, "last_step_memory", None)
         measured = own.measured_bytes if own is not None else whole_step

@@ -11,7 +11,8 @@ number of operations whatever B is:
 - read, a prompt chunk (T > 1) of a row whose blocks are consecutive: head h's positions
   [0, n) are pool rows h*num_slots + s0 ... + n, so K and V are each a strided slice view of
   `pool.reshape(H_kv, num_slots, D)`, `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
-- read, a one-query forward (decode) with a paged-attention kernel set (`KVPool.paged`, the CUDA
+- read, a one-query forward (decode) of the engine's layer loops with a paged-attention kernel set
+  (`KVPool.paged`, the CUDA
   kernel of engine/model/kernels/paged_attention.py): nothing is read here; attention reads each row's blocks in
   the pool through a `[B, NB]` block table (`ForwardView.attend`), and no mask is built;
 - read, otherwise: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the
@@ -178,11 +179,6 @@ class _ViewLayer:
             return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
         return self._view.mask
 
-    def paged_attention(self, queries: mx.array, scale: float) -> Optional[mx.array]:
-        """The attention output read from the pool in place (engine/model/kernels/paged_attention.py), or None
-        when this forward gathers (mlx-lm's attention then runs on what update_and_fetch returned)."""
-        return self._view.attend(self._index, queries, scale)
-
 
 class ForwardView:
     """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
@@ -230,10 +226,12 @@ class ForwardView:
         return self._slice is not None
 
     def write_and_read(self, layer: int, keys: mx.array, values: mx.array):
-        """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D]. A paged
-        forward reads nothing here (`attend` does): it returns its arguments."""
+        """keys/values [B, H_kv, T, D] -> all rows' KV, right-padded: [B, H_kv, L_max, D] (what mlx-lm's
+        modules read). A paged forward is the engine's layer loops' alone: they read with `attend`."""
+        if self._paged is not None:
+            raise RuntimeError("a paged forward is read in place by the engine's layer loops, not mlx-lm's modules")
         self.write(layer, keys, values)
-        return (keys, values) if self._paged is not None else self.read(layer)
+        return self.read(layer)
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Scatter this forward's new keys/values [B, H_kv, T, D] into the pool, in place. A forward

@@ -23,16 +23,28 @@ import mlx.nn as nn
 from engine.core.blocks import BlockAllocator, num_blocks_for
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
-from engine.model.layers.decode_path import CudaOps, DecodePath, ReferenceOps
-from engine.model.layers.decode_path import self_check as decode_self_check
+from engine.model.layers.decode_path import DecodePath, ReferenceOps
 from engine.model.layers.decode_path import unsupported as decode_unsupported
-from engine.model.layers.fused import fuse_projections, fused_forward
+from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start
 from engine.model.layers.mixed import MixedForward
-from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, install, self_check, unsupported
+from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
 from engine.model.sampling import RequestSampler, sample_rows
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """Which of the runner's ways of building forwards the engine asks for (where the model and the
+    backend take them). The defaults are what measured best and what the engine runs; tests and
+    benchmarks pass others to compare (ModelRunner's arguments of the same names)."""
+
+    fuse_projections: bool = True
+    layer_loops: bool = True
+    mixed_batches: bool = True
+    compiled_decode: bool = True  # on MLX's CUDA backend only
+    cpu_math: bool = True  # on MLX's CPU backend only
 
 
 @dataclass(frozen=True)
@@ -74,23 +86,21 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
-                 paged_attention: bool = False, fuse: bool = True, decode_kernels: bool = False,
-                 mixed: bool = True, layer_loops: bool = True, compiled_decode: bool = True,
-                 cpu_math: bool = False):
+                 paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
+                 layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False):
         """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
-        `paged_attention`: one-query forwards read the pool in place with the CUDA kernel (the engine
-        asks for it where MLX runs on CUDA), if the model's shape allows it and it passes its
-        self-check (engine/model/kernels/paged_attention.py); else they gather.
-        `fuse`: the engine's decode forwards compute q/k/v and gate/up as one matmul each (engine/model/layers/fused.py;
-        this changes `model`'s modules, and mlx-lm running it elsewhere computes what it did before).
-        `decode_kernels`: decode forwards run engine/model/layers/decode_path.py's loop with its CUDA kernels (the
-        engine asks for them where MLX runs on CUDA), if the model is supported, its decode is paged
-        and fused, and the kernels pass their self-check; else mlx-lm's modules.
+        `paged_attention`: the engine's decode loop reads the pool in place with the CUDA kernel (the
+        engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
+        allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
+        decode gathers.
+        `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
+        (engine/model/layers/fused.py), for models they run; mlx-lm's modules running the same model
+        object compute the original layers.
         `mixed`: a prompt chunk and decode rows can run as one forward (`mixed_forward`,
         engine/model/layers/mixed.py), if the model is supported and fused (`self.mixed`).
-        `layer_loops`: prompt chunks run engine/model/layers/chunk_path.py's loop, and decodes engine/model/layers/decode_path.py's
-        (with MLX's operations, unless `decode_kernels`), if the model is supported (bound after fusion:
-        their views are of the fused weights); else mlx-lm's modules.
+        `layer_loops`: prompt chunks run engine/model/layers/chunk_path.py's loop, and decodes
+        decode_path.py's, if the model is supported (bound after fusion: their views are of the fused
+        weights); else mlx-lm's modules.
         `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers).
         `cpu_math`: the loops' attention and SwiGLU are engine/model/layers/cpu_math.py's (for MLX's CPU backend)."""
         check_plain_kv_cache(model)
@@ -102,16 +112,13 @@ class ModelRunner:
         proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
         dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
         self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
-        self.fused = fuse and fuse_projections(model) > 0
-        if paged_attention:
-            self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
+        # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
+        self.fused = fuse and loops_unsupported(model) is None and fuse_projections(model) > 0
         self.decode_path: Optional[DecodePath] = None
         self.mixed: Optional[MixedForward] = None
         self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
-        if decode_kernels:
-            self._enable_decode_kernels(dtype)
-        why_not = decode_unsupported(self.model, kernels=False)
-        if layer_loops and self.decode_path is None and self.fused and why_not is None:
+        why_not = decode_unsupported(self.model)
+        if layer_loops and self.fused and why_not is None:
             self.decode_path = DecodePath(self.model, self.ops, compiled=compiled_decode)
         if mixed and self.fused and why_not is None:
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
@@ -124,6 +131,8 @@ class ModelRunner:
                 self.chunk_path = ChunkPath(self.model, self.ops)
             else:
                 logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
+        if paged_attention:
+            self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
         self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
@@ -135,7 +144,7 @@ class ModelRunner:
                              dtype) -> None:
         """The CUDA kernel for one-query forwards, if this model's shape allows it and it passes its
         self-check here; else decode gathers (logged)."""
-        why_not = unsupported(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        why_not = self._loops_why_not() or unsupported(num_heads, num_kv_heads, head_dim, block_size, dtype)
         if why_not is None:
             try:
                 kernel = CudaPagedAttention(num_kv_heads, block_size)
@@ -146,26 +155,13 @@ class ModelRunner:
                 why_not = f"{type(exc).__name__}: {exc}"
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
-    def _enable_decode_kernels(self, dtype) -> None:
-        if not (self.fused and self.paged_attention):
-            why_not = "needs fused projections and paged attention"
-        else:
-            why_not = decode_unsupported(self.model)
-        if why_not is None:
-            try:
-                ops = CudaOps()
-                decode_self_check(ops, self.model, dtype)
-                self.use_decode_path(ops)
-                return
-            except Exception as exc:  # noqa: BLE001 - any failure means: do without them
-                why_not = f"{type(exc).__name__}: {exc}"
-        logger.warning("decode kernels not used (%s): decode runs %s", why_not,
-                       "mlx-lm's modules" if self.decode_path is None else "the layer loop with MLX's operations")
-
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:
-        """Decode forwards run engine/model/layers/decode_path.py's loop with `ops` (None: mlx-lm's modules), its
-        layers `compiled` where they can be. ValueError if the model is not supported."""
+        """Decode forwards run engine/model/layers/decode_path.py's loop with `ops` (None: mlx-lm's modules,
+        which gather: the pool's paged kernel is dropped), its layers `compiled` where they can be.
+        ValueError if the model is not supported."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled)
+        if self.decode_path is None:
+            self.pool.paged = None
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
 
@@ -181,12 +177,19 @@ class ModelRunner:
             raise RuntimeError("set_max_kv_tokens after the pool has grown")
         self.blocks = BlockAllocator(self.blocks.block_size, max_kv_tokens // self.blocks.block_size)
 
+    def _loops_why_not(self) -> Optional[str]:
+        """Why one-query forwards cannot read the pool in place (None: they can): only the engine's own
+        layer loops call the paged kernel; mlx-lm's modules attend over what the cache returns."""
+        if self.decode_path is None or self.chunk_path is None:
+            return "decodes or one-token prompt chunks run mlx-lm's modules, which gather"
+        return None
+
     def use_paged_attention(self, impl: Optional[PagedAttention]) -> None:
-        """One-query forwards compute attention with `impl` over the pool in place (None: they gather).
-        ValueError if the model's attention cannot be routed to it."""
-        if impl is not None and not install(self.model):
-            raise ValueError(f"{type(self.model).__name__}: its attention does not call mlx-lm's "
-                             "scaled_dot_product_attention, so it cannot read the pool in place")
+        """One-query forwards of the engine's layer loops compute attention with `impl` over the pool in
+        place (None: they gather). ValueError if they run mlx-lm's modules."""
+        why_not = self._loops_why_not() if impl is not None else None
+        if why_not is not None:
+            raise ValueError(f"{type(self.model).__name__}: paged attention not possible ({why_not})")
         self.pool.paged = impl
 
     # --- KV pool and rows -----------------------------------------------------------------------
@@ -260,12 +263,9 @@ class ModelRunner:
         self.num_tokens_computed += num_tokens
 
     def _forward(self, tokens: mx.array, cache: list) -> mx.array:
-        """tokens [B, T] -> final hidden states [B, T, D] (no LM head)."""
+        """tokens [B, T] -> final hidden states [B, T, D] (no LM head), through mlx-lm's modules."""
         self._count(tokens.size)
-        if not self.fused or tokens.shape[1] > 1:  # prompt chunks: compute-bound, nothing to gain
-            return self._backbone(tokens, cache=cache)
-        with fused_forward():
-            return self._backbone(tokens, cache=cache)
+        return self._backbone(tokens, cache=cache)
 
     def _decode_forward(self, tokens: mx.array, view: ForwardView) -> mx.array:
         """tokens [B, 1] -> final hidden states [B, 1, D]: the engine's decode loop where it is enabled
@@ -273,8 +273,7 @@ class ModelRunner:
         if self.decode_path is None:
             return self._forward(tokens, view.layers())
         self._count(tokens.size)
-        with fused_forward():
-            return self.decode_path.forward(tokens, view)
+        return self.decode_path.forward(tokens, view)
 
     def _chunk_row(self, work: PrefillWork) -> Row:
         """The row a prompt chunk extends; its KV must end where the chunk starts."""
@@ -330,9 +329,8 @@ class ModelRunner:
         decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1)
         tokens = mx.array(list(work.token_ids) + [w.token_id for w in decodes])
         self._count(tokens.size)
-        with fused_forward():
-            # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
-            hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample)
+        # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
+        hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample)
         chunk_view.advance()
         decode_view.advance()
         samplers = ([self.samplers[work.request_id]] if work.sample else []) + [

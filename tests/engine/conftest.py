@@ -82,10 +82,16 @@ def make_engine(tiny_parts, model_cache_dir):
     """Build an Engine on the shared tiny model with any config overrides."""
     from engine.engine import Engine
 
-    def build(**overrides):
+    def build(runner_options=None, async_decode: bool = True, **overrides):
+        """`runner_options`: a RunnerOptions (the runner's other ways, to compare); `async_decode`:
+        False runs decode steps one after another (the engine pipelines them)."""
+        from engine.model.runner import RunnerOptions
+
         model, tokenizer, model_config = tiny_parts
         cfg = EngineConfig(model="tiny", cache_dir=model_cache_dir,
                            memory_limit_bytes=overrides.pop("memory_limit_bytes", 4 << 30), **overrides)
-        return Engine(model, tokenizer, cfg, model_config)
+        engine = Engine(model, tokenizer, cfg, model_config, runner_options=runner_options or RunnerOptions())
+        engine._async_decode = async_decode
+        return engine
 
     return build

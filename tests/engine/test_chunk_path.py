@@ -10,6 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.core.types import SamplingParams
+from engine.model.runner import RunnerOptions
 
 
 def random_prompt(length, seed):
@@ -131,7 +132,7 @@ def test_engine_greedy_tokens_do_not_depend_on_the_layer_loops(make_engine):
     prompts = [random_prompt(n, seed=n) for n in (3, 17, 40)]
     outputs = []
     for loops in (True, False):
-        engine = make_engine(layer_loops=loops, prefill_chunk_size=16)
+        engine = make_engine(runner_options=RunnerOptions(layer_loops=loops), prefill_chunk_size=16)
         assert (engine.runner.chunk_path is not None) == loops
         outputs.append([o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))])
     assert outputs[0] == outputs[1]

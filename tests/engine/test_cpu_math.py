@@ -12,6 +12,7 @@ from mlx_lm.models.activations import swiglu
 
 from engine.model.layers import cpu_math
 from engine.core.types import SamplingParams
+from engine.model.runner import RunnerOptions
 
 
 def normal(shape, seed, dtype=mx.float32):
@@ -82,7 +83,7 @@ def test_cpu_engine_greedy_equals_mlx_lm_either_way(make_engine, tiny_parts, ref
                                                     cpu_math_on):
     """The CPU engine runs cpu_math in its chunk, decode and mixed forwards by default, with the memory
     set fitted for it; off, MLX's attention and its own set. Either way mlx-lm's greedy tokens."""
-    engine = make_engine(cpu_math=cpu_math_on, prefill_chunk_size=32, max_num_seqs=3)
+    engine = make_engine(runner_options=RunnerOptions(cpu_math=cpu_math_on), prefill_chunk_size=32, max_num_seqs=3)
     runner = engine.runner
     assert runner.ops.cpu_math is cpu_math_on
     assert runner.chunk_path.ops is runner.ops and runner.decode_path.ops is runner.ops

@@ -11,6 +11,7 @@ import pytest
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.model.kernels.paged_attention import ReferenceAttention
 from engine.core.types import SamplingParams
+from engine.model.runner import RunnerOptions
 
 
 def prompts_of(lengths, vocab, seed=0):
@@ -53,7 +54,7 @@ def test_mixed_steps_greedy_equal_mlx_lm(make_engine, tiny_parts, reference_gree
 def test_mixing_saves_forwards_and_changes_no_token(make_engine, run_to_completion):
     def run(mixed: bool):
         engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, max_num_seqs=4,
-                             prefix_cache_fraction=0.0, mixed_batches=mixed)
+                             prefix_cache_fraction=0.0, runner_options=RunnerOptions(mixed_batches=mixed))
         assert (engine.runner.mixed is not None) == mixed
         prompts = prompts_of([9, 60, 41], engine.memory.shape.vocab_size, seed=5)
         for i, p in enumerate(prompts):
@@ -151,8 +152,8 @@ def test_memory_model_predicts_a_mixed_forward():
 
 def test_traditional_rope_models_mix_too(tiny_parts, random_llama, reference_greedy, run_to_completion,
                                          model_cache_dir):
-    """The embedded SmolLM2 (from its GGUF) rotates with traditional RoPE, which the CUDA decode kernels
-    do not take; the mixed forward rotates with mlx-lm's own module and takes it."""
+    """The embedded SmolLM2 (from its GGUF) rotates with traditional RoPE: the layer loops and the mixed
+    forward rotate with mlx-lm's own module and take it."""
     from engine.config import EngineConfig
     from engine.model.layers.decode_path import unsupported
     from engine.engine import Engine
@@ -162,7 +163,7 @@ def test_traditional_rope_models_mix_too(tiny_parts, random_llama, reference_gre
                                                        prefill_chunk_size=16, max_num_batched_tokens=24,
                                                        prefix_cache_fraction=0.0, memory_limit_bytes=1 << 30),
                     config)
-    assert "traditional" in unsupported(model) and engine.runner.mixed is not None
+    assert unsupported(model) is None and engine.runner.mixed is not None
     state = count_mixed(engine)
     prompts = prompts_of([6, 45, 20], 1000, seed=4)
     for i, p in enumerate(prompts):
@@ -202,7 +203,6 @@ def test_mixed_forward_logits_equal_mlx_lm(tiny_parts, sample):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.model.layers.fused import fused_forward
     from engine.model.kv_pool import ForwardView, Row
     from engine.model.runner import ModelRunner
 
@@ -223,8 +223,7 @@ def test_mixed_forward_logits_equal_mlx_lm(tiny_parts, sample):
     fed = [5, 6]  # each decoding row's next token
     chunk_view = ForwardView(runner.pool, [rows[2]], 9)
     decode_view = ForwardView(runner.pool, rows[:2], 1)
-    with fused_forward():
-        hidden = runner.mixed.forward(mx.array(chunk[12:] + fed), chunk_view, decode_view, sample=sample)
+    hidden = runner.mixed.forward(mx.array(chunk[12:] + fed), chunk_view, decode_view, sample=sample)
     got = runner._head(hidden[0])
     assert got.shape[0] == 2 + sample
 

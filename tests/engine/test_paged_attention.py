@@ -1,8 +1,9 @@
 """Paged decode attention (engine/model/kernels/paged_attention.py): the engine's one-query forwards reading the pool
 through a block table instead of a gathered copy. The CUDA kernel runs only on a GPU
 (scripts/check_paged_attention.py checks it there against `ReferenceAttention`); here the engine takes
-the same path with `ReferenceAttention`, so the table, lengths, mask-free views and mlx-lm routing are
-checked on real forwards."""
+the same path with `ReferenceAttention`, so the table, lengths and mask-free views are checked on real
+forwards, and so is which forwards take it: only the engine's own layer loops call it; models decoding
+through mlx-lm's modules gather, and the memory model predicts the gather for them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.model.kernels.paged_attention import ReferenceAttention, install, unsupported
+from engine.model.kernels.paged_attention import ReferenceAttention, unsupported
+from engine.model.runner import RunnerOptions
 from engine.core.types import SamplingParams
 
 
@@ -75,28 +77,41 @@ def test_prompt_chunks_still_read_views_or_gathers(make_engine):
     assert impl.calls == 0
 
 
-def test_cpu_engine_gathers_by_default_and_install_is_idempotent(make_engine, tiny_parts):
-    import sys
-
+def test_cpu_engine_gathers_by_default(make_engine):
     engine = make_engine()
-    assert engine.runner.pool.paged is None  # no CUDA here: decode gathers
-    module = sys.modules[type(tiny_parts[0].model.layers[0].self_attn).__module__]
-    assert install(tiny_parts[0])
-    first = module.scaled_dot_product_attention
-    assert install(tiny_parts[0])
-    assert module.scaled_dot_product_attention is first  # not wrapped twice
+    assert engine.runner.pool.paged is None and not engine.memory.paged_decode  # no CUDA here
 
 
-def test_models_whose_attention_cannot_be_routed_are_refused(make_engine):
-    class Attention:  # this test module has no scaled_dot_product_attention
-        pass
+def test_decodes_through_mlx_lm_modules_refuse_the_kernel(make_engine, tiny_parts):
+    """mlx-lm's modules attend over what the cache returns: a runner whose decode runs them refuses a
+    paged kernel, and one told to run them drops the kernel it had."""
+    modules = make_engine(runner_options=RunnerOptions(layer_loops=False))
+    assert modules.runner.decode_path is None
+    with pytest.raises(ValueError, match="mlx-lm's modules"):
+        modules.runner.use_paged_attention(ReferenceAttention(1, 256))
+    assert not modules.runner.paged_attention
+    loops = make_engine()
+    loops.runner.use_paged_attention(ReferenceAttention(loops.runner.pool.num_kv_heads, 256))
+    assert loops.runner.paged_attention
+    loops.runner.use_decode_path(None)
+    assert not loops.runner.paged_attention
 
-    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=Attention())]))
-    assert not install(model)
-    engine = make_engine()
-    engine.runner.model = model
-    with pytest.raises(ValueError, match="cannot read the pool in place"):
-        engine.runner.use_paged_attention(ReferenceAttention(1, 256))
+
+def test_a_paged_view_refuses_mlx_lm_modules(tiny_parts):
+    """A paged forward writes the pool and leaves reading to the layer loops' kernel call: through
+    mlx-lm's cache protocol it would attend over the new keys alone, so it raises instead."""
+    import mlx.core as mx
+
+    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.runner import ModelRunner
+
+    runner = ModelRunner(tiny_parts[0], block_size=4, max_kv_tokens=64)
+    runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, 4))
+    runner.grow_pool(4)
+    row = Row(runner.blocks.allocate(2), 4, runner.pool.block_bytes)
+    view = ForwardView(runner.pool, [row], 1)
+    with pytest.raises(RuntimeError, match="layer loops"):
+        runner._forward(mx.array([[5]]), view.layers())
 
 
 def test_unsupported_shapes_are_named():
@@ -140,27 +155,12 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
         tokens = [100 + step, 200 + step]
         view = ForwardView(runner.pool, rows, 1)
         assert view.reads_paged and view.mask is None
-        got = runner._head(runner._forward(mx.array(tokens)[:, None], view.layers()))  # [2, 1, V]
+        got = runner._head(runner._decode_forward(mx.array(tokens)[:, None], view))  # [2, 1, V]
         view.advance()
         for b, cache in enumerate(caches):
             want = model(mx.array([[tokens[b]]]), cache=cache)
             assert mx.allclose(got[b], want[0], atol=1e-4, rtol=1e-4).item()
     assert impl.calls == 5 * runner.num_layers
-
-
-def test_dispatcher_refuses_sinks_on_a_paged_forward_and_passes_other_caches_through():
-    from engine.model.kernels.paged_attention import _dispatch
-
-    calls = []
-    attention = _dispatch(lambda *a, **k: calls.append(k) or "mlx-lm")
-    paged_layer = SimpleNamespace(paged_attention=lambda q, scale: "kernel")
-    assert attention("q", "k", "v", cache=paged_layer, scale=1.0, mask=None) == "kernel"
-    with pytest.raises(NotImplementedError, match="sinks"):
-        attention("q", "k", "v", cache=paged_layer, scale=1.0, mask=None, sinks="s")
-    gathering_layer = SimpleNamespace(paged_attention=lambda q, scale: None)
-    assert attention("q", "k", "v", cache=gathering_layer, scale=1.0, mask="m") == "mlx-lm"
-    assert attention("q", "k", "v", cache=object(), scale=1.0, mask="m", sinks="s") == "mlx-lm"
-    assert calls[-1]["sinks"] == "s" and calls[0]["mask"] == "m"
 
 
 def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
@@ -196,6 +196,8 @@ def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, mon
         assert runner.pool.paged is None
         assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
     assert ModelRunner(tiny_parts[0]).pool.paged is None  # not asked for (the engine asks on CUDA only)
+    # decodes through mlx-lm's modules: never asked of the kernel, whatever the backend
+    assert ModelRunner(tiny_parts[0], paged_attention=True, layer_loops=False).pool.paged is None
 
 
 def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(make_engine, tiny_parts,
@@ -208,14 +210,13 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     import engine.engine as engine_module
     import engine.model.runner as runner_module
 
-    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
-    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "8")
+    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
     monkeypatch.setattr(runner_module, "CudaPagedAttention", ReferenceAttention)
     monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
     # small chunks, many long rows: the decode term decides the bound
     paged = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0)
     gathering = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0,
-                            paged_attention=False)
+                            execution={"paged_attention": False})
     assert paged.runner.paged_attention and paged.memory.paged_decode
     assert not gathering.runner.paged_attention and not gathering.memory.paged_decode
     assert paged.memory.coefficients.decode_paged is not None  # the ops-8 CUDA set
@@ -227,3 +228,19 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     prompt = random_prompts([40], paged.memory.shape.vocab_size, seed=11)[0]
     paged.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     assert run_to_completion(paged)["a"] == reference_greedy(tiny_parts[0], prompt, 6)
+    # a model decoding through mlx-lm's modules gathers there, and the memory model predicts the gather
+    modules = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0,
+                          runner_options=RunnerOptions(layer_loops=False))
+    assert not modules.runner.paged_attention and not modules.memory.paged_decode
+
+
+def test_the_coefficient_set_follows_max_ops_per_buffer_not_the_environment(make_engine, monkeypatch):
+    """On CUDA (the CPU standing in) the memory model's set follows execution.max_ops_per_buffer: the
+    ops-8 set by default, the default-MLX set for larger batches, whatever the environment holds."""
+    import engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "64")
+    assert make_engine().memory_coefficients_source == "cuda-ops8 set"
+    monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER")
+    assert make_engine(execution={"max_ops_per_buffer": 64}).memory_coefficients_source == "cuda set"

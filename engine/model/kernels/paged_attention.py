@@ -12,20 +12,18 @@ PagedAttention, with the split over the sequence of flash-decoding):
    queries over that span's keys;
 2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output.
 
-`install(model)` routes mlx-lm's attention call (`scaled_dot_product_attention` of the model's module)
-through a dispatcher: a cache layer that offers `paged_attention` (engine/model/kv_pool.py, for a one-query
-forward with a kernel set) gets the kernel's output; everything else, mlx-lm's own caches included,
-goes to mlx-lm's function unchanged. `ReferenceAttention` computes the same thing with MLX operations
-(gather, mask, MLX attention): the CPU tests run the engine's paged path with it,
-scripts/check_paged_attention.py checks the kernel against it on a GPU, and `self_check` does so on
-a small case before the runner uses the kernel (a device or MLX version it fails on falls back to
-gathering, with a warning).
+The engine's own layer loops (engine/model/layers/decode_path.py, mixed.py, chunk_path.py) call the
+kernel explicitly, through their `ForwardView` (engine/model/kv_pool.py), for their one-query
+forwards; forwards through mlx-lm's modules gather (the runner enables the kernel only where its loops
+run the model). `ReferenceAttention` computes the same thing with MLX operations (gather, mask, MLX
+attention): the CPU tests run the engine's paged path with it, scripts/check_paged_attention.py checks
+the kernel against it on a GPU, and `self_check` does so on a small case before the runner uses the
+kernel (a device or MLX version it fails on falls back to gathering, with a warning).
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 
@@ -298,37 +296,3 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
         return f"dtype {dtype} is not a float type"
     return None
 
-
-# --- routing mlx-lm's attention call ------------------------------------------------------------
-
-_ORIGINAL = "_mlx_serve_original_sdpa"
-
-
-def install(model) -> bool:
-    """Route the attention of `model`'s layers through `_dispatch` (idempotent). False when the
-    model's attention module does not call mlx-lm's `scaled_dot_product_attention` (the engine then
-    never takes the paged path)."""
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    attention = getattr(layers[0], "self_attn", None) if layers else None
-    module = sys.modules.get(type(attention).__module__) if attention is not None else None
-    original = getattr(module, "scaled_dot_product_attention", None)
-    if original is None:
-        return False
-    if getattr(original, _ORIGINAL, None) is None:
-        module.scaled_dot_product_attention = _dispatch(original)
-    return True
-
-
-def _dispatch(original: Callable) -> Callable:
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        paged = getattr(cache, "paged_attention", None)
-        out = paged(queries, scale) if paged is not None else None
-        if out is None:
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        if sinks is not None:  # the cache returned only the new keys: mlx-lm's function cannot take over
-            raise NotImplementedError("attention sinks are not supported with paged_attention; "
-                                      "set paged_attention: false")
-        return out
-
-    setattr(scaled_dot_product_attention, _ORIGINAL, original)
-    return scaled_dot_product_attention

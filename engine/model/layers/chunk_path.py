@@ -2,15 +2,13 @@
 
 Building a forward's graph is host work the device waits for: MLX's CUDA backend lets the host run at
 most some ten committed batches of operations ahead of the GPU (`mlx/transforms.cpp`,
-`MAX_ACTIVE_TASKS`; 8 operations a batch under `MLX_MAX_OPS_PER_BUFFER=8`), so launching a forward
+`MAX_ACTIVE_TASKS`; `ExecutionConfig.max_ops_per_buffer` operations a batch), so launching a forward
 returns only when most of it has run, and the next forward's graph is built while the device finishes
-the last few layers. On an H200 host, with mlx-lm's modules, the engine built each 8B chunk's graph in
-5.0-6.1 ms after its predecessor's launch returned, and then waited 0.2-0.5 ms for that predecessor:
-the device had been idle most of the build (docs/benchmarks.md, session 8, run A8).
+the last few layers: with mlx-lm's modules the device sat idle most of that build (docs/benchmarks.md).
 
 This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, RoPE, the KV write and
 read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down; on the CPU
-the attention and SwiGLU of engine/model/layers/cpu_math.py, `EngineConfig.cpu_math`) with:
+the attention and SwiGLU of engine/model/layers/cpu_math.py, `RunnerOptions.cpu_math`) with:
 - every projection's weight bound once (engine/model/layers/bound.py), so the same matmuls run on the same memory
   without a slice or transpose built per call;
 - no module dispatch (attribute lookups, fused-product bookkeeping) per layer;

@@ -14,7 +14,7 @@ BLAS matmuls. These functions compute the same formulas as MLX's, with exp(x) = 
 
 e^x as `power(e, x)` differs from `exp(x)` by the rounding of e to the dtype: for float32, a relative
 3e-8 * |x|, below float32's resolution for the softmax's exponents (x <= 0, e^x negligible past -17).
-The engine uses them on the CPU only (`EngineConfig.cpu_math`); greedy output still equals mlx-lm's
+The engine uses them on the CPU only (`RunnerOptions.cpu_math`); greedy output still equals mlx-lm's
 (tests).
 """
 

@@ -1,46 +1,27 @@
 """Fused projections: the linear layers a block applies to the same input (attention's q, k and v;
-the MLP's gate and up) become one matmul over their concatenated weights during the engine's forwards.
+the MLP's gate and up) become one matmul over their concatenated weights in the engine's decode forwards.
 
 Only decode forwards (one token per row) use it: prompt chunks are bound by the GPU's arithmetic, and
 their memory (docs/memory.md) is left as it was. Why: on MLX's CUDA backend each matmul of B > 1 rows is
 a cuBLAS call captured into a CUDA graph, with its own launch and tail; an 8B llama has 7 per layer.
-Fused, it has 4 (qkv, o, gate-up, down), and the weights are read in the same bytes (on the H200 fusion
-added 1-30 % to serving tok/s: docs/benchmarks.md). vLLM's
-llama does the same (QKVParallelLinear, MergedColumnParallelLinear).
+Fused, it has 4 (qkv, o, gate-up, down), and the weights are read in the same bytes (docs/benchmarks.md).
+vLLM's llama does the same (QKVParallelLinear, MergedColumnParallelLinear).
 
 How, without copying mlx-lm's model code: `fuse_projections(model)` replaces, in every layer, the
 `nn.Linear` modules of a group by `FusedPart`s that share one `FusedLinear` (the concatenated weight,
-the only copy, registered once in the parameter tree as e.g. `self_attn.qkv_proj`). mlx-lm's module
-code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`: inside the engine's forwards (`fused_forward()`)
-the first call computes the whole product and the others take their columns of it; anywhere else (mlx-lm
-itself running the same model object, e.g. a benchmark's comparison) each part multiplies by its own rows
-of the weight, which is exactly the original layer.
+the only copy, registered once in the parameter tree as e.g. `self_attn.qkv_proj`). The engine's own
+layer loops (engine/model/layers/decode_path.py, mixed.py, through bound.py) call the group's product
+explicitly; a `FusedPart` called as a module (mlx-lm's code running the same model object, in the engine
+or elsewhere) multiplies by its own rows of the weight, which is exactly the original layer.
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
           ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"))
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def fused_forward():
-    """Within: FusedParts compute their group's product once per input (this thread only)."""
-    previous = getattr(_state, "active", False)
-    _state.active = True
-    try:
-        yield
-    finally:
-        _state.active = previous
 
 
 class FusedLinear(nn.Module):
@@ -55,11 +36,11 @@ class FusedLinear(nn.Module):
         for lin in linears:
             bounds.append((start, start + lin.weight.shape[0]))
             start += lin.weight.shape[0]
-        self._cache = _Product(tuple(bounds))
+        self._bounds = _Bounds(tuple(bounds))
 
     def bounds(self, index: int) -> tuple[int, int]:
         """Rows [a, b) of the concatenated weight that are part `index`'s."""
-        return self._cache.bounds[index]
+        return self._bounds.rows[index]
 
     def __call__(self, x: mx.array) -> mx.array:
         """The whole product, every part's columns: x @ W^T (+ b)."""
@@ -72,42 +53,12 @@ class FusedLinear(nn.Module):
             return mx.addmm(self.bias[a:b], x, self.weight[a:b].T)
         return x @ self.weight[a:b].T
 
-    def part(self, index: int, x: mx.array) -> mx.array:
-        if not getattr(_state, "active", False):
-            return self.alone(index, x)
-        a, b = self.bounds(index)
-        cache = self._cache.mine()
-        if cache.x is not x:
-            cache.x = x
-            cache.y = self(x)
-            cache.left = len(self._cache.bounds)
-        out = cache.y[..., a:b]
-        cache.left -= 1
-        if cache.left == 0:  # every part taken: hold no graph past this layer
-            cache.x = cache.y = None
-        return out
 
+class _Bounds:
+    """The parts' row bounds of a FusedLinear (a plain object, so not part of MLX's parameter tree)."""
 
-class _Product:
-    """The parts' row bounds, and per thread the last input and product, of a FusedLinear (a plain
-    object, so not part of MLX's parameter tree)."""
-
-    def __init__(self, bounds: tuple):
-        self.bounds = bounds
-        self._local = threading.local()
-
-    def mine(self) -> "_Last":
-        last = getattr(self._local, "last", None)
-        if last is None:
-            last = self._local.last = _Last()
-        return last
-
-
-class _Last:
-    def __init__(self):
-        self.x: Optional[mx.array] = None
-        self.y: Optional[mx.array] = None
-        self.left = 0
+    def __init__(self, rows: tuple):
+        self.rows = rows
 
 
 class _Ref:
@@ -131,7 +82,7 @@ class FusedPart(nn.Module):
         return self._ref.fused.weight[a:b]
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self._ref.fused.part(self._index, x)
+        return self._ref.fused.alone(self._index, x)
 
 
 def fuse_projections(model: nn.Module) -> int:

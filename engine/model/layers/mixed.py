@@ -13,7 +13,7 @@ part against its own rows' KV:
   attention over the gathered rows with their mask), as `decode_path.DecodePath` computes it.
 Both views write a layer's keys and values before either reads them (`ForwardView.write`).
 
-Only models the engine's decode loop takes (`decode_path.unsupported(model, kernels=False)`: mlx-lm's
+Only models the engine's decode loop takes (`decode_path.unsupported(model)`: mlx-lm's
 llama blocks with fused projections, any of their RoPE) are batched so; others run the two forwards.
 The last layer computes the chunk's queries, attention and MLP for its sampled position only (none if
 it samples nothing), as engine/model/layers/chunk_path.py does for a chunk alone. The memory model predicts the forward
