@@ -22,12 +22,6 @@ extras="serve,test"
 if [ "$(uname -s)" = "Linux" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extras="cuda,$extras"; else extras="cpu,$extras"; fi
 fi
-if [ "${extras#cuda}" != "$extras" ]; then
-  # MLX's CUDA backend frees a kernel's temporaries only when its committed batch of ops has run, so
-  # many layers' intermediates coexist; 8 ops per batch cut the engine's prefill transient 4.3x on an
-  # H200 for 1.5% prefill time and made decode faster (docs/benchmarks.md, buffer experiment).
-  export MLX_MAX_OPS_PER_BUFFER="${MLX_MAX_OPS_PER_BUFFER:-8}"
-fi
 stamp="$VENV/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)-$extras"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing the project into $VENV ($extras)"

@@ -117,6 +117,14 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
                      seed: int = 0) -> LoadedModel:
     """`name`: default | tiny | llama-8b | llama-test | an mlx-lm folder. `layers` truncates a random
     shape (the per-layer transient does not depend on the number of layers)."""
+    from engine.config import MAX_OPS_ENV, ExecutionConfig, export_max_ops_per_buffer
+    from engine.engine import mlx_backend
+
+    # Benchmarks build engines around this model, not with Engine.from_config: the engine's default
+    # batching (what its memory model assumes) is set here, before any GPU work. An explicit
+    # MLX_MAX_OPS_PER_BUFFER (scripts/gpu_buffer_experiment.sh) is kept.
+    if MAX_OPS_ENV not in os.environ:
+        export_max_ops_per_buffer(ExecutionConfig().resolved_max_ops_per_buffer(mlx_backend()))
     dtype = resolve_dtype(dtype)
     t0 = time.perf_counter()
     if name in RANDOM_SHAPES:

@@ -694,7 +694,8 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     engine = data["ways"]["engine"]
     steps, config = engine["steps"], engine.get("config", {})
     on_gpu = "gpu" in str(data["environment"].get("device", ""))
-    paged = bool(config.get("paged_attention")) and on_gpu
+    # recorded before EngineConfig.execution: a top-level field
+    paged = bool(config.get("execution", {}).get("paged_attention", config.get("paged_attention"))) and on_gpu
     plans = prefill_bench_plans(data, views)
     mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
     recorded = None

@@ -11,10 +11,10 @@ Ways, each in this one process, with everything freed in between:
 - mlx_lm:       mlx-lm's BatchGenerator with mlx_lm.server's defaults (decode_concurrency 32,
                 prompt_concurrency 8, prefill_step_size 2048), run until every prompt has a token.
 - naive_padded: one right-padded [B, max_len] forward with an explicit [B, 1, L, L] bool mask.
-- engine_modules, engine_kernels, engine_no_overlap (only when asked for in --ways): the engine with its
-                forwards through mlx-lm's modules (`layer_loops=False`), with its decode loop's CUDA
-                kernels (`decode_kernels=True`), or waiting for every step's last forward before the
-                next step (`overlap_steps=False`), to compare with its default in the same process.
+- engine_modules, engine_no_overlap (only when asked for in --ways): the engine with its forwards
+                through mlx-lm's modules (`RunnerOptions(layer_loops=False)`), or waiting for every
+                step's last forward before the next step (`overlap_steps=False`), to compare with its
+                default in the same process.
 
 Per way: peak_over_weights_bytes (peak - memory alive before the way, i.e. the weights),
 transient_peak_bytes (that minus the KV alive at the end), predicted_peak_bytes (the engine's memory
@@ -40,8 +40,7 @@ from bench_common import (LoadedModel, chunk_bytes, emit, environment, free_memo
 import mlx.core as mx  # noqa: E402
 
 WAYS = ("sequential", "engine", "mlx_lm", "naive_padded")
-EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_kernels": dict(decode_kernels=True),
-              "engine_no_overlap": dict(overlap_steps=False)}
+EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_no_overlap": dict(overlap_steps=False)}
 MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
 
 
@@ -248,10 +247,14 @@ ENGINE_OVERRIDES: dict = {}  # --engine-config
 
 
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
+                layer_loops: bool = True, async_decode: bool = True, overlap_steps: Optional[bool] = None,
                 **overrides):
-    """This engine at its default config around the already loaded model."""
+    """This engine at its default config around the already loaded model. `layer_loops`,
+    `async_decode`, `overlap_steps` (None: the engine's choice): its ways to compare; `overrides`:
+    EngineConfig fields."""
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from engine.model.runner import RunnerOptions
 
     model_max = lm.config.get("max_position_embeddings") or 4096
     need = max(lengths) + max_tokens
@@ -261,7 +264,12 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
         fields["prefill_chunk_size"] = chunk
     fields.update(overrides)
     limit = engine_memory_limit(lm, lengths, max_tokens, EngineConfig(**fields))
-    return Engine(lm.model, lm.tokenizer, EngineConfig(memory_limit_bytes=limit, **fields), lm.config)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(memory_limit_bytes=limit, **fields), lm.config,
+                    runner_options=RunnerOptions(layer_loops=layer_loops))
+    engine._async_decode = async_decode
+    if overlap_steps is not None:
+        engine._overlap_steps = overlap_steps
+    return engine
 
 
 class StepRecorder:

@@ -136,10 +136,9 @@ class LoopDriver:
 
 def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overrides) -> dict:
     """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
-    `overrides`: EngineConfig fields (engine_sync_nopipe: async_decode=False; engine_sync_gather:
-    paged_attention=False; engine_sync_unfused: fuse_projections=False; engine_sync_modules:
-    layer_loops=False, mlx-lm's modules; engine_sync_kernels: decode_kernels=True; engine_sync_uncompiled:
-    compiled_decode=False)."""
+    `overrides`: `make_engine`'s (engine_sync_nopipe: async_decode=False; engine_sync_gather:
+    execution={"paged_attention": False}; engine_sync_unfused, engine_sync_modules, engine_sync_uncompiled:
+    options=RunnerOptions(fuse_projections / layer_loops / compiled_decode=False))."""
     from engine.core.types import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
@@ -410,11 +409,15 @@ class MemoryWindow:
         return {"peak_over_weights_bytes": self.peak - self.baseline}
 
 
-def make_engine(lm, prompts, args, **overrides):
+def make_engine(lm, prompts, args, options=None, async_decode: bool = True, **overrides):
     """This engine at its default config (max_num_seqs raised to the concurrency if that is larger),
-    with a memory limit that admits every request."""
+    with a memory limit that admits every request. `options`: a RunnerOptions (None: the defaults);
+    `async_decode`: False runs decode steps one after another; `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from engine.model.runner import RunnerOptions
+
+    options = options or RunnerOptions()
     from bench_common import memory_model_for
 
     memory = memory_model_for(lm)
@@ -431,10 +434,14 @@ def make_engine(lm, prompts, args, **overrides):
     if args.engine_config:
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)
-    return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options)
+    engine._async_decode = async_decode
+    return engine
 
 
 def engine_only(args) -> dict:
+    from engine.model.runner import RunnerOptions
+
     lm = load_bench_model(args.model, args.dtype, args.layers, args.init, args.seed)
     result = dict(bench="serving_engine_only", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
                   prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
@@ -442,12 +449,14 @@ def engine_only(args) -> dict:
     backends = [b for b in args.backends.split(",") if b]
     runners = {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
                "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
-               "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, paged_attention=False)),
-               "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, fuse_projections=False)),
-               "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, layer_loops=False)),
-               "engine_sync_kernels": (lambda *a, **k: run_engine_sync(*a, **k, decode_kernels=True)),
-               "engine_sync_uncompiled": (lambda *a, **k: run_engine_sync(*a, **k, compiled_decode=False)),
-               "engine_uncompiled": (lambda *a, **k: run_engine_async(*a, **k, compiled_decode=False)),
+               "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, execution={"paged_attention": False})),
+               "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
+                   fuse_projections=False))),
+               "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(layer_loops=False))),
+               "engine_sync_uncompiled": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
+                   compiled_decode=False))),
+               "engine_uncompiled": (lambda *a, **k: run_engine_async(*a, **k, options=RunnerOptions(
+                   compiled_decode=False))),
                "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     # Warm-up: every backend once per concurrency on other prompts of the same lengths (kernels,
@@ -539,11 +548,11 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
                    help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
                    "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
-                   "the KV instead of the CUDA paged-attention kernel, paged_attention=false), engine_sync_unfused (one "
-                   "matmul per projection, fuse_projections=false), engine_sync_modules (forwards through mlx-lm's "
-                   "modules, layer_loops=false), engine_sync_kernels (decode runs the engine's layer loop with its "
-                   "CUDA kernels, decode_kernels=true), engine_sync_uncompiled and engine_uncompiled (the decode "
-                   "loop's layers built in Python, compiled_decode=false), engine_sync_thread (engine_sync in a "
+                   "the KV instead of the CUDA paged-attention kernel, execution.paged_attention=false), "
+                   "engine_sync_unfused (one matmul per projection, RunnerOptions.fuse_projections=false), "
+                   "engine_sync_modules (forwards through mlx-lm's modules, layer_loops=false), "
+                   "engine_sync_uncompiled and engine_uncompiled (the decode loop's layers built in Python, "
+                   "compiled_decode=false), engine_sync_thread (engine_sync in a "
                    "thread of its own), mlx_lm")
     p.add_argument("--model", default="default", help="default | tiny | llama-8b | llama-test | PATH")
     p.add_argument("--dtype", default="auto")

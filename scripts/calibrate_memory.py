@@ -26,6 +26,7 @@ from engine.engine import Engine
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients
 from engine.model.loader import load_model, resolve_model_path
+from engine.model.runner import RunnerOptions
 from engine.core.types import SamplingParams
 
 SHAPES = [  # (heads, kv heads, hidden, mlp, vocab)
@@ -67,8 +68,8 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
         # the same coefficients, engine/core/memory/model.py `mixed_bytes`)
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk,
                            max_num_batched_tokens=chunk if max_num_seqs == 1 else chunk * 3,
-                           max_num_seqs=max_num_seqs, memory_limit_bytes=8 << 30, mixed_batches=False)
-        engine = Engine(model, tokenizer, cfg, model_config)
+                           max_num_seqs=max_num_seqs, memory_limit_bytes=8 << 30)
+        engine = Engine(model, tokenizer, cfg, model_config, runner_options=RunnerOptions(mixed_batches=False))
         engine.runner.pool.read_slices = False  # every read a gather: the formulas' full form
         for i in range(rng.randint(2, 10)):
             prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(4, 1500))]

@@ -21,8 +21,7 @@ from bench_common import emit, environment, load_bench_model, random_prompts  # 
 
 
 def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, paths: dict = None) -> list[list[int]]:
-    """`read_slices` False: every read a gather (no views, no paged decode attention, so mlx-lm's
-    modules for decode). `paths`: filled with which decode paths the engine took."""
+    """`read_slices` False: every read a gather (no views, no paged decode attention). `paths`: filled with which decode paths the engine took."""
     from bench_prefill_memory import make_engine
     from engine.core.types import SamplingParams
 
@@ -31,11 +30,8 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
     if not read_slices:
         engine.runner.use_paged_attention(None)
     if paths is not None:
-        from engine.model.layers.decode_path import CudaOps
-
-        path = engine.runner.decode_path if engine.runner.paged_attention else None
+        path = engine.runner.decode_path
         paths.update(paged_attention=engine.runner.paged_attention, decode_loop=path is not None,
-                     decode_kernels=path is not None and isinstance(path.ops, CudaOps),
                      compiled_decode=path is not None and path.compiled is not None,
                      chunk_loop=engine.runner.chunk_path is not None)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

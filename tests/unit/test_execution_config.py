@@ -1,0 +1,59 @@
+"""EngineConfig.execution: the execution choices a deployment may make, validated like every field, and
+the MLX_MAX_OPS_PER_BUFFER value the engine exports and its memory model reads (no mlx needed)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from engine.config import MAX_OPS_ENV, EngineConfig, ExecutionConfig, export_max_ops_per_buffer
+from engine.core.memory.coefficients import CUDA_COEFFICIENTS, CUDA_OPS8_COEFFICIENTS, coefficients_for_backend
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(async_decode=False), "async_decode"),  # a toggle that is now code, not a flag
+    (dict(decode_kernels=True), "decode_kernels"),
+    (dict(paged_attention=False), "paged_attention"),  # misplaced: it lives under execution
+    (dict(execution={"max_num_seqs": 3}), "execution.max_num_seqs"),
+    (dict(execution={"max_ops_per_buffer": 0}), "execution.max_ops_per_buffer"),
+    (dict(execution={"max_ops_per_buffer": 4096}), "execution.max_ops_per_buffer"),
+])
+def test_unknown_misplaced_and_out_of_bounds_keys_fail_naming_the_field(fields, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        EngineConfig(**fields)
+
+
+def test_defaults_and_yaml_shaped_input():
+    assert EngineConfig().execution == ExecutionConfig(paged_attention=True, max_ops_per_buffer=None)
+    cfg = EngineConfig.model_validate({"execution": {"paged_attention": False, "max_ops_per_buffer": 16}})
+    assert not cfg.execution.paged_attention and cfg.execution.max_ops_per_buffer == 16
+    with pytest.raises(ValueError):  # frozen
+        cfg.execution.paged_attention = True  # type: ignore[misc]
+
+
+def test_max_ops_per_buffer_resolves_per_backend_and_picks_the_cuda_set():
+    default, wide = ExecutionConfig(), ExecutionConfig(max_ops_per_buffer=32)
+    assert default.resolved_max_ops_per_buffer("cuda") == 8
+    assert default.resolved_max_ops_per_buffer("cpu") is None
+    assert default.resolved_max_ops_per_buffer("metal") is None
+    assert wide.resolved_max_ops_per_buffer("metal") == 32
+    assert coefficients_for_backend("cuda", default.resolved_max_ops_per_buffer("cuda")) is CUDA_OPS8_COEFFICIENTS
+    assert coefficients_for_backend("cuda", wide.resolved_max_ops_per_buffer("cuda")) is CUDA_COEFFICIENTS
+
+
+def test_export_sets_the_environment_and_warns_when_it_replaces_another_value(monkeypatch, caplog):
+    monkeypatch.setenv(MAX_OPS_ENV, "0")  # so that monkeypatch restores the variable's state afterwards
+    monkeypatch.delenv(MAX_OPS_ENV)
+    export_max_ops_per_buffer(None)  # MLX's default: the environment is left alone
+    assert MAX_OPS_ENV not in os.environ
+    with caplog.at_level(logging.WARNING, logger="engine.config"):
+        export_max_ops_per_buffer(8)
+        assert not caplog.records
+        export_max_ops_per_buffer(8)  # the same value: nothing to say
+        assert not caplog.records
+        monkeypatch.setenv(MAX_OPS_ENV, "20")
+        export_max_ops_per_buffer(8)
+    assert os.environ[MAX_OPS_ENV] == "8"
+    assert "MLX_MAX_OPS_PER_BUFFER=20" in caplog.text and "max_ops_per_buffer=8" in caplog.text
