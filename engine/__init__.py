@@ -17,6 +17,7 @@ _EXPORTS = {
     "Engine": "engine.engine",
     "AsyncEngine": "engine.async_engine",
     "EngineConfig": "engine.config",
+    "ExecutionConfig": "engine.config",
     "SamplingParams": "engine.core.types",
     "RequestOutput": "engine.core.types",
     "CompletionOutput": "engine.core.types",
