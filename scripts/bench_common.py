@@ -122,7 +122,7 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
 
     # Benchmarks build engines around this model, not with Engine.from_config: the engine's default
     # batching (what its memory model assumes) is set here, before any GPU work. An explicit
-    # MLX_MAX_OPS_PER_BUFFER (scripts/gpu_buffer_experiment.sh) is kept.
+    # MLX_MAX_OPS_PER_BUFFER (an experiment on MLX's batching) is kept.
     if MAX_OPS_ENV not in os.environ:
         export_max_ops_per_buffer(ExecutionConfig().resolved_max_ops_per_buffer(mlx_backend()))
     dtype = resolve_dtype(dtype)

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,8192,8192,8192")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "metal"])
-    ap.add_argument("--max-ops-per-buffer", type=int, default=None, help="MLX_MAX_OPS_PER_BUFFER (CUDA: 8)")
+    ap.add_argument("--max-ops-per-buffer", type=int, default=None, help="EngineConfig.execution.max_ops_per_buffer (the engine's default on CUDA: 8)")
     ap.add_argument("--no-shape-calibration", action="store_true", help="the backend's set for all shapes")
     ap.add_argument("--coefficients", default=None, metavar="FIT_JSON", help="a fit's coefficients on top")
     args = ap.parse_args()
