@@ -22,8 +22,9 @@ _EXPORTS = {
     "RequestOutput": "engine.core.types",
     "CompletionOutput": "engine.core.types",
     "FinishReason": "engine.core.types",
-    "EngineStats": "engine.engine",
-    "StepRecord": "engine.async_engine",
+    "EngineStats": "engine.core.types",
+    "StepRecord": "engine.core.types",
+    "StepMemory": "engine.core.types",
 }
 
 __all__ = sorted(_EXPORTS)

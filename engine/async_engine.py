@@ -11,26 +11,27 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineStats, StepMemory, mlx_backend
-from engine.core.types import RequestOutput, SamplingParams
-from engine.core.scheduler import ScheduledChunk
+from engine.core.types import EngineStats, RequestOutput, SamplingParams, StepRecord
+from engine.engine import Engine, mlx_backend
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """What one engine step computed, as plain data for a step observer (telemetry)."""
+class AddRequest:
+    """To the engine thread: start a request, its outputs go to `stream`."""
 
-    start_time_ns: int  # wall clock (time.time_ns) when the step began
-    duration_s: float
-    prefill_chunks: tuple[ScheduledChunk, ...]
-    num_decode_tokens: int
-    memory: Optional[StepMemory] = None
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: "_Stream"
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefill_chunks)
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """To the engine thread: abort a request (its listening stream gets the final output)."""
+
+    request_id: str
 
 
 class _Stream:
@@ -77,14 +78,15 @@ class AsyncEngine:
         self.engine: Optional[Engine] = engine if self._build is None else None
         self._build_error: Optional[BaseException] = None
         self.hang_timeout_s = hang_timeout_s
-        self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._inbox: "queue.SimpleQueue[Union[AddRequest, AbortRequest]]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._busy_since: Optional[float] = None
         self._error: Optional[BaseException] = None
-        # Called on the engine thread after each step that ran a forward; must be cheap. Set it before
-        # requests arrive (the replica does, at construction). Its errors are logged, never raised.
+        # Called on the engine thread with the StepRecord of each step that ran a forward; must be
+        # cheap. Set it before requests arrive (the replica does, at construction). Its errors are
+        # logged, never raised.
         self.on_step: Optional[Callable[[StepRecord], None]] = None
         self._on_step_failed = False
         if warmup is None:
@@ -127,7 +129,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams):
         self.engine.check_request(prompt_token_ids, sampling)  # bad input fails here, synchronously
         stream = _Stream(asyncio.get_running_loop())
-        self._post(("add", request_id, list(prompt_token_ids), sampling, stream))
+        self._post(AddRequest(request_id, tuple(prompt_token_ids), sampling, stream))
         finished = False
         try:
             while not finished:
@@ -138,17 +140,17 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._post(("abort", request_id))
+                self._post(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self._post(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: Union[AddRequest, AbortRequest]) -> None:
         if self._error is not None:
             raise RuntimeError(f"engine is dead: {self._error!r}")
         self._inbox.put(message)
@@ -186,24 +188,22 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._busy_since = time.monotonic()
-                start_ns, started = time.time_ns(), time.perf_counter()
-                outputs = self.engine.step()
+                record = self.engine.step()
                 self._busy_since = None
-                self._notify_step(start_ns, time.perf_counter() - started)  # before delivery: see on_step
-                self._deliver(outputs)
+                self._notify_step(record)  # before delivery: see on_step
+                self._deliver(record.outputs)
         except BaseException as exc:  # the loop itself broke: fail everyone, report unhealthy
             logger.exception("engine loop died")
             self._error = exc
             for stream in self._streams.values():
                 stream.put(RuntimeError(f"engine loop died: {exc!r}"))
 
-    def _notify_step(self, start_ns: int, duration_s: float) -> None:
-        plan, observer = self.engine.last_plan, self.on_step
-        if observer is None or plan is None or plan.is_empty:
+    def _notify_step(self, record: StepRecord) -> None:
+        observer = self.on_step
+        if observer is None or record.plan is None or record.plan.is_empty:
             return
         try:
-            observer(StepRecord(start_ns, duration_s, plan.prefills, len(plan.decodes),
-                                self.engine.last_step_memory))
+            observer(record)
         except Exception:  # an observer must not stop the engine
             if not self._on_step_failed:
                 self._on_step_failed = True
@@ -215,20 +215,19 @@ class AsyncEngine:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "add":
-                _, request_id, token_ids, sampling, stream = message
+            if isinstance(message, AddRequest):
                 try:
-                    self.engine.add_request(request_id, token_ids, sampling)
-                    self._streams[request_id] = stream
+                    self.engine.add_request(message.request_id, message.prompt_token_ids, message.sampling)
+                    self._streams[message.request_id] = message.stream
                 except ValueError as exc:
-                    stream.put(exc)
+                    message.stream.put(exc)
             else:  # abort: a listening stream gets the final "abort" output and ends
-                out = self.engine.abort(message[1])
-                stream = self._streams.pop(message[1], None)
+                out = self.engine.abort(message.request_id)
+                stream = self._streams.pop(message.request_id, None)
                 if stream is not None and out is not None:
                     stream.put(out)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         """A step's outputs, with one wake-up per event loop (not one per request: every wake-up is
         a pipe write here and a turn of the loop, which competes with this thread for the GIL)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

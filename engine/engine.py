@@ -1,6 +1,7 @@
 """Engine: the synchronous step loop (scheduler -> runner -> outputs).
 
-How a step's forwards run on the device: forwards.py. AsyncEngine: async_engine.py.
+The engine composes the scheduler (what runs), the KV manager (the one owner of KV) and the step
+executor (how a step's forwards run on the device: executor.py). AsyncEngine: async_engine.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -18,48 +18,20 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig, ExecutionConfig, export_max_ops_per_buffer
-from engine.forwards import ForwardsMixin, StepMemory, _Deferred, _Inflight
-from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import coefficients_for, with_overrides
+from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.output import TextStream, process_token
-from engine.core.prefix_cache import PrefixCache, PrefixHit
-from engine.core.types import (CompletionOutput, FinishReason, Request, RequestOutput,
-                            SamplingParams)
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.types import (CompletionOutput, EngineStats, FinishReason, Request, RequestOutput,  # noqa: F401
+                               SamplingParams, SchedulerOutput, StepRecord)
+from engine.executor import StepExecutor, StepRun
 from engine.model.runner import ModelRunner, RunnerOptions
-from engine.model.sampling import RequestSampler
-from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_reserved_bytes: int
-    kv_used_bytes: int  # KV blocks held by running requests (= reserved)
-    kv_budget_bytes: int
-    kv_bytes_per_token: int
-    kv_cache_step: int
-    weights_bytes: int
-    memory_limit_bytes: int
-    transient_bound_bytes: int  # the configuration's bound over every step (memory model)
-    max_predicted_transient_bytes: int  # largest predicted step transient so far
-    max_measured_transient_bytes: int  # largest measured step transient so far (MLX peak)
-    max_model_len: int
-    num_steps: int
-    num_forward_calls: int
-    num_tokens_computed: int = 0  # tokens that went through the model (prefix-cache hits skip theirs)
-    prefix_cache_bytes: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_evictions: int = 0
-    mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
-    mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
-    kv_allocated_bytes: int = 0  # the KV pool's arrays (running rows, prefix cache, free blocks)
 
 
 def mlx_backend() -> str:
@@ -104,8 +76,8 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class Engine(ForwardsMixin):
-    """One model on one MLX device; `step()` runs one scheduler step and returns output increments."""
+class Engine:
+    """One model on one MLX device; `step()` runs one scheduler step and returns its StepRecord."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict,
                  runner_options: RunnerOptions = RunnerOptions()):
@@ -120,7 +92,7 @@ class Engine(ForwardsMixin):
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the transient bound and KV budget.
         backend, options = mlx_backend(), runner_options
-        self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS, max_kv_tokens=0,
+        self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS,
                                   paged_attention=config.execution.paged_attention and backend == "cuda",
                                   fuse=options.fuse_projections, mixed=options.mixed_batches,
                                   layer_loops=options.layer_loops,
@@ -153,33 +125,18 @@ class Engine(ForwardsMixin):
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
                 f"{weights_bytes} + transient bound {bound} bytes"
             )
-        self.runner.set_max_kv_tokens(kv_budget // self.memory.kv_bytes_per_token)
-        # Evicted prefix-cache entries give their pool blocks back.
-        self.prefix_cache = PrefixCache(int(config.prefix_cache_fraction * kv_budget),
-                                        on_evict=self.runner.release)
+        self.kv = KVManager(KV_BLOCK_TOKENS, self.memory.kv_bytes_per_token, kv_budget,
+                            int(config.prefix_cache_fraction * kv_budget))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.prefill_chunk_size, self.max_model_len, kv_budget),
-            self.memory,
-            cached_bytes=lambda: self.prefix_cache.nbytes,
-            reclaim=self.prefix_cache.evict,
-        )
-        self._prefix_hits: dict[str, PrefixHit] = {}  # waiting requests' pinned cache hits
+                            config.prefill_chunk_size, self.max_model_len),
+            self.memory, self.kv)
+        # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
+        # next step: what measured best; tests and benchmarks set the executor's flags to compare.
+        self.executor = StepExecutor(self.runner, self.memory, self.scheduler, config.seed,
+                                     async_decode=True, overlap_steps=backend == "cuda")
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
-        self.num_steps = 0
-        self._max_predicted = 0
-        self._max_measured = 0
-        self.last_step_memory: Optional[StepMemory] = None
-        self.last_plan: Optional[SchedulerOutput] = None
-        self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back
-        # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the next
-        # step (forwards.py): what measured best; tests turn them to compare.
-        self._async_decode = True
-        self._overlap_steps = backend == "cuda"
-        self._deferred: Optional[_Deferred] = None  # the previous step's last prompt chunk, still running
-        self._carried: Optional[StepMemory] = None  # its measured tail, for the next step's record
-        self._launch_base_bytes = 0  # MLX active memory when it was launched
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -218,33 +175,32 @@ class Engine(ForwardsMixin):
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         self.check_request(prompt_token_ids, sampling)
         request = Request(request_id, list(prompt_token_ids), sampling)
-        self.scheduler.add(request)
+        self.scheduler.add(request)  # a prefix-cache hit: the request starts after its cached tokens
         self._streams[request_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
-        hit = self.prefix_cache.lookup(request.prompt_token_ids) if self.prefix_cache.max_bytes else None
-        if hit is not None:  # the prompt's first tokens are already computed: start after them
-            self._prefix_hits[request_id] = hit
-            request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         return self._finish(request_id, FinishReason.ABORT)
 
     def _finish(self, request_id: str, reason: FinishReason, error: Optional[str] = None):
-        request = self.scheduler.finish(request_id, reason)
-        self._release(request, reason)
+        """Between forwards: the request's KV goes at once (into the prefix cache when worth keeping)."""
+        self._streams.pop(request_id, None)
+        num_kv_tokens = self.runner.drop_row(request_id)
+        request = self.scheduler.finish(request_id, reason, num_kv_tokens)
         if request is None:
             return None
         return RequestOutput(request_id, [], "", request.num_prompt_tokens, request.num_output_tokens,
                              finished=True, finish_reason=reason, error=error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or self._deferred is not None
+        return self.scheduler.has_unfinished() or self.executor.busy
 
     # --- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One step: schedule, run the forwards, read back their tokens, return the increments.
+    def step(self) -> StepRecord:
+        """One step: schedule, run the forwards, read back their tokens; returns its record, whose
+        `outputs` are the requests' increments.
 
         Forwards that write the KV pool never overlap on the device (runner.finish says why). Decode-
-        only steps are pipelined on the host (`Engine._async_decode`), like mlx-lm's
+        only steps are pipelined on the host (`StepExecutor.async_decode`), like mlx-lm's
         BatchGenerator but without overlapping two forwards: while decode k runs, the engine builds
         decode k+1's graph (fed with k's tokens as a lazy array); once k is done it launches k+1
         and, while k+1 runs, reads back and commits k (scheduler update, detokenizing, stops). So
@@ -252,37 +208,28 @@ class Engine(ForwardsMixin):
         string has had one more token computed, which is dropped; rows reaching max_tokens are left
         out of the next decode. Anything new for the scheduler (a waiting request, a prompt chunk)
         ends the pipeline for one step. On CUDA a step whose last forward is a prompt chunk that
-        samples nothing returns without waiting for it (`Engine._overlap_steps`): the next step is
+        samples nothing returns without waiting for it (`StepExecutor.overlap_steps`): the next step is
         scheduled and its first forward built while it runs, and waits for it before launching."""
-        if self._inflight is not None:
-            return self._advance_pipeline()
-        plan = self.scheduler.schedule()
-        self.last_plan = plan  # plain data, read by AsyncEngine's step observer
-        if plan.new_rows or not plan.prefills:  # pool growth, prefix copies, decodes: not while it runs
-            self._retire_deferred()
-        admitted = self._add_rows(plan.new_rows)
-        if plan.is_empty:
-            return []
-        plan = self._refine_prediction(plan)
-        self.last_plan = plan
-        self.num_steps += 1
-        if self._can_pipeline(plan):
-            try:
-                self._inflight = self._build_decode(plan, None)
-                self._launch(self._inflight)
-            except Exception as exc:
-                self._inflight = None
-                return self._fail_step(plan, exc)
-            return self._advance_pipeline()
-        failed: dict[str, str] = {}  # request_id -> error of its own prefill chunk
-        try:
-            sampled = self._execute(plan, failed, admitted)
-        except Exception as exc:  # a failed decode forward fails this step's requests, not the engine
-            return self._fail_step(plan, exc)
-        # Finished before update(), which then skips them; the other rows of the step go on.
-        outputs = [o for o in (self._finish(i, FinishReason.ERROR, e) for i, e in failed.items())
+        start_ns, started = time.time_ns(), time.perf_counter()
+        if self.executor.pipelining:
+            run = self.executor.advance()
+        else:
+            run = self.executor.run(self.scheduler.schedule())
+        outputs = self._commit_run(run)
+        return StepRecord(tuple(outputs), start_ns, time.perf_counter() - started, plan=run.plan,
+                          memory=run.memory, slice_reads=run.slice_reads, forwards=run.forwards)
+
+    def _commit_run(self, run: StepRun) -> list[RequestOutput]:
+        if run.error is not None:
+            return self._fail_step(run.plan, run.error)
+        # Failed chunks finish before update(), which then skips them; the other rows of the step go on.
+        outputs = [o for o in (self._finish(i, FinishReason.ERROR, e) for i, e in run.failed.items())
                    if o is not None]
-        return outputs + self._commit(plan, sampled)
+        outputs += self._commit(run.plan, run.sampled)
+        if run.next_error is not None:  # the next pipelined decode failed: its rows fail
+            rows = [r.request_id for r in self.scheduler.running if not r.is_prefilling]
+            outputs += self._fail_step(self.scheduler.plan_decodes(rows), run.next_error)
+        return outputs
 
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.error("engine step failed", exc_info=exc)
@@ -295,48 +242,9 @@ class Engine(ForwardsMixin):
         for request in self.scheduler.update(plan, sampled):
             out = process_token(request, self._streams[request.request_id], self.eos_token_ids)
             if out.finished:
-                self._release(self.scheduler.finish(request.request_id, out.finish_reason), out.finish_reason)
+                self._finish(request.request_id, out.finish_reason)
             outputs.append(out)
         return outputs
-
-    def _release(self, request: Optional[Request], reason: FinishReason) -> None:
-        """Between forwards: the KV goes at once, into the prefix cache when it is worth keeping."""
-        if request is None:
-            return
-        self._streams.pop(request.request_id, None)
-        hit = self._prefix_hits.pop(request.request_id, None)
-        if hit is not None:  # never admitted: let the entry go
-            self.prefix_cache.unpin(hit)
-        row = self.runner.free_row(request.request_id)
-        if row is None:
-            return
-        if row.offset > 0 and reason != FinishReason.ERROR and self.prefix_cache.max_bytes:
-            if self.prefix_cache.insert(request.all_token_ids[: row.offset], self.runner.keep_prefix(row)):
-                return
-        self.runner.release(row)
-
-    def _add_rows(self, new_rows) -> StepMemory:
-        """Give admitted requests their KV blocks (growing the pool first if it must) and copy their
-        prefix-cache hits. Growth and copies run between forwards; their transients (one array of
-        the old pool, one layer's K or V of the copied prefix) are measured and predicted."""
-        predicted = measured = 0
-        need = sum(self.runner.blocks_for(row.kv_capacity_tokens) for row in new_rows)
-        target = self.runner.pool_growth_target(need)
-        if target is not None:
-            predicted = self.memory.kv_copy_bytes(self.runner.pool_tokens)
-            measured = self._measured(self.runner.grow_pool, target)[1]
-        for row in new_rows:
-            request = self.scheduler.requests[row.request_id]
-            self.runner.add_row(row.request_id, row.kv_capacity_tokens,
-                                RequestSampler(request.sampling, self.config.seed))
-            hit = self._prefix_hits.pop(row.request_id, None)
-            if hit is not None:
-                source = self.prefix_cache.take(hit)
-                copied = self._measured(lambda args: self.runner.copy_prefix(*args),
-                                        (row.request_id, source, hit.num_tokens))[1]
-                predicted = max(predicted, self.memory.kv_copy_bytes(hit.num_tokens))
-                measured = max(measured, copied)
-        return StepMemory(predicted, measured)
 
     # --- sync API -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Sequence[SamplingParams]]
@@ -350,7 +258,7 @@ class Engine(ForwardsMixin):
         texts = {i: [] for i in ids}
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
-            for out in self.step():
+            for out in self.step().outputs:
                 tokens[out.request_id].extend(out.new_token_ids)
                 texts[out.request_id].append(out.new_text)
                 if out.finished:
@@ -361,23 +269,23 @@ class Engine(ForwardsMixin):
     def prefix_block_hash_chains(self) -> tuple[tuple[int, ...], ...]:
         """The prefix cache's block hashes per entry, most recently used first (a snapshot: safe to read
         from another thread; the replica summarises it for the admission controller)."""
-        return self.prefix_cache.block_hash_chains
+        return self.kv.prefix_cache.block_hash_chains
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, kv, ex = self.scheduler, self.kv, self.executor
         return EngineStats(
-            num_waiting=s.num_waiting, num_running=s.num_running, kv_reserved_bytes=s.kv_reserved_bytes,
-            kv_used_bytes=self.runner.kv_used_bytes, kv_budget_bytes=s.config.kv_budget_bytes,
+            num_waiting=s.num_waiting, num_running=s.num_running, kv_reserved_bytes=kv.reserved_bytes,
+            kv_used_bytes=kv.used_bytes, kv_budget_bytes=kv.kv_budget_bytes,
             kv_bytes_per_token=self.memory.kv_bytes_per_token, kv_cache_step=self.memory.kv_step,
             weights_bytes=self.memory.shape.weights_bytes, memory_limit_bytes=self.memory_limit_bytes,
             transient_bound_bytes=s.transient_bound_bytes,
-            max_predicted_transient_bytes=self._max_predicted,
-            max_measured_transient_bytes=self._max_measured, max_model_len=self.max_model_len,
-            num_steps=self.num_steps, num_forward_calls=self.runner.num_forward_calls,
-            num_tokens_computed=self.runner.num_tokens_computed, prefix_cache_bytes=self.prefix_cache.nbytes,
-            prefix_cache_hits=self.prefix_cache.stats.num_hits,
-            prefix_cache_hit_tokens=self.prefix_cache.stats.num_hit_tokens,
-            prefix_cache_evictions=self.prefix_cache.stats.num_evictions,
+            max_predicted_transient_bytes=ex.max_predicted_bytes,
+            max_measured_transient_bytes=ex.max_measured_bytes, max_model_len=self.max_model_len,
+            num_steps=ex.num_steps, num_forward_calls=self.runner.num_forward_calls,
+            num_tokens_computed=self.runner.num_tokens_computed, prefix_cache_bytes=kv.cached_bytes,
+            prefix_cache_hits=kv.prefix_cache.stats.num_hits,
+            prefix_cache_hit_tokens=kv.prefix_cache.stats.num_hit_tokens,
+            prefix_cache_evictions=kv.prefix_cache.stats.num_evictions,
             mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
             kv_allocated_bytes=self.runner.kv_allocated_bytes,
         )

@@ -6,17 +6,17 @@ request takes the longest common prefix with any entry: KV at position i depends
 0..i, so copying the first m positions of a matching entry is exact (greedy output with a hit equals
 the output without it). At least one prompt token is always recomputed, for the first output's logits.
 
-Cached bytes are reclaimable: the scheduler evicts entries (`make_room`) before it would make a
+Cached bytes are reclaimable: the KV manager evicts entries (`evict`) before it would make a
 request wait for KV, so the cache never causes a refusal. An entry a waiting request is going to copy
-from is pinned until then. No mlx import: rows are opaque objects with an `nbytes` attribute; an
-evicted entry's row goes to `on_evict` (the engine gives its KV pool blocks back).
+from is pinned until then. No mlx import: an entry holds the KV pool block ids of its tokens; an
+evicted entry's block ids go to `on_evict` (the KV manager gives them back to the pool).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from engine.core.prefix_hash import block_hashes
 
@@ -24,7 +24,7 @@ from engine.core.prefix_hash import block_hashes
 @dataclass
 class CacheEntry:
     token_ids: tuple[int, ...]
-    row: Any  # the KV of token_ids (engine/model/kv_pool.py Row: pool blocks)
+    block_ids: tuple[int, ...]  # the pool blocks that hold the KV of token_ids
     nbytes: int
     pins: int = 0
     block_hashes: tuple[int, ...] = ()  # engine/core/prefix_hash.py, of token_ids
@@ -54,7 +54,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixCache:
     def __init__(self, max_bytes: int, min_hit_tokens: int = 1,
-                 on_evict: Callable[[Any], None] = lambda row: None):
+                 on_evict: Callable[[tuple[int, ...]], None] = lambda block_ids: None):
         self.max_bytes = max_bytes
         self._on_evict = on_evict
         self.min_hit_tokens = min_hit_tokens
@@ -93,27 +93,26 @@ class PrefixCache:
         self.stats.num_hit_tokens += best_len
         return PrefixHit(best_key, best_len)
 
-    def take(self, hit: PrefixHit) -> Any:
-        """The entry's row, to copy from now; unpins it."""
+    def take(self, hit: PrefixHit) -> tuple[int, ...]:
+        """The entry's block ids, to copy from before anything else is evicted or allocated; unpins it."""
         entry = self._entries[hit.entry_key]
         entry.pins -= 1
-        return entry.row
+        return entry.block_ids
 
     def unpin(self, hit: PrefixHit) -> None:
         entry = self._entries.get(hit.entry_key)
         if entry is not None:
             entry.pins -= 1
 
-    def insert(self, token_ids: Sequence[int], row: Any) -> bool:
-        """Keep `row` (KV of `token_ids`) if it fits the budget after evicting unpinned LRU entries.
-        False: not kept, the row stays the caller's."""
-        nbytes = row.nbytes
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], nbytes: int) -> bool:
+        """Keep `block_ids` (`nbytes` of KV of `token_ids`) if they fit the budget after evicting unpinned
+        LRU entries. False: not kept, the blocks stay the caller's."""
         if nbytes > self.max_bytes or not token_ids:
             return False
         self.evict(self.nbytes + nbytes - self.max_bytes)
         if self.nbytes + nbytes > self.max_bytes:
             return False
-        self._entries[self._next_key] = CacheEntry(tuple(token_ids), row, nbytes,
+        self._entries[self._next_key] = CacheEntry(tuple(token_ids), tuple(block_ids), nbytes,
                                                    block_hashes=block_hashes(token_ids))
         self._next_key += 1
         self.nbytes += nbytes
@@ -130,7 +129,7 @@ class PrefixCache:
             freed += entry.nbytes
             self.nbytes -= entry.nbytes
             self.stats.num_evictions += 1
-            self._on_evict(entry.row)
+            self._on_evict(entry.block_ids)
         if freed:
             self._refresh_chains()
         return freed

@@ -10,9 +10,9 @@ Every step:
    chunk is its own forward, evaluated after the previous one: the memory bound is per chunk).
 
 KV policy: refuse at add time, wait for room, never preempt. A request is admitted to the running
-set only when KV for its whole life (prompt + max_tokens - 1, rounded up to the cache step) fits in
-the KV budget beside the requests already running; the runner allocates exactly that, so KV can never
-fail to grow mid-request and nothing is ever recomputed. A request that could never fit (longer than
+set only when the KV manager (kv_manager.py) can reserve KV for its whole life (prompt + max_tokens - 1,
+rounded up to the cache step) beside the requests already running; the plan hands the runner the block
+ids it placed, so KV can never fail to grow mid-request and nothing is ever recomputed. A request that could never fit (longer than
 max_model_len, or larger than the whole KV budget) is refused by `add` with a ValueError. Admission is
 strict FCFS: a head request that does not fit yet blocks the ones behind it (no starvation).
 """
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Collection, Optional, Sequence
+from typing import Collection, Optional, Sequence
 
+from engine.core.kv_manager import KVManager
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
-from engine.core.types import FinishReason, Request, RequestStatus
+from engine.core.types import (FinishReason, NewRow, Request, RequestStatus, ScheduledChunk,  # noqa: F401
+                               SchedulerOutput)
 
 
 @dataclass(frozen=True)
@@ -33,60 +35,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     prefill_chunk_size: int
     max_model_len: int
-    kv_budget_bytes: int
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """`num_tokens` tokens of `request_id` starting at position `start`."""
-
-    request_id: str
-    start: int
-    num_tokens: int
-    completes_prompt: bool  # the chunk ends the prompt: sample the first output token
-
-
-@dataclass(frozen=True)
-class NewRow:
-    request_id: str
-    kv_capacity_tokens: int  # what the runner allocates for this request's KV
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    decodes: tuple[str, ...]
-    prefills: tuple[ScheduledChunk, ...]
-    new_rows: tuple[NewRow, ...]
-    predicted_transient_bytes: int
-    mixed: bool = False  # the decode rows run in the first prompt chunk's forward (engine/model/layers/mixed.py)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, memory: MemoryModel,
-                 cached_bytes: Callable[[], int] = lambda: 0,
-                 reclaim: Callable[[int], int] = lambda num_bytes: 0):
+    def __init__(self, config: SchedulerConfig, memory: MemoryModel, kv: KVManager):
         self.config = config
         self.memory = memory
-        # The prefix cache lives inside the KV budget; its bytes are reclaimed before anyone waits.
-        self._cached_bytes = cached_bytes
-        self._reclaim = reclaim
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
-        self.kv_reserved_bytes = 0
         # Forwards, and the KV pool's growth / prefix copies between them (never at the same time).
         self.transient_bound_bytes = max(
             memory.transient_bound_bytes(config.max_num_seqs, config.prefill_chunk_size,
                                          config.max_model_len),
-            memory.kv_growth_bound_bytes(config.kv_budget_bytes),
+            memory.kv_growth_bound_bytes(kv.kv_budget_bytes),
         )
 
     # --- requests in and out ----------------------------------------------------------------------
@@ -104,10 +67,10 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}"
             )
         need = self.reservation_bytes(num_prompt_tokens, max_tokens)
-        if need > self.config.kv_budget_bytes:
+        if need > self.kv.kv_budget_bytes:
             raise ValueError(
                 f"request needs {need} bytes of KV, more than the engine's KV budget "
-                f"({self.config.kv_budget_bytes} bytes)"
+                f"({self.kv.kv_budget_bytes} bytes)"
             )
 
     def add(self, request: Request) -> None:
@@ -116,17 +79,22 @@ class Scheduler:
         self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        # the prompt's first tokens already computed (a prefix-cache hit): start after them
+        cached = self.kv.lookup_prefix(request.request_id, request.prompt_token_ids)
+        request.num_computed_tokens = request.num_cached_tokens = cached
 
-    def finish(self, request_id: str, reason: FinishReason) -> Optional[Request]:
-        """Remove a request (finished, aborted or failed) and give back its KV reservation."""
+    def finish(self, request_id: str, reason: FinishReason, num_kv_tokens: int = 0) -> Optional[Request]:
+        """Remove a request (finished, aborted or failed); the KV manager frees its KV, or keeps the first
+        `num_kv_tokens` tokens' (what its row computed) in the prefix cache unless it failed."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-            self.kv_reserved_bytes -= request.reserved_tokens * self.memory.kv_bytes_per_token
         else:
             self.waiting.remove(request)
+        keep = request.all_token_ids[:num_kv_tokens] if reason != FinishReason.ERROR else ()
+        self.kv.free(request_id, keep)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return request
@@ -153,12 +121,12 @@ class Scheduler:
                 break
             if request.is_prefilling:
                 budget -= self._add_chunk(request, budget, prefills)
-        new_rows: list[NewRow] = []
-        while budget > 0 and self.waiting and self._try_admit(self.waiting[0], new_rows):
+        while budget > 0 and self.waiting and self._try_admit(self.waiting[0]):
             budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
+        new_rows = self.kv.place_admitted()
         # What is left goes to further chunks of the same prompts, oldest first, each its own forward
         # after the others: fewer, fuller steps (each step costs the host its scheduling and its first
-        # forward's graph before the device has work; on an H200 4-7 ms, docs/benchmarks.md). Not for
+        # forward's graph before the device has work, docs/benchmarks.md). Not for
         # a sliver: a chunk of at least half `prefill_chunk_size`, or the prompt's end.
         least = max(1, self.config.prefill_chunk_size // 2)
         for request in self.running:
@@ -172,8 +140,9 @@ class Scheduler:
         predicted = self.predict(decodes, prefills, mixed=mixed)
         if mixed and predicted > self.transient_bound_bytes:
             mixed, predicted = False, self.predict(decodes, prefills)
-        return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=tuple(new_rows),
-                               predicted_transient_bytes=predicted, mixed=mixed)
+        return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=new_rows,
+                               predicted_transient_bytes=predicted, mixed=mixed,
+                               num_pool_blocks=self.kv.num_pool_blocks)
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
                 slice_reads: Collection[str] = (), ahead: int = 0, mixed: bool = False) -> int:
@@ -196,7 +165,8 @@ class Scheduler:
     def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0) -> SchedulerOutput:
         """A decode-only step of these running requests (the engine's pipelined decode)."""
         return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
-                               predicted_transient_bytes=self.predict(request_ids, (), ahead=ahead))
+                               predicted_transient_bytes=self.predict(request_ids, (), ahead=ahead),
+                               num_pool_blocks=self.kv.num_pool_blocks)
 
     @staticmethod
     def _scheduled_end(request: Request, chunks: list[ScheduledChunk]) -> int:
@@ -211,22 +181,15 @@ class Scheduler:
         out.append(ScheduledChunk(request.request_id, start, n, n == remaining))
         return n
 
-    def _try_admit(self, request: Request, new_rows: list[NewRow]) -> bool:
+    def _try_admit(self, request: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         tokens = self.memory.kv_tokens(request.max_total_tokens)
-        need = tokens * self.memory.kv_bytes_per_token
-        free = self.config.kv_budget_bytes - self.kv_reserved_bytes - self._cached_bytes()
-        if need > free:
-            self._reclaim(need - free)
-            free = self.config.kv_budget_bytes - self.kv_reserved_bytes - self._cached_bytes()
-        if need > free:
+        if self.kv.allocate(request.request_id, tokens) is None:
             return False
-        self.kv_reserved_bytes += need
         request.reserved_tokens = tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        new_rows.append(NewRow(request.request_id, tokens))
         return True
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -1,4 +1,5 @@
-"""Plain data exchanged between the engine's layers: requests, sampling parameters, outputs."""
+"""Plain data exchanged between the engine's layers: requests, sampling parameters, the scheduler's
+plan, outputs, step records and engine stats."""
 
 from __future__ import annotations
 
@@ -142,3 +143,126 @@ class CompletionOutput:
     text: str
     finish_reason: Optional[FinishReason]
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request_id` starting at position `start`."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    completes_prompt: bool  # the chunk ends the prompt: sample the first output token
+
+
+@dataclass(frozen=True)
+class PrefixCopy:
+    """A prefix-cache hit: copy the KV of the first `num_tokens` positions from `source_block_ids`."""
+
+    source_block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class NewRow:
+    """A request admitted this step: the KV pool blocks it owns for its whole life (KVManager)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    prefix: Optional[PrefixCopy] = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: plain data from the scheduler to the executor and runner."""
+
+    decodes: tuple[str, ...]
+    prefills: tuple[ScheduledChunk, ...]
+    new_rows: tuple[NewRow, ...]
+    predicted_transient_bytes: int
+    mixed: bool = False  # the decode rows run in the first prompt chunk's forward (engine/model/layers/mixed.py)
+    num_pool_blocks: int = 0  # blocks the KV pool must hold before this step's forwards
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Predicted (memory model) and measured (MLX peak) transient bytes of one step."""
+
+    predicted_bytes: int
+    measured_bytes: int
+    pipelined: bool = False  # a decode launched by the pipeline (measured from its launch to its end)
+
+
+@dataclass(frozen=True)
+class ForwardTiming:
+    """One forward of a step, seconds from the step's start: launch called, launch returned, wait
+    started, wait ended (None where the forward was left running past the step)."""
+
+    launch_s: float
+    launched_s: float
+    wait_s: Optional[float] = None
+    waited_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one `Engine.step()` did: its outputs, its plan and what it cost."""
+
+    outputs: tuple[RequestOutput, ...]
+    start_time_ns: int  # wall clock (time.time_ns) when the step began
+    duration_s: float
+    plan: Optional[SchedulerOutput] = None  # None: nothing was scheduled
+    memory: Optional[StepMemory] = None
+    slice_reads: frozenset[str] = frozenset()  # requests whose prompt chunks read the pool as a view
+    forwards: tuple[ForwardTiming, ...] = ()
+
+    @property
+    def prefill_chunks(self) -> tuple[ScheduledChunk, ...]:
+        return self.plan.prefills if self.plan is not None else ()
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.plan.decodes) if self.plan is not None else 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill_chunks)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.memory is not None and self.memory.pipelined
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_reserved_bytes: int
+    kv_used_bytes: int  # KV blocks held by running requests (= reserved)
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_step: int
+    weights_bytes: int
+    memory_limit_bytes: int
+    transient_bound_bytes: int  # the configuration's bound over every step (memory model)
+    max_predicted_transient_bytes: int  # largest predicted step transient so far
+    max_measured_transient_bytes: int  # largest measured step transient so far (MLX peak)
+    max_model_len: int
+    num_steps: int
+    num_forward_calls: int
+    num_tokens_computed: int = 0  # tokens that went through the model (prefix-cache hits skip theirs)
+    prefix_cache_bytes: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
+    mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
+    mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
+    kv_allocated_bytes: int = 0  # the KV pool's arrays (running rows, prefix cache, free blocks)

@@ -6,21 +6,21 @@ Takes plain data from the scheduler (which rows compute which tokens) and return
 - Decode: every decoding row in one batched forward, one token each.
 Both only build their graph and return it as a `Forward`; `launch` starts it and `Forward.finish`
 waits for it. Forwards never overlap on the device (`finish` says why); the engine builds the next one
-while the current one runs (engine/forwards.py).
+while the current one runs (engine/executor.py).
 Both read and write the KV pool through a `ForwardView` (engine/model/kv_pool.py): per layer a constant number of
-operations whatever the number of rows. The pool's blocks are handed out by a `BlockAllocator`.
+operations whatever the number of rows. The runner allocates nothing: each row's blocks, and how many
+blocks the pool must hold, come from the KV manager through the plan (engine/core/kv_manager.py).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.core.blocks import BlockAllocator, num_blocks_for
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
 from engine.model.layers.decode_path import DecodePath, ReferenceOps
@@ -85,10 +85,10 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256, max_kv_tokens: int = 1 << 20,
+    def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256,
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False):
-        """`max_kv_tokens`: the most KV the pool may ever hold (the engine's KV budget, in tokens).
+        """`block_size`: token slots per KV pool block.
         `paged_attention`: the engine's decode loop reads the pool in place with the CUDA kernel (the
         engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
         allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
@@ -133,7 +133,6 @@ class ModelRunner:
                 logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
         if paged_attention:
             self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
-        self.blocks = BlockAllocator(block_size, max_kv_tokens // block_size)
         self.seed = seed
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
@@ -170,13 +169,6 @@ class ModelRunner:
         """Whether one-query forwards read the pool in place (else they gather)."""
         return self.pool.paged is not None
 
-    def set_max_kv_tokens(self, max_kv_tokens: int) -> None:
-        """The most KV the pool may hold (the engine sets it once it knows its budget, which depends on
-        whether decode is paged); before any block is allocated."""
-        if self.blocks.num_blocks:
-            raise RuntimeError("set_max_kv_tokens after the pool has grown")
-        self.blocks = BlockAllocator(self.blocks.block_size, max_kv_tokens // self.blocks.block_size)
-
     def _loops_why_not(self) -> Optional[str]:
         """Why one-query forwards cannot read the pool in place (None: they can): only the engine's own
         layer loops call the paged kernel; mlx-lm's modules attend over what the cache returns."""
@@ -193,57 +185,39 @@ class ModelRunner:
         self.pool.paged = impl
 
     # --- KV pool and rows -----------------------------------------------------------------------
-    def blocks_for(self, num_tokens: int) -> int:
-        return num_blocks_for(num_tokens, self.blocks.block_size)
-
     @property
     def pool_tokens(self) -> int:
         return self.pool.num_slots
 
-    def pool_growth_target(self, num_blocks: int) -> Optional[int]:
-        """Blocks the pool must grow to before `num_blocks` more can be allocated (None: they fit)."""
-        return self.blocks.growth_target(num_blocks)
+    @property
+    def num_pool_blocks(self) -> int:
+        return self.pool.num_slots // self.pool.block_size
 
     def grow_pool(self, num_blocks: int) -> None:
+        """Resize the pool's arrays to hold `num_blocks` blocks (the KV manager decides how many)."""
         self.pool.grow(num_blocks)
-        self.blocks.grow(num_blocks)
 
-    def add_row(self, request_id: str, capacity: int, sampler: RequestSampler) -> None:
-        """Give the request the blocks of `capacity` tokens (the pool must have grown for them)."""
-        blocks = self.blocks.allocate(self.blocks_for(capacity))
-        if blocks is None:
-            raise RuntimeError(f"{request_id}: KV pool has {self.blocks.num_free} free blocks, needs "
-                               f"{self.blocks_for(capacity)} (grow_pool first)")
-        self.rows[request_id] = Row(blocks, self.blocks.block_size, self.pool.block_bytes)
+    def add_row(self, request_id: str, block_ids: Sequence[int], sampler: RequestSampler) -> None:
+        """The request's row: its KV lives in `block_ids` (the pool must hold them: `grow_pool`)."""
+        if block_ids and max(block_ids) >= self.num_pool_blocks:
+            raise RuntimeError(f"{request_id}: block {max(block_ids)} is past the pool's "
+                               f"{self.num_pool_blocks} blocks (grow_pool first)")
+        self.rows[request_id] = Row(list(block_ids), self.pool.block_size, self.pool.block_bytes)
         self.samplers[request_id] = sampler
 
-    def free_row(self, request_id: str) -> Optional[Row]:
-        """Forget the row; returns it with its blocks still held (the prefix cache may keep them):
-        the caller gives them back with `release` or `keep_prefix`."""
+    def drop_row(self, request_id: str) -> int:
+        """Forget the request's row; returns how many of its positions hold computed KV (0: no row)."""
         self.samplers.pop(request_id, None)
-        return self.rows.pop(request_id, None)
+        row = self.rows.pop(request_id, None)
+        return 0 if row is None else row.offset
 
-    def release(self, row: Row) -> None:
-        self.blocks.free(row.blocks)
-        row.blocks = []
-
-    def keep_prefix(self, row: Row) -> Row:
-        """Free the blocks past the row's computed tokens; the row keeps the rest (for the prefix cache)."""
-        keep = self.blocks_for(row.offset)
-        self.blocks.free(row.blocks[keep:])
-        row.blocks = row.blocks[:keep]
-        return row
-
-    def copy_prefix(self, request_id: str, source: Row, num_tokens: int) -> None:
-        """Start the row with the first `num_tokens` positions of `source`'s KV (a prefix-cache hit)."""
+    def copy_prefix(self, request_id: str, source_block_ids: Sequence[int], num_tokens: int) -> None:
+        """Start the row with the KV of the first `num_tokens` positions held in `source_block_ids`
+        (a prefix-cache hit)."""
         row = self.rows[request_id]
+        source = Row(list(source_block_ids), self.pool.block_size, self.pool.block_bytes)
         self.pool.copy(source.slots(0, num_tokens), row.slots(0, num_tokens))
         row.offset = num_tokens
-
-    @property
-    def kv_used_bytes(self) -> int:
-        """KV held by running rows (their reserved blocks)."""
-        return sum(r.nbytes for r in self.rows.values())
 
     @property
     def kv_allocated_bytes(self) -> int:

@@ -1,0 +1,145 @@
+"""KVManager: the one owner of the engine's KV. Plain Python, no mlx.
+
+It holds the KV budget, each running request's reservation, the pool's blocks (BlockAllocator) and the
+prefix cache (whose entries hold block ids). The scheduler admits through it (`allocate`: a result, or
+None when the request does not fit the budget beside the running ones and the cache's evictable
+entries) and hands the block ids it placed to the runner in its plan; finishing a request gives its
+blocks back or keeps its computed prefix in the cache (`free`).
+
+A request's reservation is its whole life's KV (prompt + max_tokens - 1, in whole blocks), so a request
+that was admitted never waits for KV again. Blocks are placed once per step for every request admitted
+in it (`place_admitted`): the pool grows lazily, doubling and capped at the budget, and the plan says
+how many blocks it must hold; the runner only resizes its arrays to that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from engine.core.blocks import BlockAllocator, num_blocks_for
+from engine.core.prefix_cache import PrefixCache, PrefixHit
+from engine.core.types import NewRow, PrefixCopy
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """KV reserved for a request admitted this step; its blocks are placed at the step's end."""
+
+    request_id: str
+    num_blocks: int
+
+
+class KVManager:
+    def __init__(self, block_size: int, kv_bytes_per_token: int, kv_budget_bytes: int,
+                 prefix_cache_bytes: int = 0):
+        if block_size < 1 or kv_bytes_per_token < 1 or kv_budget_bytes < 0:
+            raise ValueError(f"block_size={block_size} and kv_bytes_per_token={kv_bytes_per_token} must be "
+                             f">= 1, kv_budget_bytes={kv_budget_bytes} >= 0")
+        if not 0 <= prefix_cache_bytes <= kv_budget_bytes:
+            raise ValueError(f"prefix_cache_bytes={prefix_cache_bytes} must be in [0, kv_budget_bytes="
+                             f"{kv_budget_bytes}]")
+        self.block_size = block_size
+        self.block_bytes = block_size * kv_bytes_per_token
+        self.kv_budget_bytes = kv_budget_bytes
+        self.allocator = BlockAllocator(block_size, kv_budget_bytes // kv_bytes_per_token // block_size)
+        # Evicted entries give their blocks back to the pool.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, on_evict=self.allocator.free)
+        self._reserved: dict[str, int] = {}  # request -> blocks reserved (admitted, not finished)
+        self._num_reserved_blocks = 0
+        self._blocks: dict[str, list[int]] = {}  # request -> its placed blocks
+        self._admitted: list[str] = []  # reserved this step, blocks not placed yet
+        self._hits: dict[str, PrefixHit] = {}  # waiting requests' pinned cache hits
+
+    # --- accounting -------------------------------------------------------------------------------
+    @property
+    def reserved_bytes(self) -> int:
+        return self._num_reserved_blocks * self.block_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """KV blocks placed for running requests (equal to reserved once a step's blocks are placed)."""
+        return sum(len(b) for b in self._blocks.values()) * self.block_bytes
+
+    @property
+    def cached_bytes(self) -> int:
+        return self.prefix_cache.nbytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Budget neither reserved nor held by the prefix cache."""
+        return self.kv_budget_bytes - self.reserved_bytes - self.cached_bytes
+
+    @property
+    def num_pool_blocks(self) -> int:
+        """Blocks the pool must hold for every block handed out so far."""
+        return self.allocator.num_blocks
+
+    def blocks_of(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._blocks.get(request_id, ()))
+
+    # --- requests ---------------------------------------------------------------------------------
+    def lookup_prefix(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV the prefix cache holds (0: none); the entry stays pinned until the
+        request's blocks are placed or it finishes."""
+        if not self.prefix_cache.max_bytes:
+            return 0
+        hit = self.prefix_cache.lookup(prompt_token_ids)
+        if hit is None:
+            return 0
+        self._hits[request_id] = hit
+        return hit.num_tokens
+
+    def allocate(self, request_id: str, num_tokens: int) -> Optional[Reservation]:
+        """Reserve KV for `num_tokens` tokens of a new request, evicting unpinned prefix-cache entries
+        if that makes room; None if it does not fit the budget now."""
+        if request_id in self._reserved:
+            raise ValueError(f"request_id={request_id!r} already holds a reservation")
+        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        need = num_blocks * self.block_bytes
+        if need > self.free_bytes:
+            self.prefix_cache.evict(need - self.free_bytes)
+        if need > self.free_bytes:
+            return None
+        self._reserved[request_id] = num_blocks
+        self._num_reserved_blocks += num_blocks
+        self._admitted.append(request_id)
+        return Reservation(request_id, num_blocks)
+
+    def place_admitted(self) -> tuple[NewRow, ...]:
+        """Blocks for every request reserved since the last call, the pool grown once for all of them
+        (so it doubles from its size at the step's start), and their prefix-cache hits' source blocks."""
+        admitted, self._admitted = self._admitted, []
+        target = self.allocator.growth_target(sum(self._reserved[i] for i in admitted))
+        if target is not None:
+            self.allocator.grow(target)
+        rows = []
+        for request_id in admitted:
+            blocks = self.allocator.allocate(self._reserved[request_id])
+            if blocks is None:  # the budget check in `allocate` makes this unreachable
+                raise RuntimeError(f"{request_id}: no free KV blocks after the pool grew")
+            self._blocks[request_id] = blocks
+            hit = self._hits.pop(request_id, None)
+            prefix = None if hit is None else PrefixCopy(self.prefix_cache.take(hit), hit.num_tokens)
+            rows.append(NewRow(request_id, tuple(blocks), prefix))
+        return tuple(rows)
+
+    def free(self, request_id: str, keep_token_ids: Sequence[int] = ()) -> None:
+        """A request finished: its reservation goes; its blocks go back to the pool, or the blocks of
+        `keep_token_ids` (the tokens whose KV it computed) into the prefix cache when it keeps them."""
+        hit = self._hits.pop(request_id, None)
+        if hit is not None:  # never placed: let the entry go
+            self.prefix_cache.unpin(hit)
+        self._num_reserved_blocks -= self._reserved.pop(request_id, 0)
+        if request_id in self._admitted:
+            self._admitted.remove(request_id)
+        blocks = self._blocks.pop(request_id, None)
+        if not blocks:
+            return
+        if keep_token_ids and self.prefix_cache.max_bytes:
+            keep = num_blocks_for(len(keep_token_ids), self.block_size)
+            self.allocator.free(blocks[keep:])
+            blocks = blocks[:keep]
+            if self.prefix_cache.insert(keep_token_ids, blocks, keep * self.block_bytes):
+                return
+        self.allocator.free(blocks)

@@ -1,0 +1,357 @@
+"""StepExecutor: runs a plan's forwards on the device, one at a time, each built while the previous one
+runs; the pipelined decode; the measured transient of every step.
+
+Forwards that write the KV pool never overlap on the device (runner.finish says why), so a step's
+transient is its largest forward's, which the memory model predicts (docs/memory.md). The executor
+owns the state that spans steps: the decode in flight, the prompt chunk left running (`_Deferred`), the
+measured tail that goes into the next record, and the largest predicted / measured transients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from engine.core.memory.model import MemoryModel
+from engine.core.scheduler import Scheduler
+from engine.core.types import ForwardTiming, NewRow, SchedulerOutput, StepMemory
+from engine.model.runner import DecodeWork, Forward, ModelRunner, PrefillWork, finish
+from engine.model.sampling import RequestSampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What running one plan produced, for the engine to commit."""
+
+    plan: SchedulerOutput
+    sampled: dict = field(default_factory=dict)  # request_id -> sampled token id
+    failed: dict = field(default_factory=dict)  # request_id -> error of its own prompt chunk
+    memory: Optional[StepMemory] = None
+    error: Optional[Exception] = None  # the step failed as a whole: every request of the plan fails
+    next_error: Optional[Exception] = None  # the next pipelined decode failed: its rows fail
+    slice_reads: frozenset = frozenset()
+    forwards: tuple[ForwardTiming, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    """A decode built (and then launched) whose sampled tokens have not been read back."""
+
+    plan: SchedulerOutput
+    forward: Forward  # its tokens: [B], rows in plan.decodes order
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A step's last forward, a prompt chunk that samples nothing, left running when the step returned
+    (`overlap_steps`): the next step is scheduled and its first forward built meanwhile."""
+
+    forward: Forward
+    predicted_bytes: int  # its step's prediction
+    base_bytes: int  # what its step's transient was measured over
+
+
+def _measure_start() -> int:
+    """Start measuring a transient: MLX's active bytes now, its peak reset. Synchronized first: MLX's
+    worker may still be releasing a finished forward's buffers, which would count in this base and hide
+    as much of the transient."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
+class StepExecutor:
+    """Runs plans with `runner`; reads the scheduler's requests (inputs, the next pipelined decode)."""
+
+    def __init__(self, runner: ModelRunner, memory: MemoryModel, scheduler: Scheduler, seed: int,
+                 async_decode: bool, overlap_steps: bool):
+        self.runner = runner
+        self.memory = memory
+        self.scheduler = scheduler
+        self.seed = seed
+        self.async_decode = async_decode
+        self.overlap_steps = overlap_steps
+        self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back
+        self._deferred: Optional[_Deferred] = None  # the previous step's last prompt chunk, still running
+        self._carried: Optional[StepMemory] = None  # its measured tail, for the next step's record
+        self._launch_base_bytes = 0  # MLX active memory when the in-flight decode was launched
+        self._t0 = time.perf_counter()  # the step's start, for its forwards' timings
+        self._timings: list[list] = []  # per forward: [launch, launched, wait, waited] seconds
+        self.num_steps = 0
+        self.max_predicted_bytes = 0
+        self.max_measured_bytes = 0
+
+    @property
+    def pipelining(self) -> bool:
+        return self._inflight is not None
+
+    @property
+    def busy(self) -> bool:
+        """A forward is still on the device (a pipelined decode, or a deferred prompt chunk)."""
+        return self._inflight is not None or self._deferred is not None
+
+    # --- one plan -----------------------------------------------------------------------------------
+    def run(self, plan: SchedulerOutput) -> StepRun:
+        """Give the plan's new rows their blocks and prefixes, then run its forwards (or start the
+        decode pipeline)."""
+        self._begin()
+        if plan.new_rows or not plan.prefills:  # pool growth, prefix copies, decodes: not while it runs
+            self._retire_deferred()
+        admitted = self._add_rows(plan.new_rows, plan.num_pool_blocks)
+        if plan.is_empty:
+            return StepRun(plan)
+        slices = self._slice_reads(plan)
+        if slices:  # predicted before the rows had blocks (every read a gather); views copy nothing
+            plan = dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
+                plan.decodes, plan.prefills, slices, mixed=plan.mixed))
+        self.num_steps += 1
+        if self._can_pipeline(plan):
+            try:
+                self._inflight = self._build_decode(plan, None)
+                self._launch(self._inflight)
+            except Exception as exc:
+                self._inflight = None
+                return StepRun(plan, error=exc, slice_reads=slices)
+            return self._advance()
+        failed: dict[str, str] = {}
+        try:
+            sampled, memory = self._execute(plan, failed, admitted)
+        except Exception as exc:  # a failed decode forward fails this step's requests, not the engine
+            return StepRun(plan, failed=failed, error=exc, slice_reads=slices)
+        return StepRun(plan, sampled, failed, memory, slice_reads=slices, forwards=self._forward_timings())
+
+    def _begin(self) -> None:
+        self._t0 = time.perf_counter()
+        self._timings = []
+
+    def _forward_timings(self) -> tuple[ForwardTiming, ...]:
+        return tuple(ForwardTiming(*t) for t in self._timings)
+
+    def _slice_reads(self, plan: SchedulerOutput) -> frozenset:
+        """Requests whose prompt chunks (a step can hold several of one request, one after another) the
+        runner all reads as views of the pool (no gathered copy; engine/model/kv_pool.py `slice_start`).
+        Decodes are predicted as the runner reads them: paged or gathered (`MemoryModel.paged_decode`)."""
+        before: dict[str, int] = {}  # tokens of the request's earlier chunks in this step
+        views, gathers = set(), set()
+        for c in plan.prefills:
+            done = before.get(c.request_id, 0)
+            reads_view = c.num_tokens > 1 and self.runner.reads_slice(c.request_id, done + c.num_tokens)
+            (views if reads_view else gathers).add(c.request_id)
+            before[c.request_id] = done + c.num_tokens
+        return frozenset(views - gathers)
+
+    def _add_rows(self, new_rows: tuple[NewRow, ...], num_pool_blocks: int) -> StepMemory:
+        """Grow the pool to the plan's size, give admitted requests their rows and copy their prefix-
+        cache hits. Growth and copies run between forwards; their transients (one array of the old
+        pool, one layer's K or V of the copied prefix) are measured and predicted."""
+        predicted = measured = 0
+        if num_pool_blocks > self.runner.num_pool_blocks:
+            predicted = self.memory.kv_copy_bytes(self.runner.pool_tokens)
+            measured = self._measured(lambda: self.runner.grow_pool(num_pool_blocks))
+        for row in new_rows:
+            request = self.scheduler.requests[row.request_id]
+            self.runner.add_row(row.request_id, row.block_ids, RequestSampler(request.sampling, self.seed))
+            prefix = row.prefix
+            if prefix is not None:
+                copied = self._measured(lambda: self.runner.copy_prefix(
+                    row.request_id, prefix.source_block_ids, prefix.num_tokens))
+                predicted = max(predicted, self.memory.kv_copy_bytes(prefix.num_tokens))
+                measured = max(measured, copied)
+        return StepMemory(predicted, measured)
+
+    def _measured(self, fn: Callable[[], None]) -> int:
+        """Run fn, evaluated, and return its transient: MLX peak over what was live before, less KV
+        it allocated (pool growth and prefix copies, which run between forwards)."""
+        kv_before = self.runner.kv_allocated_bytes
+        active_before = _measure_start()
+        fn()
+        mx.synchronize()
+        new_kv = self.runner.kv_allocated_bytes - kv_before
+        return max(0, mx.get_peak_memory() - active_before - new_kv)
+
+    # --- forwards of a step ---------------------------------------------------------------------------
+    def _decode_work(self, plan: SchedulerOutput) -> list[DecodeWork]:
+        """The plan's decode rows, each with its last token as input."""
+        requests = self.scheduler.requests
+        return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
+
+    def _builds(self, plan: SchedulerOutput) -> list[tuple]:
+        """(request ids whose tokens the forward samples, its prompt chunk's request or None, a function
+        that builds it) per forward of the plan: the decode (a mixed runner's decode rows ride with the
+        first chunk, engine/model/layers/mixed.py), then each prompt chunk."""
+        requests = self.scheduler.requests
+        works = [PrefillWork(c.request_id, requests[c.request_id].prompt_token_ids[c.start:c.start + c.num_tokens],
+                             c.start, c.completes_prompt) for c in plan.prefills]
+        builds = []
+        if plan.mixed:  # if that forward cannot be built, the two run apart: a chunk's error fails its row only
+            try:
+                mixed = self.runner.mixed_forward(works[0], self._decode_work(plan))
+            except Exception:
+                logger.exception("forward of %s with %d decode rows failed to build; running them apart",
+                                 works[0].request_id, len(plan.decodes))
+            else:
+                first = works.pop(0)
+                ids = ((first.request_id,) if first.sample else ()) + tuple(plan.decodes)
+                builds.append((ids, None, lambda: mixed))
+        if plan.decodes and not builds:
+            builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
+        for work in works:
+            builds.append(((work.request_id,), work.request_id, lambda work=work: self.runner.prefill(work)))
+        return builds
+
+    def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory):
+        """Run the plan's forwards one at a time on the device (runner.finish), each built while the
+        previous one runs; the first while the previous step's last forward may still run (`_Deferred`).
+        A prompt chunk whose graph cannot be built touches its own row only: its request goes into
+        `failed`. The step's transient is MLX's peak over what was alive before its first launch, less
+        KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`).
+        Returns (sampled tokens, the step's StepMemory)."""
+        sampled: dict[str, int] = {}
+        running = None  # (request ids, Forward) on the device
+        before = None  # (MLX active bytes, KV allocated bytes) once the previous step's forward is done
+        for ids, chunk_id, build in self._builds(plan):
+            if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
+                continue
+            try:
+                forward = build()
+            except Exception as exc:
+                if chunk_id is None:
+                    raise  # the decode: the step fails
+                logger.exception("prefill of %s failed", chunk_id)
+                failed[chunk_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            if running is not None:
+                self._retire(running, sampled)
+            if before is None:
+                before = self._measure_from()
+            self._timed_launch(forward)
+            running = (ids, forward)
+        if before is None:
+            before = self._measure_from()
+        deferred = running is not None and running[1].tokens is None and self.overlap_steps
+        if running is not None and not deferred:
+            self._retire(running, sampled)
+        base = before[0] + self.runner.kv_allocated_bytes - before[1]
+        memory = self._record_memory(plan.predicted_transient_bytes, admitted.measured_bytes, base,
+                                     admitted.predicted_bytes)
+        if deferred:
+            self._deferred = _Deferred(running[1], plan.predicted_transient_bytes, base)
+        return sampled, memory
+
+    def _timed_launch(self, forward: Forward) -> None:
+        record = [time.perf_counter() - self._t0, 0.0, None, None]
+        self._timings.append(record)
+        self.runner.launch(forward)
+        record[1] = time.perf_counter() - self._t0
+
+    def _retire(self, running, sampled: dict[str, int]) -> None:
+        """Wait for a launched forward and keep its sampled tokens."""
+        ids, forward = running
+        record = self._timings[-1] if self._timings and self._timings[-1][3] is None else None
+        if record is not None:
+            record[2] = time.perf_counter() - self._t0
+        forward.finish()
+        if forward.tokens is not None:
+            sampled.update(zip(ids, forward.tokens.tolist()))
+        if record is not None:
+            record[3] = time.perf_counter() - self._t0
+
+    def _measure_from(self) -> tuple[int, int]:
+        """Wait for the previous step's deferred forward, then start measuring this step's transient."""
+        self._retire_deferred()
+        return _measure_start(), self.runner.kv_allocated_bytes
+
+    def _retire_deferred(self) -> None:
+        """Wait for the forward the previous step left running (`_Deferred`); its transient since that
+        step was recorded goes into the next record (`_record_memory`)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        deferred.forward.finish()
+        self._carried = StepMemory(deferred.predicted_bytes, max(0, mx.get_peak_memory() - deferred.base_bytes))
+
+    def _record_memory(self, predicted: int, measured: int, base_bytes: int, predicted_other: int = 0,
+                       pipelined: bool = False) -> StepMemory:
+        """The step's StepMemory: its measured transient is MLX's peak since the last reset over
+        `base_bytes` (what is not the step's), at least `measured` (pool growth / copies before it)."""
+        measured = max(measured, mx.get_peak_memory() - base_bytes, 0)
+        mx.reset_peak_memory()
+        predicted = max(predicted, predicted_other)
+        carried, self._carried = self._carried, None
+        if carried is not None:  # the tail of the previous step's deferred forward
+            predicted = max(predicted, carried.predicted_bytes)
+            measured = max(measured, carried.measured_bytes)
+        self.max_measured_bytes = max(self.max_measured_bytes, measured)
+        self.max_predicted_bytes = max(self.max_predicted_bytes, predicted)
+        return StepMemory(predicted, measured, pipelined)
+
+    # --- pipelined decode ---------------------------------------------------------------------------
+    def _can_pipeline(self, plan: SchedulerOutput) -> bool:
+        return (self.async_decode and bool(plan.decodes) and not plan.prefills
+                and not plan.new_rows and self.scheduler.num_waiting == 0)
+
+    def _build_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
+        """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
+        last tokens."""
+        work = self._decode_work(plan) if inputs is None else [DecodeWork(i, -1) for i in plan.decodes]
+        return _Inflight(plan, self.runner.decode(work, inputs))
+
+    def _launch(self, decode: _Inflight) -> None:
+        """Start a built decode; the device is idle (its transient is measured from here)."""
+        self._launch_base_bytes = _measure_start()
+        self._timed_launch(decode.forward)
+
+    def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
+        """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are
+        still running and will not reach max_tokens with `prev`'s token; None if the scheduler has
+        other work (a waiting request, a prompt chunk) or no row goes on."""
+        s = self.scheduler
+        if s.num_waiting or any(r.is_prefilling for r in s.running):
+            return None
+        index = {rid: i for i, rid in enumerate(prev.plan.decodes)}
+        rows = [r.request_id for r in s.running if r.request_id in index
+                and r.num_output_tokens + 1 < r.sampling.max_tokens]
+        if not rows:
+            return None
+        tokens = prev.forward.tokens
+        inputs = tokens if len(rows) == len(index) else tokens[mx.array([index[r] for r in rows])]
+        return self._build_decode(s.plan_decodes(rows, ahead=1), inputs)
+
+    def advance(self) -> StepRun:
+        """A step of the decode pipeline (`pipelining`): see `_advance`."""
+        self._begin()
+        return self._advance()
+
+    def _advance(self) -> StepRun:
+        """Build the next decode while the running one computes, wait for it, launch the next; the
+        finished one's tokens are returned for the engine to commit (while the next one runs)."""
+        prev, self._inflight = self._inflight, None
+        try:
+            nxt = self._next_decode(prev)
+        except Exception as exc:  # the next forward's rows fail once this one's tokens are committed
+            nxt, next_error = None, exc
+        else:
+            next_error = None
+        try:
+            finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
+            tokens = prev.forward.tokens.tolist()
+        except Exception as exc:
+            return StepRun(prev.plan, error=exc)
+        memory = self._record_memory(prev.plan.predicted_transient_bytes, 0, self._launch_base_bytes,
+                                     pipelined=True)
+        if nxt is not None:
+            self.num_steps += 1
+            try:
+                self._launch(nxt)
+                self._inflight = nxt
+            except Exception as exc:
+                next_error = exc
+        return StepRun(prev.plan, dict(zip(prev.plan.decodes, tokens)), memory=memory, next_error=next_error,
+                       forwards=self._forward_timings())
