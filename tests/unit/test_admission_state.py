@@ -11,6 +11,7 @@ from deployments.admission.queue import Admitter
 from deployments.admission.state import (AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity,
                                          ReplicaReport)
 from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.kv_manager import KVManager
 from engine.core.scheduler import Scheduler, SchedulerConfig
 
 KV_TOKEN = 512
@@ -50,7 +51,8 @@ def test_reservation_is_the_engine_schedulers():
     shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, vocab_size=1000, dtype_bytes=4)
     memory = MemoryModel(shape, kv_step=STEP)
-    scheduler = Scheduler(SchedulerConfig(4, 256, 128, 4096, 1 << 30), memory)
+    scheduler = Scheduler(SchedulerConfig(4, 256, 128, 4096), memory,
+                          KVManager(STEP, memory.kv_bytes_per_token, 1 << 30))
     cap = ReplicaCapacity("r", 1 << 31, 0, memory.kv_bytes_per_token, memory.kv_step, 0, 1 << 30, 4096)
     for prompt, max_tokens in [(1, 1), (1, 256), (1, 257), (200, 57), (200, 58), (1000, 3000)]:
         assert cap.reservation_bytes(prompt, max_tokens) == scheduler.reservation_bytes(prompt, max_tokens)

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,11 +37,6 @@ def report(replica_id: str, cached: list[list[int]] = (), steps: int = 8, live=(
 
 def prompt(suffix: int, system=SYSTEM) -> list[int]:
     return list(system) + list(range(50_000 + 100 * suffix, 50_000 + 100 * suffix + 30))
-
-
-@dataclass
-class Row:
-    nbytes: int
 
 
 # --- the hashes ------------------------------------------------------------------------------------
@@ -88,9 +82,9 @@ def test_engine_cache_and_ingress_agree():
     """The engine hashes what it caches; the ingress hashes the prompt; both with one module."""
     cache = PrefixCache(max_bytes=1000)
     first, second = prompt(1), prompt(2)
-    cache.insert(first + [9, 9, 9], Row(100))  # a finished request: prompt + outputs
+    cache.insert(first + [9, 9, 9], (0,), 100)  # a finished request: prompt + outputs
     assert cache.block_hash_chains == (block_hashes(first + [9, 9, 9]),)
-    cache.insert(list(range(7, 7 + 2 * B)), Row(100))
+    cache.insert(list(range(7, 7 + 2 * B)), (0,), 100)
     held = set(summarize(cache.block_hash_chains, 4096))
     assert matched_blocks(block_hashes(second), held) == 4
     hit = cache.lookup(second)
@@ -101,12 +95,12 @@ def test_engine_cache_and_ingress_agree():
 def test_cache_chains_are_most_recently_used_first_and_follow_evictions():
     cache = PrefixCache(max_bytes=250)
     old, new = list(range(B)), list(range(100, 100 + B))
-    cache.insert(old, Row(100))
-    cache.insert(new, Row(100))
+    cache.insert(old, (0,), 100)
+    cache.insert(new, (0,), 100)
     assert cache.block_hash_chains == (block_hashes(new), block_hashes(old))
     cache.unpin(cache.lookup(old + [1]))  # a hit makes it the most recent
     assert cache.block_hash_chains[0] == block_hashes(old)
-    cache.insert(list(range(300, 300 + B)), Row(100))  # evicts the least recently used: `new`
+    cache.insert(list(range(300, 300 + B)), (0,), 100)  # evicts the least recently used: `new`
     assert block_hashes(new) not in cache.block_hash_chains and len(cache.block_hash_chains) == 2
 
 

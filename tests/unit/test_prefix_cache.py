@@ -1,19 +1,12 @@
-"""Prefix cache index and budget (pure Python: rows are stand-ins with an nbytes)."""
-
-from dataclasses import dataclass
+"""Prefix cache index and budget (pure Python: entries hold block ids and their bytes)."""
 
 from engine.core.prefix_cache import PrefixCache
 
 
-@dataclass
-class Row:
-    nbytes: int
-
-
 def test_longest_common_prefix_wins_and_last_token_is_recomputed():
     cache = PrefixCache(max_bytes=1000)
-    cache.insert([1, 2, 3, 4], Row(100))
-    cache.insert([1, 2, 9, 9, 9], Row(100))
+    cache.insert([1, 2, 3, 4], (0,), 100)
+    cache.insert([1, 2, 9, 9, 9], (0,), 100)
     hit = cache.lookup([1, 2, 3, 4, 5, 6])
     assert hit.num_tokens == 4
     cache.unpin(hit)
@@ -25,10 +18,10 @@ def test_longest_common_prefix_wins_and_last_token_is_recomputed():
 
 def test_lru_eviction_under_budget_and_pins():
     cache = PrefixCache(max_bytes=250)
-    cache.insert([1], Row(100))
-    cache.insert([2], Row(100))
+    cache.insert([1], (0,), 100)
+    cache.insert([2], (0,), 100)
     pinned = cache.lookup([1, 5])  # touches and pins [1]
-    cache.insert([3], Row(100))  # over budget: evicts the least recently used unpinned entry, [2]
+    cache.insert([3], (0,), 100)  # over budget: evicts the least recently used unpinned entry, [2]
     assert cache.lookup([2, 5]) is None
     assert cache.nbytes == 200 and cache.stats.num_evictions == 1
     assert cache.evict(1000) == 100  # [1] is pinned and stays
@@ -38,17 +31,16 @@ def test_lru_eviction_under_budget_and_pins():
 
 def test_entry_larger_than_budget_is_not_kept():
     cache = PrefixCache(max_bytes=50)
-    assert not cache.insert([1, 2], Row(100))
+    assert not cache.insert([1, 2], (0,), 100)
     assert len(cache) == 0
 
 
-def test_evicted_rows_go_to_on_evict():
+def test_evicted_blocks_go_to_on_evict():
     evicted = []
     cache = PrefixCache(max_bytes=250, on_evict=evicted.append)
-    first, second = Row(100), Row(100)
-    cache.insert([1], first)
-    cache.insert([2], second)
-    cache.insert([3], Row(100))  # evicts [1]: its blocks go back to the pool
-    assert evicted == [first]
+    cache.insert([1], [4, 5], 100)
+    cache.insert([2], [6], 100)
+    cache.insert([3], [7], 100)  # evicts [1]: its blocks go back to the pool
+    assert evicted == [(4, 5)]
     cache.evict(1000)
-    assert len(evicted) == 3 and evicted[1] is second
+    assert evicted == [(4, 5), (6,), (7,)]

@@ -5,6 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.types import FinishReason, Request, SamplingParams
+from engine.core.kv_manager import KVManager
 from engine.core.scheduler import Scheduler, SchedulerConfig
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -14,8 +15,9 @@ STEP = 16
 
 def make(max_num_seqs=8, budget=32, chunk=8, max_model_len=512, kv_tokens=4096) -> Scheduler:
     memory = MemoryModel(SHAPE, kv_step=STEP)
-    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, kv_tokens * memory.kv_bytes_per_token)
-    return Scheduler(cfg, memory)
+    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len)
+    kv = KVManager(STEP, memory.kv_bytes_per_token, kv_tokens * memory.kv_bytes_per_token)
+    return Scheduler(cfg, memory, kv)
 
 
 def req(rid, n_prompt, max_tokens=4):
@@ -108,9 +110,9 @@ def test_abort_releases_reservation():
     s = make()
     s.add(req("a", 10, max_tokens=5))
     run_step(s)
-    assert s.kv_reserved_bytes > 0 and s.num_running == 1
+    assert s.kv.reserved_bytes > 0 and s.num_running == 1
     s.finish("a", FinishReason.ABORT)
-    assert s.kv_reserved_bytes == 0 and s.num_running == 0 and not s.has_unfinished()
+    assert s.kv.reserved_bytes == 0 and s.num_running == 0 and not s.has_unfinished()
     assert s.schedule().is_empty
 
 
@@ -182,10 +184,10 @@ def test_property_every_request_finishes_and_budget_holds(arrivals, aborts, budg
         assert out.num_batched_tokens <= budget
         assert out.predicted_transient_bytes <= s.transient_bound_bytes
         assert len(s.running) <= max_num_seqs
-        assert 0 <= s.kv_reserved_bytes <= s.config.kv_budget_bytes
+        assert 0 <= s.kv.reserved_bytes <= s.kv.kv_budget_bytes
         done |= before - set(s.requests)
         if not pending and not s.has_unfinished():
             break
     assert not s.has_unfinished() and not pending
     assert done | aborted == {str(i) for i in range(len(arrivals))}
-    assert s.kv_reserved_bytes == 0
+    assert s.kv.reserved_bytes == 0
