@@ -93,6 +93,11 @@ class StepExecutor:
         return self._inflight is not None
 
     @property
+    def has_deferred(self) -> bool:
+        """A prompt chunk of the previous step is still on the device (`overlap_steps`)."""
+        return self._deferred is not None
+
+    @property
     def busy(self) -> bool:
         """A forward is still on the device (a pipelined decode, or a deferred prompt chunk)."""
         return self._inflight is not None or self._deferred is not None

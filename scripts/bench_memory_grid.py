@@ -94,19 +94,21 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
     """Step the engine until `until()`; one record per step (predicted, measured, time, plan)."""
     out = []
     while not until():
-        recorder.slices.clear()
-        meter.begin(engine.runner.kv_allocated_bytes)
+        meter.begin(engine.stats().kv_allocated_bytes)
         t = time.perf_counter()
-        outputs = engine.step()
+        record = recorder.step()
+        outputs = record.outputs
         mx.synchronize()
         dt = time.perf_counter() - t
-        whole = meter.end(engine.runner.kv_allocated_bytes)
+        whole = meter.end(engine.stats().kv_allocated_bytes)
         for o in outputs:
             if o.error:
                 raise RuntimeError(f"{o.request_id}: {o.error}")
-        own = getattr(engine, "last_step_memory", None)
-        plan = recorder.plans[-1]
-        slices = sorted(set().union(*recorder.slices))  # rows whose KV this step read as a view of the pool
+        own = record.memory  # None: the step failed or scheduled nothing
+        plan = record.plan
+        if plan is None:
+            continue
+        slices = sorted(record.slice_reads)  # rows whose KV this step read as a view of the pool
         out.append(dict(step_s=dt, measured=own.measured_bytes if own is not None else whole,
                         whole_step_measured=whole, predicted=plan.predicted_transient_bytes,
                         decodes=len(plan.decodes), context_lens=None,
@@ -194,7 +196,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 if st["chunks"] or st["decodes"] != b:
                     continue
                 ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                paged = engine.runner.paged_attention  # else decode gathers (engine/model/kv_pool.py)
+                paged = engine.memory.paged_decode  # else decode gathers (engine/model/kv_pool.py)
                 terms = decode_terms(shape, b, ctx, paged, engine.memory.kv_step)
                 points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=not paged,
                                    paged=paged,
@@ -249,7 +251,7 @@ def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: li
                 for st, apart, warm in zip(found[True], found[False], found["warm"]):
                     cc, end, logits = st["chunks"][0]
                     ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                    paged = engine.runner.paged_attention
+                    paged = engine.memory.paged_decode
                     gathers = not any(s.startswith("m") for s in st["slice_reads"])
                     terms = prefill_terms(shape, cc, end, logits)
                     terms["prefill_gather"] *= gathers

@@ -273,63 +273,17 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
 
 
 class StepRecorder:
-    """Wraps engine.core.scheduler.schedule to keep each step's plan, so each step's predicted transient
-    can be set beside the one measured around that step, and the engine's choice of prompt chunks read
-    as views (bench instrumentation, engine untouched)."""
+    """Steps the engine and keeps each step's record (engine.core.types.StepRecord): its plan, the
+    prompt chunks it read as views of the pool, its forwards' times and its memory."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.plans: list = []
-        self.slices: list[set] = []  # the engine's view-or-gather decisions (engine/model/kv_pool.py slice_start)
-        self._schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = self._record
-        self._slice_reads = engine._slice_reads
-        engine._slice_reads = self._record_slices
-        self._refine = engine._refine_prediction
-        engine._refine_prediction = self._record_refined
-        # each forward's launch, the return of that launch, the start and the end of its wait, relative
-        # to the step's start (where the step's time goes: the device's forwards, or the host between
-        # them; between a launch's return and its wait the host builds the next forward)
-        self.t0 = time.perf_counter()
-        self.forwards: list = []
-        launch, retire = engine.runner.launch, engine._retire
+        self.records: list = []
 
-        def timed_launch(forward):
-            record = [time.perf_counter() - self.t0, None, None, None]
-            self.forwards.append(record)
-            launch(forward)
-            record[1] = time.perf_counter() - self.t0
-
-        def timed_retire(running, sampled):
-            record = self.forwards[-1] if self.forwards and self.forwards[-1][3] is None else None
-            if record is not None:
-                record[2] = time.perf_counter() - self.t0
-            retire(running, sampled)
-            if record is not None:
-                record[3] = time.perf_counter() - self.t0
-
-        engine.runner.launch = timed_launch
-        engine._retire = timed_retire
-
-    def begin_step(self) -> None:
-        self.t0 = time.perf_counter()
-        self.forwards = []
-
-    def _record_refined(self, plan):
-        """The engine's own prediction: the plan refined once its chunks' view-or-gather is known."""
-        refined = self._refine(plan)
-        if self.plans and self.plans[-1] is plan:
-            self.plans[-1] = refined
-        return refined
-
-    def _record(self):
-        plan = self._schedule()
-        self.plans.append(plan)
-        return plan
-
-    def _record_slices(self, prefills):
-        self.slices.append(self._slice_reads(prefills))
-        return self.slices[-1]
+    def step(self):
+        record = self.engine.step()
+        self.records.append(record)
+        return record
 
 
 def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], max_tokens: int,
@@ -346,25 +300,27 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
     first: dict[str, float] = {}
     steps = []
     while len(first) < len(prompts):
-        meter.begin(engine.runner.kv_allocated_bytes)
-        recorder.begin_step()
+        meter.begin(engine.stats().kv_allocated_bytes)
         t = time.perf_counter()
-        outputs = engine.step()
+        record = recorder.step()
+        outputs = record.outputs
         step_s = time.perf_counter() - t
-        forwards = [tuple(None if t is None else round(t, 5) for t in f) for f in recorder.forwards]
-        whole_step = meter.end(engine.runner.kv_allocated_bytes)  # across the engine's per-forward resets
+        # (launch, launched, wait, waited) of each forward, seconds from the step's start
+        forwards = [tuple(None if t is None else round(t, 5) for t in dataclasses.astuple(f))
+                    for f in record.forwards]
+        whole_step = meter.end(engine.stats().kv_allocated_bytes)  # across the engine's per-forward resets
         now = meter.elapsed()
         for out in outputs:
             if out.error:
                 raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
             first.setdefault(out.request_id, now)
-        plan = recorder.plans[-1]
+        plan = record.plan
         # The engine's own figure is per forward (KV of rows allocated later in the step not
         # subtracted); the whole-step one is the fallback for engines that expose none.
         # The engine's record pairs its measurement with its prediction: with overlapped steps
         # (Engine._overlap_steps) a step's record also holds the previous step's deferred forward,
         # measured and predicted (the plan's prediction is this step's alone).
-        own = getattr(engine, "last_step_memory", None)
+        own = record.memory  # None: the step failed or scheduled nothing
         measured = own.measured_bytes if own is not None else whole_step
         predicted = own.predicted_bytes if own is not None else plan.predicted_transient_bytes
         steps.append(dict(
@@ -381,7 +337,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
     prefill_s = meter.elapsed()
     meter.stepwise = max(s["measured"] for s in steps)
     stats = engine.stats()
-    kv = engine.runner.kv_allocated_bytes
+    kv = stats.kv_allocated_bytes
     result = meter.result(kv, stats.max_predicted_transient_bytes, [first[i] for i in ids], prefill_s,
                           config=engine.config.model_dump(), steps=steps,
                           engine_stats=dataclasses.asdict(stats))

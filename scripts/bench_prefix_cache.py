@@ -23,7 +23,7 @@ def ttft(engine: Engine, request_id: str, prompt: list[int]) -> tuple[float, int
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     while True:
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.request_id == request_id:
                 return time.perf_counter() - start, out.num_cached_tokens
 

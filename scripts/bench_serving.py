@@ -144,13 +144,12 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     engine = make_engine(lm, prompts, args, **overrides)
     tracer = StepTracer(engine, args.trace_steps) if args.trace_steps and breakdown else None
     timers = {"schedule": 0.0, "decode": 0.0, "prefill": 0.0, "forward_build": 0.0}
-    decode_steps: list[tuple] = []  # (rows, step_s, runner.decode_s, graph build_s, schedule_s)
+    # (rows, step_s, runner.decode_s, host time before the step's first launch, schedule_s)
+    decode_steps: list[tuple] = []
     if breakdown:
         _wrap(engine.scheduler, "schedule", timers, "schedule")
         _wrap(engine.runner, "decode", timers, "decode")
         _wrap(engine.runner, "prefill", timers, "prefill")
-        if hasattr(engine.runner, "_forward"):  # builds the lazy graph: Python time, no compute
-            _wrap(engine.runner, "_forward", timers, "forward_build")
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
 
     def add(i, prompt):
@@ -161,12 +160,15 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     def step():
         before = dict(timers)
         t = time.perf_counter()
-        outs = engine.step()
+        record = engine.step()
+        outs = record.outputs
         dt = time.perf_counter() - t
-        if len(first_steps) < 8 and engine.last_plan is not None:
+        if record.forwards:  # the host's time before the device had work: scheduling and the graph build
+            timers["forward_build"] += record.forwards[0].launch_s
+        if len(first_steps) < 8 and record.plan is not None:
             first_steps.append({"start_s": t, "duration_s": round(dt, 4),
-                                "prefill_chunks": len(engine.last_plan.prefills),
-                                "decode_rows": len(engine.last_plan.decodes)})
+                                "prefill_chunks": len(record.prefill_chunks),
+                                "decode_rows": record.num_decode_tokens})
         if timers["prefill"] == before["prefill"] and outs:
             decode_steps.append((len(outs), dt, timers["decode"] - before["decode"],
                                  timers["forward_build"] - before["forward_build"],
@@ -177,7 +179,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
         records, wall = LoopDriver(prompts, arrivals, args.concurrency_now).run(add, step)
     result = summarize(records, wall)
     result.update(mem.result())
-    result["num_steps"] = engine.num_steps
+    result["num_steps"] = engine.stats().num_steps
     first_start = first_steps[0]["start_s"] if first_steps else 0.0
     for record in first_steps:
         record["start_s"] = round(record["start_s"] - first_start, 4)
@@ -192,7 +194,8 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
             return sum(s[i] for s in decode_steps) / n
 
         # A decode-only step = schedule + runner.decode (graph build + evaluation + sampling) + the rest
-        # (scheduler update, output processing). Graph build and the rest are Python on the host.
+        # (scheduler update, output processing). "graph_build" is the host's time before the step's
+        # first launch (its record's forwards), which for a decode-only step includes its schedule.
         result["breakdown"] = dict(
             timers_s=timers, num_decode_only_steps=n, decode_rows_mean=mean(0),
             decode_step_mean_s=mean(1), runner_decode_mean_s=mean(2), graph_build_mean_s=mean(3),
@@ -218,15 +221,15 @@ def _wrap(obj, name: str, timers: dict, key: str) -> None:
 class StepTracer:
     """Where the first steps' time goes: host seconds per engine function, step by step (--trace-steps)."""
 
-    PARTS = (("engine", ("_add_rows", "_refine_prediction", "_execute", "_commit", "_advance_pipeline")),
-             ("scheduler", ("schedule", "update")), ("runner", ("grow_pool", "prefill", "decode", "launch")),
-             ("prefix_cache", ("insert", "lookup", "evict")))
+    PARTS = (("executor", ("run", "advance")), ("scheduler", ("schedule", "update")),
+             ("runner", ("grow_pool", "prefill", "decode", "launch")),
+             ("kv", ("allocate", "place_admitted", "free")))
 
     def __init__(self, engine, num_steps: int):
         self.num_steps, self.steps = num_steps, []
         totals = collections.defaultdict(float)  # seconds per function, over the run
         for owner, names in self.PARTS:
-            obj = engine if owner == "engine" else getattr(engine, owner)
+            obj = getattr(engine, owner)
             for name in names:
                 if hasattr(obj, name):
                     _wrap(obj, name, totals, f"{owner}.{name}")
@@ -330,8 +333,8 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         asyncio.run(main([[(t + 1) % vocab for t in p] for p in prompts]))  # warm this engine's thread
         # The prefix cache keeps the warm pass's blocks; let them go (the engine thread is idle), so the
         # timed pass finds the pool at the size this load needs instead of growing it.
-        engine.prefix_cache.evict(engine.prefix_cache.nbytes)
-        pool_before = engine.runner.pool_tokens
+        engine.kv.prefix_cache.evict(engine.kv.cached_bytes)
+        pool_before = engine.stats().kv_allocated_bytes
         warm_steps = list(steps)
         steps.clear()
         if tracer is not None:
@@ -342,7 +345,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         result.update(mem.result())
         result["first_steps"] = steps
         result["warm_pass_first_steps"] = warm_steps
-        result["pool_grew_in_timed_pass"] = engine.runner.pool_tokens != pool_before
+        result["pool_grew_in_timed_pass"] = engine.stats().kv_allocated_bytes != pool_before
         if tracer is not None:
             result["step_trace_ms"], result["warm_pass_step_trace_ms"] = tracer.steps, warm_trace
         result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)

@@ -75,13 +75,13 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
             prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(4, 1500))]
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=rng.randint(2, 16), ignore_eos=True))
         while engine.has_unfinished():
-            pool_bytes = engine.runner.pool.nbytes
-            engine.step()
-            if engine.runner.pool.nbytes != pool_bytes:
+            pool_bytes = engine.stats().kv_allocated_bytes
+            record = engine.step()
+            if engine.stats().kv_allocated_bytes != pool_bytes or record.memory is None:
                 continue  # the pool grew in this step: its copy is counted apart (kv_copy_bytes)
             # The engine measures a step as a whole: keep the steps of one part (one prompt chunk, or
             # the decode alone).
-            plan, peak = engine.last_plan, engine.last_step_memory.measured_bytes
+            plan, peak = record.plan, record.memory.measured_bytes
             reqs = engine.scheduler.requests
             if len(plan.prefills) == 1 and not plan.decodes:
                 c = plan.prefills[0]

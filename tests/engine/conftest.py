@@ -70,7 +70,7 @@ def run_to_completion():
     def run(engine) -> dict:
         tokens: dict = {}
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens
 

@@ -94,7 +94,7 @@ async def test_warmup_runs_in_the_engine_thread_before_serving(make_engine, monk
     try:
         assert aengine.warmup_s is not None and threads  # done when the constructor returns
         assert set(threads) == {"mlx-engine"}
-        assert not engine.has_unfinished() and engine.runner.kv_used_bytes == 0
+        assert not engine.has_unfinished() and engine.kv.used_bytes == 0
         outs = [o async for o in aengine.generate("a", [9] * 12, SamplingParams(max_tokens=3, ignore_eos=True))]
         assert sum(len(o.new_token_ids) for o in outs) == 3
     finally:

@@ -48,15 +48,15 @@ def test_the_chunk_loop_gives_mlx_lm_logits_and_writes_the_same_kv(tiny_parts, r
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
-    loop = ModelRunner(model, block_size=4, max_kv_tokens=64)
-    modules = ModelRunner(model, block_size=4, max_kv_tokens=64, layer_loops=False)
+    loop = ModelRunner(model, block_size=4)
+    modules = ModelRunner(model, block_size=4, layer_loops=False)
     assert loop.chunk_path is not None and modules.chunk_path is None
     prompt = random_prompt(19, seed=5)
     chunks = [prompt[:6], prompt[6:13], prompt[13:]]
     rows = []
     for runner in (loop, modules):
         runner.grow_pool(16)
-        rows.append(Row(runner.blocks.allocate(5), 4, runner.pool.block_bytes))
+        rows.append(Row(list(range(5)), 4, runner.pool.block_bytes))
     hidden = run_chunks(loop, rows[0], chunks, read_slices, sample_last=True)
     run_chunks(modules, rows[1], chunks, read_slices, sample_last=False)
     want = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[:, -1:]
@@ -74,9 +74,9 @@ def test_a_chunk_that_samples_nothing_builds_no_output(tiny_parts):
     from engine.model.runner import ModelRunner, PrefillWork
     from engine.model.sampling import RequestSampler
 
-    runner = ModelRunner(tiny_parts[0], block_size=4, max_kv_tokens=64)
+    runner = ModelRunner(tiny_parts[0], block_size=4)
     runner.grow_pool(16)
-    runner.add_row("a", 16, RequestSampler(SamplingParams(), 0))
+    runner.add_row("a", range(4), RequestSampler(SamplingParams(), 0))
     prompt = random_prompt(12, seed=2)
     first = runner.prefill(PrefillWork("a", prompt[:6], 0, False))
     assert first.tokens is None
@@ -121,7 +121,7 @@ def test_models_the_loop_cannot_run_keep_mlx_lm_modules(random_llama):
     model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256)
     nn.quantize(model, group_size=32, bits=8)
     assert "QuantizedLinear" in unsupported(model)
-    runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
+    runner = ModelRunner(model, block_size=4)
     assert runner.chunk_path is None and runner.decode_path is None
     with pytest.raises(ValueError, match="chunk path"):
         ChunkPath(model)

@@ -36,7 +36,7 @@ def test_decode_of_all_running_rows_is_one_forward(make_engine, async_decode):
     forwards = []
     for _ in range(4):
         before = engine.runner.num_forward_calls
-        outputs = engine.step()
+        outputs = engine.step().outputs
         assert len(outputs) == 6 and {o.request_id for o in outputs} == {str(i) for i in range(6)}
         forwards.append(engine.runner.num_forward_calls - before)
     # Pipelined: the first decode step dispatches two forwards (its own and the next), then one each.
@@ -62,7 +62,7 @@ def test_pipelined_decode_equals_synchronous_with_stops_and_aborts(make_engine):
         finish = {}
         steps = 0
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
                     finish[out.request_id] = out.finish_reason
@@ -70,7 +70,7 @@ def test_pipelined_decode_equals_synchronous_with_stops_and_aborts(make_engine):
             if steps == 4:
                 out = engine.abort("4")
                 finish["4"] = out.finish_reason if out else None
-        assert engine.scheduler.kv_reserved_bytes == 0 and not engine.runner.rows
+        assert engine.kv.reserved_bytes == 0 and not engine.runner.rows
         results[async_decode] = (tokens, finish)
     assert results[True] == results[False]
     tokens, finish = results[True]
@@ -162,7 +162,7 @@ def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tin
     stays within its prediction (the deferred tail is counted in the next record, with the next forward's
     inputs), and an abort while a forward is deferred leaves the engine with one step to retire it."""
     engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=64, prefix_cache_fraction=0.0)
-    engine._overlap_steps = True
+    engine.executor.overlap_steps = True
     rng = np.random.default_rng(5)
     vocab = engine.memory.shape.vocab_size
     prompts = [rng.integers(3, vocab, n).tolist() for n in (150, 70, 9)]
@@ -172,10 +172,13 @@ def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tin
     tokens: dict = {}
     deferred_steps = 0
     while engine.has_unfinished():
-        for out in engine.step():
+        record = engine.step()
+        for out in record.outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        deferred_steps += engine._deferred is not None
-        step = engine.last_step_memory
+        deferred_steps += engine.executor.has_deferred
+        step = record.memory
+        if step is None:  # nothing was scheduled
+            continue
         # a deferred forward's tail is measured over what was alive when its step returned, and the
         # next step's first forward is built meanwhile: its inputs (token ids, KV slots: a few KB) count
         assert step.measured_bytes <= step.predicted_bytes + (64 << 10), step
@@ -185,8 +188,8 @@ def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tin
 
     engine.add_request("a", prompts[0], sampling)
     engine.step()
-    assert engine._deferred is not None
+    assert engine.executor.has_deferred
     assert engine.abort("a").finished
     assert engine.has_unfinished()  # the deferred forward is retired by one more step
-    assert engine.step() == [] and not engine.has_unfinished()
-    assert engine.runner.blocks.num_free == engine.runner.blocks.num_blocks
+    assert engine.step().outputs == () and not engine.has_unfinished()
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks

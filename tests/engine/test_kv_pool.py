@@ -27,7 +27,7 @@ def test_pool_grows_while_rows_hold_kv_and_output_is_exact(make_engine, tiny_par
     tokens = {i: [] for i in ids}
     pool_sizes = []
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id].extend(out.new_token_ids)
         pool_sizes.append(engine.runner.pool_tokens)
         stats = engine.stats()
@@ -36,7 +36,7 @@ def test_pool_grows_while_rows_hold_kv_and_output_is_exact(make_engine, tiny_par
     assert len(set(pool_sizes)) >= 3  # grew more than once, while earlier rows were decoding
     for i, p in zip(ids, prompts):
         assert tokens[i] == reference_greedy(tiny_parts[0], p, 10)
-    assert engine.runner.blocks.num_used == 0  # every block came back
+    assert engine.kv.allocator.num_used == 0  # every block came back
 
 
 def count_ops(array) -> int:
@@ -87,17 +87,21 @@ def test_contiguous_and_fragmented_rows_give_mlx_lm_logits(tiny_parts):
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.model.kv_pool import Row
+    from engine.core.blocks import BlockAllocator
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
-    runner = ModelRunner(model, block_size=4, max_kv_tokens=64)
+    runner = ModelRunner(model, block_size=4)
+    blocks = BlockAllocator(4, 16)  # the KV manager's part, here by hand
     runner.grow_pool(10)
-    singles = [runner.blocks.allocate(1) for _ in range(10)]
+    blocks.grow(10)
+    singles = [blocks.allocate(1) for _ in range(10)]
     for s in singles[1::2]:
-        runner.blocks.free(s)  # free: 1 3 5 7 9
-    fragmented = runner.blocks.allocate(5)
+        blocks.free(s)  # free: 1 3 5 7 9
+    fragmented = blocks.allocate(5)
     runner.grow_pool(16)
-    contiguous = runner.blocks.allocate(5)
+    blocks.grow(16)
+    contiguous = blocks.allocate(5)
     assert fragmented == [1, 3, 5, 7, 9] and contiguous == [10, 11, 12, 13, 14]
 
     prompt = random_prompts([13], 49152, seed=3)[0]
@@ -117,25 +121,27 @@ def test_contiguous_and_fragmented_rows_give_mlx_lm_logits(tiny_parts):
 def test_engine_output_is_exact_with_contiguous_and_fragmented_rows(make_engine, tiny_parts, reference_greedy):
     engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0)
     runner = engine.runner
-    runner.grow_pool(4)
-    held = [runner.blocks.allocate(1) for _ in range(4)]
-    runner.blocks.free(held[0])
-    runner.blocks.free(held[2])  # free: 0 2, no run of two
+    blocks = engine.kv.allocator  # the KV manager's: blocks held here are the engine's
+    blocks.grow(4)
+    held = [blocks.allocate(1) for _ in range(4)]
+    blocks.free(held[0])
+    blocks.free(held[2])  # free: 0 2, no run of two
     prompts = random_prompts([300, 280], engine.memory.shape.vocab_size, seed=11)  # 2 blocks of 256 each
     sampling = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens = {"0": [], "1": []}
-    blocks = {}
+    placed = {}
     for i, p in enumerate(prompts):  # one request a step: the first takes the free blocks 0 and 2
         engine.add_request(str(i), p, sampling)
-        for out in engine.step():
+        record = engine.step()
+        for out in record.outputs:
             tokens[out.request_id].extend(out.new_token_ids)
-        blocks.update({i: list(r.blocks) for i, r in runner.rows.items()})
+        placed.update({r.request_id: list(r.block_ids) for r in record.plan.new_rows})
+        assert {i: list(r.blocks) for i, r in runner.rows.items()} == {i: placed[i] for i in runner.rows}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id].extend(out.new_token_ids)
-        blocks.update({i: list(r.blocks) for i, r in runner.rows.items()})
-    assert blocks["0"] == [0, 2]  # fragmented: read by a gather
-    assert blocks["1"] == [4, 5]  # the pool grew: consecutive, read by slices
+    assert placed["0"] == [0, 2]  # fragmented: read by a gather
+    assert placed["1"] == [4, 5]  # the pool grew: consecutive, read by slices
     for i, p in enumerate(prompts):
         assert tokens[str(i)] == reference_greedy(tiny_parts[0], p, 6)
 
@@ -146,7 +152,7 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
     previous one still runs would copy whole pool arrays (runner.finish). So no forward is launched
     before the previous one is finished, in steps mixing decode and prompt chunks and in pipelined
     decode alike, and every launched forward is finished."""
-    import engine.forwards
+    import engine.executor
     import engine.model.runner
 
     state = {"in_flight": False, "launches": 0}
@@ -157,7 +163,7 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
         state["in_flight"] = False
 
     monkeypatch.setattr(engine.model.runner, "finish", finish)  # Forward.finish
-    monkeypatch.setattr(engine.forwards, "finish", finish)  # the pipelined decode's wait
+    monkeypatch.setattr(engine.executor, "finish", finish)  # the pipelined decode's wait
     eng = make_engine(max_num_seqs=4, prefill_chunk_size=8, max_num_batched_tokens=24,
                       async_decode=async_decode)
     real_launch = eng.runner.launch
@@ -185,23 +191,19 @@ def test_a_request_with_two_chunks_in_a_step_is_predicted_as_gathering_if_either
     block 0, as a gathered copy: the step is predicted with the gather (no under-prediction)."""
     engine = make_engine(prefill_chunk_size=200, max_num_seqs=4, prefix_cache_fraction=0.0)
     runner = engine.runner
-    runner.grow_pool(4)
-    held = [runner.blocks.allocate(1) for _ in range(4)]
-    runner.blocks.free(held[0])
-    runner.blocks.free(held[2])
+    blocks = engine.kv.allocator  # the KV manager's: blocks held here are the engine's
+    blocks.grow(4)
+    held = [blocks.allocate(1) for _ in range(4)]
+    blocks.free(held[0])
+    blocks.free(held[2])
     prompt = random_prompts([300], engine.memory.shape.vocab_size, seed=8)[0]
     engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     seen = []
-    refine = engine._refine_prediction
-
-    def record(plan):
-        seen.append(([(c.start, c.num_tokens) for c in plan.prefills], engine._slice_reads(plan.prefills)))
-        return refine(plan)
-
-    engine._refine_prediction = record
     tokens = []
     while engine.has_unfinished():
-        for out in engine.step():
+        record = engine.step()
+        seen.append(([(c.start, c.num_tokens) for c in record.prefill_chunks], record.slice_reads))
+        for out in record.outputs:
             tokens += out.new_token_ids
     assert runner.rows.get("a") is None and tokens == reference_greedy(tiny_parts[0], prompt, 3)
     assert seen[0] == ([(0, 200), (200, 100)], set())

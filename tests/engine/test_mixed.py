@@ -207,11 +207,11 @@ def test_mixed_forward_logits_equal_mlx_lm(tiny_parts, sample):
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
-    runner = ModelRunner(model, block_size=4, max_kv_tokens=128)
+    runner = ModelRunner(model, block_size=4)
     assert runner.mixed is not None
     runner.grow_pool(32)
     prompts = prompts_of([9, 7, 21], model.args.vocab_size, seed=9)
-    rows = [Row(runner.blocks.allocate(8), 4, runner.pool.block_bytes) for _ in prompts]
+    rows = [Row(list(range(8 * i, 8 * i + 8)), 4, runner.pool.block_bytes) for i in range(len(prompts))]
     for row, prompt in zip(rows[:2], prompts[:2]):  # two decoding rows, their prompts' KV in the pool
         view = ForwardView(runner.pool, [row], len(prompt))
         mx.eval(runner._forward(mx.array(prompt)[None], view.layers()), runner.pool.keys, runner.pool.values)

@@ -44,15 +44,16 @@ def test_paged_decode_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_gr
     runner = engine.runner
     impl = CountingReference(runner.pool.num_kv_heads, runner.pool.block_size)
     runner.use_paged_attention(impl)
-    runner.grow_pool(4)
-    held = [runner.blocks.allocate(1) for _ in range(4)]
-    runner.blocks.free(held[0])
-    runner.blocks.free(held[2])  # the first request gets blocks 0 and 2
+    blocks = engine.kv.allocator  # the KV manager's: blocks held here are the engine's
+    blocks.grow(4)
+    held = [blocks.allocate(1) for _ in range(4)]
+    blocks.free(held[0])
+    blocks.free(held[2])  # the first request gets blocks 0 and 2
     prompts = random_prompts([250, 3, 40], engine.memory.shape.vocab_size, seed=5)
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)  # the first row crosses position 256
     engine.add_request("0", prompts[0], sampling)
     # the first request alone takes the free blocks 0 and 2 (and may finish its prompt in this step)
-    early = {o.request_id: list(o.new_token_ids) for o in engine.step()}
+    early = {o.request_id: list(o.new_token_ids) for o in engine.step().outputs}
     assert runner.rows["0"].blocks == [0, 2]
     for i, p in enumerate(prompts[1:], 1):
         engine.add_request(str(i), p, sampling)
@@ -129,20 +130,24 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from engine.core.blocks import BlockAllocator
     from engine.model.kv_pool import ForwardView, Row
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
-    runner = ModelRunner(model, block_size=4, max_kv_tokens=128)
+    runner = ModelRunner(model, block_size=4)
+    blocks = BlockAllocator(4, 32)  # the KV manager's part, here by hand
     impl = CountingReference(runner.pool.num_kv_heads, 4)
     runner.use_paged_attention(impl)
     runner.grow_pool(10)
-    singles = [runner.blocks.allocate(1) for _ in range(10)]
+    blocks.grow(10)
+    singles = [blocks.allocate(1) for _ in range(10)]
     for s in singles[1::2]:
-        runner.blocks.free(s)
-    rows = [Row(runner.blocks.allocate(5), 4, runner.pool.block_bytes)]  # blocks 1 3 5 7 9
+        blocks.free(s)
+    rows = [Row(blocks.allocate(5), 4, runner.pool.block_bytes)]  # blocks 1 3 5 7 9
     runner.grow_pool(16)
-    rows.append(Row(runner.blocks.allocate(3), 4, runner.pool.block_bytes))
+    blocks.grow(16)
+    rows.append(Row(blocks.allocate(3), 4, runner.pool.block_bytes))
     assert rows[0].blocks == [1, 3, 5, 7, 9]
     prompts = random_prompts([13, 6], 49152, seed=9)
     caches = [make_prompt_cache(model) for _ in rows]
@@ -224,7 +229,7 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     forwards = [e.memory.transient_bound_bytes(16, 16, 2048) for e in (paged, gathering)]
     assert forwards[0] < forwards[1]  # (here a full pool's growth copy is the larger bound for both)
     assert paged.stats().kv_budget_bytes >= gathering.stats().kv_budget_bytes
-    assert paged.runner.blocks.max_blocks * 256 * paged.memory.kv_bytes_per_token <= paged.stats().kv_budget_bytes
+    assert paged.kv.allocator.max_blocks * 256 * paged.memory.kv_bytes_per_token <= paged.stats().kv_budget_bytes
     prompt = random_prompts([40], paged.memory.shape.vocab_size, seed=11)[0]
     paged.add_request("a", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     assert run_to_completion(paged)["a"] == reference_greedy(tiny_parts[0], prompt, 6)

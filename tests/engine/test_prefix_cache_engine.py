@@ -46,7 +46,7 @@ def test_second_chat_turn_prefills_only_the_new_tokens(make_engine):
 
 def test_small_budget_evicts_and_eviction_comes_before_waiting(make_engine):
     engine = make_engine(memory_limit_bytes=64 << 20, prefix_cache_fraction=1.0)
-    budget = engine.scheduler.config.kv_budget_bytes
+    budget = engine.kv.kv_budget_bytes
     per_request = engine.memory.kv_bytes(60 + 12 - 1)
     many = prompts(2, budget // per_request + 3, 60)
     for p in many:  # one after another: each finished request's KV goes into the cache
