@@ -126,3 +126,25 @@ async def test_engine_built_by_a_factory_in_the_engine_thread(make_engine):
 
     with pytest.raises(ValueError, match="memory_limit_bytes=1"):
         AsyncEngine(broken)
+
+
+async def test_on_step_gets_the_step_records_of_the_engine_thread(make_engine):
+    """The observer gets the StepRecord that step() returned: the outputs the stream then delivers,
+    the prompt chunks that covered the prompt, and the step's predicted and measured transient."""
+    aengine = AsyncEngine(make_engine(prefill_chunk_size=16, max_num_batched_tokens=16))
+    records = []
+    aengine.on_step = records.append
+    try:
+        prompt = list(range(5, 45))
+        outs = [o async for o in aengine.generate("a", prompt, SamplingParams(max_tokens=5, ignore_eos=True))]
+    finally:
+        aengine.shutdown()
+    assert [(c.start, c.num_tokens) for r in records for c in r.prefill_chunks] == [(0, 16), (16, 16), (32, 8)]
+    assert sum(r.num_prefill_tokens for r in records) == len(prompt)
+    assert sum(r.num_decode_tokens for r in records) == 4  # the first token came with the prompt
+    delivered = [t for r in records for o in r.outputs for t in o.new_token_ids]
+    assert delivered == [t for o in outs for t in o.new_token_ids]
+    assert all(r.plan is not None and not r.plan.is_empty and r.duration_s >= 0 for r in records)
+    memories = [r.memory for r in records if r.memory is not None]
+    assert memories and all(m.measured_bytes <= m.predicted_bytes for m in memories)
+    assert all(len(r.forwards) >= 1 for r in records if not r.pipelined)
