@@ -83,7 +83,7 @@ class StepExecutor:
         self._carried: Optional[StepMemory] = None  # its measured tail, for the next step's record
         self._launch_base_bytes = 0  # MLX active memory when the in-flight decode was launched
         self._t0 = time.perf_counter()  # the step's start, for its forwards' timings
-        self._timings: list[list] = []  # per forward: [launch, launched, wait, waited] seconds
+        self._timings: list[list] = []  # per forward: ForwardTiming's fields, seconds
         self.num_steps = 0
         self.max_predicted_bytes = 0
         self.max_measured_bytes = 0
@@ -224,6 +224,7 @@ class StepExecutor:
         for ids, chunk_id, build in self._builds(plan):
             if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
                 continue
+            build_s = time.perf_counter() - self._t0
             try:
                 forward = build()
             except Exception as exc:
@@ -236,7 +237,7 @@ class StepExecutor:
                 self._retire(running, sampled)
             if before is None:
                 before = self._measure_from()
-            self._timed_launch(forward)
+            self._timed_launch(forward, build_s)
             running = (ids, forward)
         if before is None:
             before = self._measure_from()
@@ -250,23 +251,23 @@ class StepExecutor:
             self._deferred = _Deferred(running[1], plan.predicted_transient_bytes, base)
         return sampled, memory
 
-    def _timed_launch(self, forward: Forward) -> None:
-        record = [time.perf_counter() - self._t0, 0.0, None, None]
+    def _timed_launch(self, forward: Forward, build_s: Optional[float] = None) -> None:
+        record = [build_s, time.perf_counter() - self._t0, 0.0, None, None]
         self._timings.append(record)
         self.runner.launch(forward)
-        record[1] = time.perf_counter() - self._t0
+        record[2] = time.perf_counter() - self._t0
 
     def _retire(self, running, sampled: dict[str, int]) -> None:
         """Wait for a launched forward and keep its sampled tokens."""
         ids, forward = running
-        record = self._timings[-1] if self._timings and self._timings[-1][3] is None else None
+        record = self._timings[-1] if self._timings and self._timings[-1][4] is None else None
         if record is not None:
-            record[2] = time.perf_counter() - self._t0
+            record[3] = time.perf_counter() - self._t0
         forward.finish()
         if forward.tokens is not None:
             sampled.update(zip(ids, forward.tokens.tolist()))
         if record is not None:
-            record[3] = time.perf_counter() - self._t0
+            record[4] = time.perf_counter() - self._t0
 
     def _measure_from(self) -> tuple[int, int]:
         """Wait for the previous step's deferred forward, then start measuring this step's transient."""

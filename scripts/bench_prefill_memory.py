@@ -306,8 +306,8 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
         outputs = record.outputs
         step_s = time.perf_counter() - t
         # (launch, launched, wait, waited) of each forward, seconds from the step's start
-        forwards = [tuple(None if t is None else round(t, 5) for t in dataclasses.astuple(f))
-                    for f in record.forwards]
+        forwards = [tuple(None if t is None else round(t, 5)
+                          for t in (f.launch_s, f.launched_s, f.wait_s, f.waited_s)) for f in record.forwards]
         whole_step = meter.end(engine.stats().kv_allocated_bytes)  # across the engine's per-forward resets
         now = meter.elapsed()
         for out in outputs:

@@ -3,8 +3,8 @@
 The pool (engine/model/kv_pool.py) is `num_blocks * block_size` token slots per layer. A running request owns
 the blocks of its whole reservation (the scheduler's `kv_tokens`, a multiple of the block size), a
 prefix-cache entry owns the blocks of its tokens, and the rest are free. The pool grows, never
-shrinks, and never past `max_blocks` (the KV budget): the scheduler keeps reserved + cached bytes
-within that budget, so a request it admitted always finds its blocks once the pool has grown.
+shrinks, and never past `max_blocks` (the KV budget): the KV manager (kv_manager.py) keeps reserved +
+cached bytes within that budget, so a request it admitted always finds its blocks once the pool has grown.
 
 `allocate` hands out the lowest run of consecutive free blocks when there is one long enough: a row
 whose blocks are consecutive is read as a slice of the pool instead of a gather (engine/model/kv_pool.py).

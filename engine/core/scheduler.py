@@ -10,11 +10,12 @@ Every step:
    chunk is its own forward, evaluated after the previous one: the memory bound is per chunk).
 
 KV policy: refuse at add time, wait for room, never preempt. A request is admitted to the running
-set only when the KV manager (kv_manager.py) can reserve KV for its whole life (prompt + max_tokens - 1,
-rounded up to the cache step) beside the requests already running; the plan hands the runner the block
-ids it placed, so KV can never fail to grow mid-request and nothing is ever recomputed. A request that could never fit (longer than
-max_model_len, or larger than the whole KV budget) is refused by `add` with a ValueError. Admission is
-strict FCFS: a head request that does not fit yet blocks the ones behind it (no starvation).
+set only when the KV manager (kv_manager.py) can reserve KV for its whole life (prompt + max_tokens
+- 1, rounded up to the cache step) beside the requests already running; the plan hands the runner the
+block ids it placed, so KV can never fail to grow mid-request and nothing is ever recomputed. A request
+that could never fit (longer than max_model_len, or larger than the whole KV budget) is refused by
+`add` with a ValueError. Admission is strict FCFS: a head request that does not fit yet blocks the ones
+behind it (no starvation).
 """
 
 from __future__ import annotations

@@ -203,9 +203,11 @@ class StepMemory:
 
 @dataclass(frozen=True)
 class ForwardTiming:
-    """One forward of a step, seconds from the step's start: launch called, launch returned, wait
-    started, wait ended (None where the forward was left running past the step)."""
+    """One forward of a step, seconds from the step's start: its graph build started (None: built by an
+    earlier step, the pipelined decode), launch called, launch returned, wait started, wait ended (None
+    where the forward was left running past the step)."""
 
+    build_s: Optional[float]
     launch_s: float
     launched_s: float
     wait_s: Optional[float] = None
