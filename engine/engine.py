@@ -97,7 +97,8 @@ class Engine:
                                   fuse=options.fuse_projections, mixed=options.mixed_batches,
                                   layer_loops=options.layer_loops,
                                   compiled_decode=options.compiled_decode and backend == "cuda",
-                                  cpu_math=options.cpu_math and backend == "cpu")
+                                  cpu_math=options.cpu_math and backend == "cpu",
+                                  read_slices=options.read_slices)
         shape = ModelShape.from_config(model_config, dtype_bytes, weights_bytes)
         runner = self.runner
         coefficients, self.memory_coefficients_source = backend_coefficients(

@@ -248,10 +248,10 @@ ENGINE_OVERRIDES: dict = {}  # --engine-config
 
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
                 layer_loops: bool = True, async_decode: bool = True, overlap_steps: Optional[bool] = None,
-                **overrides):
+                read_slices: bool = True, **overrides):
     """This engine at its default config around the already loaded model. `layer_loops`,
-    `async_decode`, `overlap_steps` (None: the engine's choice): its ways to compare; `overrides`:
-    EngineConfig fields."""
+    `async_decode`, `overlap_steps` (None: the engine's choice), `read_slices`: its ways to compare;
+    `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.model.runner import RunnerOptions
@@ -265,10 +265,10 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
     fields.update(overrides)
     limit = engine_memory_limit(lm, lengths, max_tokens, EngineConfig(**fields))
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(memory_limit_bytes=limit, **fields), lm.config,
-                    runner_options=RunnerOptions(layer_loops=layer_loops))
-    engine._async_decode = async_decode
+                    runner_options=RunnerOptions(layer_loops=layer_loops, read_slices=read_slices))
+    engine.executor.async_decode = async_decode
     if overlap_steps is not None:
-        engine._overlap_steps = overlap_steps
+        engine.executor.overlap_steps = overlap_steps
     return engine
 
 
@@ -318,7 +318,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
         # The engine's own figure is per forward (KV of rows allocated later in the step not
         # subtracted); the whole-step one is the fallback for engines that expose none.
         # The engine's record pairs its measurement with its prediction: with overlapped steps
-        # (Engine._overlap_steps) a step's record also holds the previous step's deferred forward,
+        # (StepExecutor.overlap_steps) a step's record also holds the previous step's deferred forward,
         # measured and predicted (the plan's prediction is this step's alone).
         own = record.memory  # None: the step failed or scheduled nothing
         measured = own.measured_bytes if own is not None else whole_step

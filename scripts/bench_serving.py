@@ -438,7 +438,7 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, **ov
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options)
-    engine._async_decode = async_decode
+    engine.executor.async_decode = async_decode
     return engine
 
 

@@ -69,8 +69,9 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk,
                            max_num_batched_tokens=chunk if max_num_seqs == 1 else chunk * 3,
                            max_num_seqs=max_num_seqs, memory_limit_bytes=8 << 30)
-        engine = Engine(model, tokenizer, cfg, model_config, runner_options=RunnerOptions(mixed_batches=False))
-        engine.runner.pool.read_slices = False  # every read a gather: the formulas' full form
+        # every read a gather: the formulas' full form
+        engine = Engine(model, tokenizer, cfg, model_config,
+                        runner_options=RunnerOptions(mixed_batches=False, read_slices=False))
         for i in range(rng.randint(2, 10)):
             prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(4, 1500))]
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=rng.randint(2, 16), ignore_eos=True))

@@ -25,11 +25,10 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
     from bench_prefill_memory import make_engine
     from engine.core.types import SamplingParams
 
-    engine = make_engine(lm, [len(p) for p in prompts], max_tokens, chunk)
-    engine.runner.pool.read_slices = read_slices
-    if not read_slices:
-        engine.runner.use_paged_attention(None)
-    if paths is not None:
+    # no views, and no paged decode attention (a config choice: the memory model then predicts gathers)
+    engine = make_engine(lm, [len(p) for p in prompts], max_tokens, chunk, read_slices=read_slices,
+                         **({} if read_slices else {"execution": {"paged_attention": False}}))
+    if paths is not None:  # which code paths the runner built (introspection, not engine state)
         path = engine.runner.decode_path
         paths.update(paged_attention=engine.runner.paged_attention, decode_loop=path is not None,
                      compiled_decode=path is not None and path.compiled is not None,

@@ -45,6 +45,7 @@ class RunnerOptions:
     mixed_batches: bool = True
     compiled_decode: bool = True  # on MLX's CUDA backend only
     cpu_math: bool = True  # on MLX's CPU backend only
+    read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ def check_plain_kv_cache(model: nn.Module) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256,
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
-                 layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False):
-        """`block_size`: token slots per KV pool block.
+                 layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
+                 read_slices: bool = True):
+        """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
+        consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `paged_attention`: the engine's decode loop reads the pool in place with the CUDA kernel (the
         engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
         allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
@@ -111,7 +114,7 @@ class ModelRunner:
         head_dim = getattr(attention, "head_dim", None) or model.args.hidden_size // attention.n_heads
         proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
         dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
-        self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size)
+        self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size, read_slices)
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
         self.fused = fuse and loops_unsupported(model) is None and fuse_projections(model) > 0
         self.decode_path: Optional[DecodePath] = None

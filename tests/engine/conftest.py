@@ -91,7 +91,7 @@ def make_engine(tiny_parts, model_cache_dir):
         cfg = EngineConfig(model="tiny", cache_dir=model_cache_dir,
                            memory_limit_bytes=overrides.pop("memory_limit_bytes", 4 << 30), **overrides)
         engine = Engine(model, tokenizer, cfg, model_config, runner_options=runner_options or RunnerOptions())
-        engine._async_decode = async_decode
+        engine.executor.async_decode = async_decode
         return engine
 
     return build

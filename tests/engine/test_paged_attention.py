@@ -106,10 +106,10 @@ def test_a_paged_view_refuses_mlx_lm_modules(tiny_parts):
     from engine.model.kv_pool import ForwardView, Row
     from engine.model.runner import ModelRunner
 
-    runner = ModelRunner(tiny_parts[0], block_size=4, max_kv_tokens=64)
+    runner = ModelRunner(tiny_parts[0], block_size=4)
     runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, 4))
     runner.grow_pool(4)
-    row = Row(runner.blocks.allocate(2), 4, runner.pool.block_bytes)
+    row = Row([0, 1], 4, runner.pool.block_bytes)
     view = ForwardView(runner.pool, [row], 1)
     with pytest.raises(RuntimeError, match="layer loops"):
         runner._forward(mx.array([[5]]), view.layers())
