@@ -1,21 +1,21 @@
 """The Ray Serve application: an OpenAI-compatible ingress in front of MLX engine replicas.
 
-    app.py        AppArgs (pydantic) and build_app(args) -> serve.Application; the only place where
-                  serve.deployment / serve.ingress are applied
-    ingress.py    OpenAIIngress: validation, tokenization, fan-out to replicas, the Python handle API
-    http_api.py   its FastAPI app: routes, SSE streaming, OpenAI error objects
-    protocol.py   pure request -> engine input and increment -> response logic
-    replica.py    EngineReplica: owns one AsyncEngine, streams plain-data increments, health, stats
-    schemas.py    pydantic request / response models of the API
-    errors.py     typed API errors (HTTP status + OpenAI error object), raised through handles too
-    admission.py  AdmissionController (one detached Ray actor per app), the ingress's AdmittedReplicaClient,
-                  the replicas' heartbeat (ReplicaReporter)
-    admission_state.py / admission_queue.py   its pure accounting and bounded wait queue (no ray)
-    cluster_env.py  environment for Ray's own processes (worker niceness, Serve's control loop, task events), set
-                  before the cluster starts: `eval "$(python -m deployments.cluster_env)"`
-    routing.py    AdmissionRequestRouter: Serve's request router, sends a request to the replica
-                  admission chose (GenerateRequest.target_replica_id): prefix affinity, else most room
+    app.py            AppArgs (pydantic), build_app(args) -> serve.Application (the only place where
+                      serve.deployment / serve.ingress are applied), and the CLI printing the metrics URLs
+    messages.py       the wire types between deployments (GenerateRequest/Output, ReplicaReport, ...)
+    engine_client.py  EngineClient: the typed engine contract the replica calls (AsyncEngine satisfies it)
+    errors.py         typed API errors (HTTP status + OpenAI error object), raised through handles too
+    cluster_env.py    environment for Ray's own processes, set before the cluster starts:
+                      `eval "$(python -m deployments.cluster_env)"`
+    ingress/          OpenAIIngress (validation, tokenization, fan-out), its FastAPI app, the pure
+                      protocol logic, the API schemas, per-request telemetry
+    replica/          EngineReplica (owns one engine, streams increments, reports capacity), its
+                      telemetry, and the client callers reach it with (ReplicaClient, HandleReplicaClient)
+    admission/        AdmissionController (one detached Ray actor per app) and its clients, the pure
+                      accounting (state.py) and wait queue (queue.py), Serve's request router (routing.py)
+    telemetry/        OpenTelemetry metrics and traces of every process, Prometheus ports
 
-This package is the only one that imports ray (engine/ never does). `config/serve.yaml` runs it:
+Imports go one way: app -> admission and ingress -> replica -> telemetry -> messages, engine_client,
+errors (admission and ingress meet only in app). This package is the only one that imports ray (engine/ never does). `config/serve.yaml` runs it:
 `serve run config/serve.yaml`.
 """

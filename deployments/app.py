@@ -1,28 +1,34 @@
-"""build_app: the Ray Serve application, from AppArgs (serve.yaml `args:` or Python).
+"""build_app: the Ray Serve application, from AppArgs (serve.yaml `args:` or Python); and its CLI.
 
 This is the only place `serve.deployment` and `serve.ingress` are applied; EngineReplica and
 OpenAIIngress stay plain classes (Ray Serve LLM's `build_llm_deployment` does the same):
 
     serve run config/serve.yaml                       # or: serve deploy config/serve.yaml
     serve.run(build_app({"engine": {"model": "tiny"}}), name="mlx-llm", route_prefix="/")
+    python -m deployments.app metrics config/serve.yaml   # the Prometheus URLs its processes will use
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import time
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig
-from deployments.telemetry.metrics import TelemetryConfig
+from engine import EngineConfig
 
+from deployments.admission.actor import ReporterFactory, admitted_client_factory
 from deployments.admission.state import AdmissionConfig
+from deployments.engine_client import EngineFactory
 from deployments.ingress.ingress import IngressSettings, OpenAIIngress
-from deployments.telemetry.observability import TelemetryFactory, process_telemetry
-from deployments.replica.replica import EngineFactory, EngineReplica
+from deployments.replica.replica import EngineReplica
+from deployments.telemetry.metrics import TelemetryConfig
+from deployments.telemetry.observability import TelemetryFactory, planned_prometheus_urls, process_telemetry
 
 APP_NAME = "mlx-llm"
 REPLICA_DEPLOYMENT = "EngineReplica"
@@ -177,8 +183,6 @@ def build_app_with(
     """build_app with injected factories (tests use a fake engine; None means the real one)."""
     from ray import serve
 
-    from deployments.admission.actor import ReporterFactory, admitted_client_factory
-
     app_args = parse_args(args)
     admission = app_args.admission if app_args.admission.enabled else None
     # The controller's own Telemetry (role "admission"), built in its process by whoever creates it.
@@ -202,3 +206,35 @@ def serve_ingress_class(cls: type) -> type:
     constructor) is the plain class's `build_asgi_app`; the plain class is left untouched."""
     sub = type(cls.__name__, (cls,), {"__serve_build_asgi_app__": cls.build_asgi_app})
     return sub
+
+
+def metrics_lines(config_path: str) -> list[str]:
+    """What `metrics` prints for each application of a serve.yaml: its exporter and planned URLs."""
+    with open(config_path) as f:
+        applications = yaml.safe_load(f).get("applications", [])
+    lines = []
+    for app in applications:
+        args = parse_args(app.get("args"))
+        replicas = args.num_replicas or (args.autoscaling.max_replicas if args.autoscaling else 1)
+        urls = planned_prometheus_urls(args.telemetry, replicas)
+        lines.append(f"[serve] {app.get('name')}: telemetry exporter {args.telemetry.exporter}")
+        lines += [f"[serve]   Prometheus {url}" for url in urls]
+        if urls:
+            lines.append("[serve]   (a taken port moves to a free one: see the log line '<role>: Prometheus "
+                         "metrics at <url>')")
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """`python -m deployments.app metrics [config/serve.yaml]`: the Prometheus URLs the app will use."""
+    parser = argparse.ArgumentParser(prog="python -m deployments.app")
+    commands = parser.add_subparsers(dest="command", required=True)
+    metrics = commands.add_parser("metrics", help="print the Prometheus /metrics URL of each process")
+    metrics.add_argument("config", nargs="?", default="config/serve.yaml", help="a serve.yaml")
+    options = parser.parse_args(argv)
+    if options.command == "metrics":
+        print("\n".join(metrics_lines(options.config)))
+
+
+if __name__ == "__main__":
+    main()

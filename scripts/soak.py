@@ -173,11 +173,12 @@ def sample_mlx(run: Run, t: float) -> None:
             s = handle.stats.remote().result(timeout_s=5)
         except Exception:  # a replica restarting
             continue
-        if s["replica_id"] in seen:
+        if s.replica_id in seen:
             continue
-        seen.add(s["replica_id"])
-        other = s["mlx_active_bytes"] - s["kv_allocated_bytes"]  # the KV pool: running KV, prefix cache, free
-        run.mlx.setdefault(s["replica_id"], []).append((t, other, s["mlx_active_bytes"], s["mlx_cache_bytes"]))
+        seen.add(s.replica_id)
+        e = s.engine
+        other = e.mlx_active_bytes - e.kv_allocated_bytes  # the KV pool: running KV, prefix cache, free
+        run.mlx.setdefault(s.replica_id, []).append((t, other, e.mlx_active_bytes, e.mlx_cache_bytes))
 
 
 def kill_one_replica(run: Run) -> None:
@@ -249,7 +250,7 @@ def final_state(num_replicas: int, timeout_s: float = 20.0) -> dict[str, Any]:
     while time.monotonic() < deadline:
         for _ in range(30):  # the router picks a replica per call: sample until every replica answered
             s = handle.stats.remote().result(timeout_s=10)
-            replicas[s["replica_id"]] = {k: s[k] for k in keys}
+            replicas[s.replica_id] = {k: getattr(s.engine, k) for k in keys}
             if len(replicas) >= num_replicas:
                 break
         # Idle once every replica answered zeros and every heartbeat the controller holds (a replica's

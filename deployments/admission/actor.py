@@ -34,9 +34,12 @@ import ray
 from engine.core.prefix_hash import block_hashes
 
 from deployments.admission.queue import Admitter
-from deployments.admission.state import AdmissionConfig, AdmissionDecision, ReplicaReport, Reservation
+from deployments.admission.state import AdmissionConfig
 from deployments.errors import (BadRequestError, ReplicaUnavailableError, ServiceUnavailableError,
                                 TooManyRequestsError)
+from deployments.messages import AdmissionDecision, GenerateOutput, GenerateRequest, ReplicaInfo, ReplicaReport, \
+    ReplicaStats, Reservation
+from deployments.replica.client import HandleReplicaClient, ReplicaClient
 
 logger = logging.getLogger(__name__)
 
@@ -200,15 +203,15 @@ def _submit(method: Any, *args: Any) -> None:
 
 
 class AdmittedReplicaClient:
-    """The ingress's replica client with admission in front: the same `generate` / `call` interface as
-    HandleReplicaClient, whose calls it wraps (built with max_attempts=1: a retry needs a new reservation)."""
+    """The ingress's replica client with admission in front: a ReplicaClient wrapping a
+    HandleReplicaClient (built with max_attempts=1: a retry needs a new reservation)."""
 
-    def __init__(self, inner: Any, admission: AdmissionClient, max_attempts: int = 3) -> None:
+    def __init__(self, inner: ReplicaClient, admission: AdmissionClient, max_attempts: int = 3) -> None:
         self._inner = inner
         self._admission = admission
         self._max_attempts = max_attempts
 
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Reserve, stream from the chosen replica, release exactly once whatever happens. A replica that
         is gone before the first output is reported and the request admitted again."""
         num_prompt = len(request.prompt_token_ids)
@@ -234,8 +237,11 @@ class AdmittedReplicaClient:
             finally:
                 self._admission.release(request.request_id)
 
-    async def call(self, method: str, timeout_s: float) -> Any:
-        return await self._inner.call(method, timeout_s)
+    async def info(self, timeout_s: float) -> ReplicaInfo:
+        return await self._inner.info(timeout_s)
+
+    async def stats(self, timeout_s: float) -> ReplicaStats:
+        return await self._inner.stats(timeout_s)
 
 
 def admitted_client_factory(config: AdmissionConfig, telemetry_factory: Optional[Callable[[], Any]] = None
@@ -250,8 +256,6 @@ class _AdmittedClientFactory:
     telemetry_factory: Optional[Callable[[], Any]] = None  # the controller's, if this ingress creates it
 
     def __call__(self, handle: Any) -> AdmittedReplicaClient:
-        from deployments.ingress.ingress import HandleReplicaClient
-
         admission = AdmissionClient(self.config, telemetry_factory=self.telemetry_factory)
         return AdmittedReplicaClient(HandleReplicaClient(handle, max_attempts=1), admission)
 

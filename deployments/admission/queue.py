@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from deployments.admission.state import (AdmissionConfig, AdmissionDecision, AdmissionLedger, ReplicaReport,
-                                         ReportResult, Reservation)
+from deployments.admission.state import AdmissionConfig, AdmissionLedger, ReportResult
+from deployments.messages import AdmissionDecision, ReplicaReport, Reservation
 
 logger = logging.getLogger(__name__)
 

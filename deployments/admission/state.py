@@ -31,10 +31,9 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.core.memory.model import round_up
 from engine.core.prefix_hash import MAX_SUMMARY_HASHES, matched_blocks
 
-Outcome = Literal["admitted", "rejected", "invalid"]
+from deployments.messages import LiveRequest, ReplicaCapacity, ReplicaReport, Reservation
 
 
 class AdmissionConfig(BaseModel):
@@ -74,68 +73,6 @@ class AdmissionConfig(BaseModel):
             raise ValueError(f"replica_timeout_s={self.replica_timeout_s} must be > 2 x "
                              f"heartbeat_interval_s={self.heartbeat_interval_s}")
         return self
-
-
-@dataclass(frozen=True)
-class ReplicaCapacity:
-    """What a replica can hold, from its engine's configuration (EngineStats)."""
-
-    replica_id: str
-    memory_limit_bytes: int
-    weights_bytes: int
-    kv_bytes_per_token: int
-    kv_cache_step: int
-    transient_bound_bytes: int
-    kv_budget_bytes: int
-    max_model_len: int
-
-    def reservation_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """The engine scheduler's reservation: prompt + max_tokens - 1 tokens, rounded to the cache step."""
-        tokens = max(num_prompt_tokens + max_tokens - 1, 1)
-        return round_up(tokens, self.kv_cache_step) * self.kv_bytes_per_token
-
-
-@dataclass(frozen=True)
-class LiveRequest:
-    """A request a replica holds, with the KV the controller's model gives it."""
-
-    request_id: str
-    kv_bytes: int
-    num_tokens: int  # prompt + max_tokens
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """A replica's heartbeat, also its registration."""
-
-    capacity: ReplicaCapacity
-    live: tuple[LiveRequest, ...] = ()
-    engine_kv_reserved_bytes: int = 0
-    engine_kv_used_bytes: int = 0
-    max_measured_transient_bytes: int = 0
-    healthy: bool = True  # False: the engine is dead or hung; the replica is dropped, nothing goes there
-    prefix_hashes: tuple[int, ...] = ()  # its prefix cache, summarised (engine/core/prefix_hash.py)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Room held for one engine request on one replica; the ingress routes the request there."""
-
-    request_id: str
-    replica_id: str
-    kv_bytes: int
-    num_tokens: int
-    num_prefix_blocks: int = 0  # prompt blocks the replica reported caching when it was chosen
-
-
-@dataclass(frozen=True)
-class AdmissionDecision:
-    outcome: Outcome
-    reason: str
-    message: str = ""
-    reservation: Optional[Reservation] = None
-    status_code: int = 200
-    retry_after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -390,23 +327,3 @@ class AdmissionLedger:
             seconds_since_report=now - r.last_seen, request_ids=tuple(sorted(r.entries)),
             num_prefix_hashes=len(r.prefix_hashes),
         ) for i, r in sorted(self._replicas.items())]
-
-
-CAPACITY_FIELDS = ("memory_limit_bytes", "weights_bytes", "kv_bytes_per_token", "kv_cache_step",
-                   "transient_bound_bytes", "kv_budget_bytes", "max_model_len")
-
-
-def build_report(replica_id: str, stats: dict, live: dict[str, tuple[int, int]], healthy: bool = True,
-                 prefix_hashes: tuple[int, ...] = ()) -> Optional[ReplicaReport]:
-    """A replica's report from its engine's stats (EngineStats as a dict), the requests it holds
-    ({request_id: (num_prompt_tokens, max_tokens)}) and its prefix-cache summary; None if the engine does
-    not report capacity."""
-    if any(name not in stats for name in CAPACITY_FIELDS):
-        return None
-    capacity = ReplicaCapacity(replica_id, **{name: int(stats[name]) for name in CAPACITY_FIELDS})
-    requests = tuple(LiveRequest(request_id, capacity.reservation_bytes(prompt, max_tokens), prompt + max_tokens)
-                     for request_id, (prompt, max_tokens) in live.items())
-    return ReplicaReport(capacity, requests, engine_kv_reserved_bytes=int(stats.get("kv_reserved_bytes", 0)),
-                         engine_kv_used_bytes=int(stats.get("kv_used_bytes", 0)),
-                         max_measured_transient_bytes=int(stats.get("max_measured_transient_bytes", 0)),
-                         healthy=healthy, prefix_hashes=tuple(prefix_hashes))

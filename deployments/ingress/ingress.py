@@ -18,7 +18,6 @@ Requests may also be plain dicts. Errors are the typed exceptions of `deployment
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import logging
 import time
@@ -28,16 +27,18 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.config import EngineConfig
-from deployments.telemetry.metrics import TelemetryConfig
+from engine import EngineConfig
 
-from deployments.errors import APIError, BadRequestError, EngineError, ModelNotFoundError, \
-    ReplicaUnavailableError, ServiceUnavailableError, unwrap
-from deployments.telemetry.observability import RequestObservation, TelemetryFactory, process_telemetry
+from deployments.errors import BadRequestError, ModelNotFoundError
+from deployments.ingress.http_api import build_fastapi_app
+from deployments.ingress.observation import RequestObservation
 from deployments.ingress.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
     usage_chunk
-from deployments.replica.replica import AbortRequest, GenerateOutput, GenerateRequest, ReplicaInfo
 from deployments.ingress.schemas import ChatCompletionRequest, CompletionRequest, HealthStatus, ModelCard, ModelList
+from deployments.messages import GenerateOutput, GenerateRequest, ReplicaInfo, ReplicaStats
+from deployments.replica.client import HandleReplicaClient, ReplicaClient
+from deployments.telemetry.metrics import TelemetryConfig
+from deployments.telemetry.observability import TelemetryFactory, process_telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -80,109 +81,6 @@ def default_tokenizer_factory(config: EngineConfig) -> Any:
     return load_tokenizer(resolve_model_path(config.model, config.cache_dir, resolve_dtype(config.dtype)))
 
 
-class HandleReplicaClient:
-    """Calls EngineReplica through a Ray Serve DeploymentHandle; maps Ray errors to API errors."""
-
-    def __init__(self, handle: Any, max_attempts: int = 3) -> None:
-        self._handle = handle
-        self._max_attempts = max_attempts
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Stream from one replica. A replica that dies before its first output is retried on another
-        (nothing was produced yet); after that, its death is the request's error."""
-        for attempt in range(1, self._max_attempts + 1):
-            gen = child_call(self._handle.options(stream=True).generate, request)
-            done = started = False
-            try:
-                async for out in gen:
-                    started = True
-                    yield out
-                done = True
-                return
-            except Exception as e:
-                if started or attempt == self._max_attempts or not _replica_died(e):
-                    raise replica_error(e) from None
-                logger.warning("replica died before output (attempt %d): %r; retrying", attempt, e)
-            finally:
-                if not done:  # client went away or failed: cancel the replica call, which aborts the engine
-                    gen.cancel()
-                    self._abort_on_target(request)
-
-    def _abort_on_target(self, request: GenerateRequest) -> None:
-        """Serve's cancel is best effort: a call cancelled while Serve dispatches it still reaches the
-        replica and runs to its end (seen in a timeout storm: abandoned prompts kept the engine busy for
-        20 s). When admission chose the replica, tell it directly; it drops the request whether the call
-        is already there or arrives later. Fire and forget: the caller is being cancelled."""
-        if request.target_replica_id is None:
-            return
-        try:
-            child_call(self._handle.abort, AbortRequest(request.request_id, request.target_replica_id))
-        except Exception:  # the replica is gone: nothing runs there any more
-            logger.debug("abort of %s not sent", request.request_id, exc_info=True)
-
-    async def call(self, method: str, timeout_s: float) -> Any:
-        response = child_call(getattr(self._handle, method))
-
-        async def result() -> Any:
-            return await response
-
-        try:
-            return await asyncio.wait_for(result(), timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise ServiceUnavailableError(f"no engine replica answered within {timeout_s:g} s",
-                                          retry_after_s=timeout_s) from None
-        except Exception as e:
-            raise replica_error(e) from None
-
-
-def child_call(method: Any, *args: Any) -> Any:
-    """`method.remote(*args)` under a Serve request id of its own.
-
-    Serve gives every call made while handling a request the caller's internal request id. Two calls of
-    one request in flight at once (the n choices of a request, each streamed from a replica) then share
-    it, and Serve loses one of them: it never reaches a replica and its stream never ends (seen with
-    Ray 2.60, about one n=2 request in a few; tests/serve/test_serve_e2e.py::test_n_choices_never_hang).
-    Each call gets its own id in a copy of the context, so the caller's own context is untouched.
-    """
-    return contextvars.copy_context().run(_call_with_own_request_id, method, args)
-
-
-def _call_with_own_request_id(method: Any, args: tuple) -> Any:
-    from ray.serve import context as serve_context
-    from ray.serve._private.utils import generate_request_id
-
-    current = serve_context._serve_request_context.get()
-    if current is not None:
-        serve_context._serve_request_context.set(
-            dataclasses.replace(current, _internal_request_id=generate_request_id()))
-    return method.remote(*args)
-
-
-def _replica_died(exc: BaseException) -> bool:
-    from ray import exceptions as ray_exceptions
-
-    return isinstance(unwrap(exc), (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError))
-
-
-def replica_error(exc: BaseException) -> APIError:
-    """An API error for whatever a replica call raised."""
-    from ray import exceptions as ray_exceptions
-    from ray.serve import exceptions as serve_exceptions
-
-    cause = unwrap(exc)
-    if isinstance(cause, APIError):
-        return cause
-    if isinstance(cause, serve_exceptions.BackPressureError):
-        return ServiceUnavailableError("engine replicas are at capacity", retry_after_s=1.0)
-    if isinstance(cause, serve_exceptions.DeploymentUnavailableError):
-        return ServiceUnavailableError("the engine deployment is unavailable", retry_after_s=5.0)
-    if isinstance(cause, (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)):
-        return ReplicaUnavailableError(f"the engine replica failed: {type(cause).__name__}")
-    logger.error("replica call failed: %r", exc)
-    return EngineError(f"the engine replica failed: {type(cause).__name__}: {cause}")
-
-
 async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several async iterators as (index, item); the first error ends the merge."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -223,12 +121,12 @@ class OpenAIIngress:
         replica: Any,
         settings: IngressSettings | dict,
         tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
-        client_factory: Optional[Callable[[Any], Any]] = None,
+        client_factory: Optional[Callable[[Any], ReplicaClient]] = None,
         telemetry_factory: Optional[TelemetryFactory] = None,
     ) -> None:
         self._settings = IngressSettings.model_validate(settings)
         self._telemetry = (telemetry_factory or process_telemetry)(self._settings.telemetry, "ingress")
-        self._replicas = (client_factory or HandleReplicaClient)(replica)
+        self._replicas: ReplicaClient = (client_factory or HandleReplicaClient)(replica)
         self._tokenizer = (tokenizer_factory or default_tokenizer_factory)(self._settings.engine)
         self._model_name = self._settings.model_name()
         self._info: Optional[ReplicaInfo] = None
@@ -238,7 +136,7 @@ class OpenAIIngress:
     async def models(self) -> ModelList:
         if self._info is None:  # before any request: ask a replica, briefly (the card can do without)
             try:
-                self._info = await self._replicas.call("info", 2.0)
+                self._info = await self._replicas.info(2.0)
             except Exception:  # noqa: BLE001 - no replica answered yet: max_model_len stays null
                 logger.debug("no replica info for /v1/models yet", exc_info=True)
         return ModelList(data=[self._model_card()])
@@ -265,13 +163,13 @@ class OpenAIIngress:
 
     async def health(self) -> HealthStatus:
         """Raises ServiceUnavailableError unless an engine replica answers healthy in time."""
-        info = await self._replicas.call("info", self._settings.health_timeout_s)
+        info = await self._replicas.info(self._settings.health_timeout_s)
         self._info = self._info or info
         return HealthStatus()
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> ReplicaStats:
         """Stats of one engine replica (the one the router picks)."""
-        return await self._replicas.call("stats", self._settings.health_timeout_s)
+        return await self._replicas.stats(self._settings.health_timeout_s)
 
     async def metrics_url(self) -> Optional[str]:
         """This ingress process's Prometheus /metrics URL (None: not served)."""
@@ -284,8 +182,6 @@ class OpenAIIngress:
 
     def build_asgi_app(self) -> Any:
         """The FastAPI app serving this instance (see deployments.ingress.http_api)."""
-        from deployments.ingress.http_api import build_fastapi_app
-
         return build_fastapi_app(self, self._settings)
 
     # ------------------------------------------------------------------ internals
@@ -301,7 +197,7 @@ class OpenAIIngress:
 
     async def _limits(self) -> Limits:
         if self._info is None:  # engines decide max_model_len; ask one replica once
-            self._info = await self._replicas.call("info", max(30.0, self._settings.health_timeout_s))
+            self._info = await self._replicas.info(max(30.0, self._settings.health_timeout_s))
         return Limits(max_model_len=self._info.max_model_len, vocab_size=_vocab_size(self._tokenizer),
                       max_tokens_cap=self._settings.max_tokens_cap, max_n=self._settings.max_n)
 

@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.core.types import SamplingParams
+from engine import SamplingParams
 
 from deployments.errors import BadRequestError, EngineError
-from deployments.replica.replica import GenerateOutput
+from deployments.messages import GenerateOutput
 from deployments.ingress.schemas import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChunkChoice, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,

@@ -14,84 +14,43 @@ its KV is freed at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
-from engine.config import EngineConfig
+from engine import EngineConfig, RequestOutput
 from engine.core.prefix_hash import MAX_SUMMARY_HASHES, summarize
-from engine.core.types import RequestOutput, SamplingParams
-from deployments.telemetry.metrics import TelemetryConfig
 
-from deployments.admission.state import ReplicaReport, build_report
+from deployments.engine_client import EngineClient, EngineFactory, default_engine_factory
 from deployments.errors import BadRequestError, EngineError, ServiceUnavailableError
-from deployments.telemetry.observability import TelemetryFactory, process_telemetry
+from deployments.messages import (AbortRequest, GenerateOutput, GenerateRequest, LiveRequest, ReplicaCapacity,
+                                  ReplicaInfo, ReplicaReport, ReplicaStats)
 from deployments.replica.telemetry import ReplicaObserver
+from deployments.telemetry.metrics import TelemetryConfig
+from deployments.telemetry.observability import TelemetryFactory, process_telemetry
+
+if TYPE_CHECKING:  # types only: building the app (Serve's controller) never loads MLX
+    from engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
 MAX_ABORTED_IDS = 10_000  # ids of requests aborted before they arrived, kept...
 ABORTED_TTL_S = 600.0  # ...this long at most
 
-EngineFactory = Callable[[EngineConfig], Any]
-ReporterFactory = Callable[[Callable[[], Optional["ReplicaReport"]]], Any]  # report_fn -> started reporter
+
+class Reporter(Protocol):
+    """The replica's admission heartbeat (deployments/admission/actor.py's ReplicaReporter)."""
+
+    def ensure_started(self) -> None: ...
+
+    def stop(self, replica_id: Optional[str] = None) -> None: ...
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
-    """What the ingress sends a replica: token ids and sampling, already validated."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    trace_context: Optional[dict[str, str]] = None  # W3C carrier of the ingress's span (telemetry)
-    target_replica_id: Optional[str] = None  # the admission controller's choice (deployments/admission/routing.py)
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    """The ingress's explicit cancel of a request on the replica admission chose for it."""
-
-    request_id: str
-    target_replica_id: Optional[str] = None  # routes it like the request (deployments/admission/routing.py)
-
-
-@dataclass(frozen=True)
-class GenerateOutput:
-    """One increment of a request, as the replica streams it back."""
-
-    request_id: str
-    replica_id: str
-    new_text: str
-    num_new_tokens: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
-    error: Optional[str] = None
-    queue_s: Optional[float] = None  # on the first output: replica arrival -> first engine step
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    replica_id: str
-    model_name: str
-    max_model_len: int
-    prometheus_url: Optional[str] = None
-
-
-def default_engine_factory(config: EngineConfig) -> Any:
-    """Build the real engine; imported lazily so this module loads without a model."""
-    from engine.async_engine import AsyncEngine
-
-    return AsyncEngine.from_config(config)
+ReporterFactory = Callable[[Callable[[], ReplicaReport]], Reporter]  # report_fn -> started reporter
 
 
 def default_replica_id() -> str:
@@ -118,12 +77,12 @@ class EngineReplica:
     ) -> None:
         config = EngineConfig.model_validate(engine_config)
         self._replica_id = replica_id or default_replica_id()
-        self._engine = (engine_factory or default_engine_factory)(config)
+        self._engine: EngineClient = (engine_factory or default_engine_factory)(config)
         telemetry_config = TelemetryConfig.model_validate(telemetry or {"exporter": "none"})
         self._telemetry = (telemetry_factory or process_telemetry)(telemetry_config, "replica")
         self._observer = ReplicaObserver(self._telemetry, self._replica_id, self._engine,
                                          prefix_cache=config.prefix_cache_fraction > 0)
-        self._live: dict[str, tuple[int, int]] = {}  # request_id -> (prompt tokens, max_tokens)
+        self._live: dict[str, GenerateRequest] = {}  # the requests in the engine now
         self._aborted: "OrderedDict[str, float]" = OrderedDict()  # aborted before they arrived -> when
         # Admission heartbeat (deployments/admission/actor.py): a started reporter calling admission_report().
         self._reporter = reporter_factory(self.admission_report) if reporter_factory else None
@@ -134,7 +93,7 @@ class EngineReplica:
         if self._aborted.pop(request.request_id, None) is not None:
             return  # its caller went away while Serve was still dispatching it: never reaches the engine
         trace = self._observer.start(request)
-        self._live[request.request_id] = (len(request.prompt_token_ids), request.sampling.max_tokens)
+        self._live[request.request_id] = request
         if self._reporter is not None:
             self._reporter.ensure_started()
         stream = self._engine.generate(request.request_id, list(request.prompt_token_ids), request.sampling)
@@ -204,26 +163,18 @@ class EngineReplica:
         return ReplicaInfo(self._replica_id, self._engine.model_name, int(self._engine.max_model_len),
                            self._telemetry.prometheus_url)
 
-    def stats(self) -> dict[str, Any]:
-        """The engine's stats as a plain dict, plus this replica's id."""
-        stats = self._engine.stats()
-        data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
-        data["replica_id"] = self._replica_id
-        data["prometheus_url"] = self._telemetry.prometheus_url
-        data["cpu_threads"] = os.environ.get("OPENBLAS_NUM_THREADS")  # ReplicaArgs.cpu_threads, as set
-        data["niceness"] = os.nice(0)  # Ray's worker niceness (deployments/cluster_env.py)
-        return data
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(
+            replica_id=self._replica_id, engine=self._engine.stats(), prometheus_url=self._telemetry.prometheus_url,
+            cpu_threads=os.environ.get("OPENBLAS_NUM_THREADS"),  # ReplicaArgs.cpu_threads, as set
+            niceness=os.nice(0))  # Ray's worker niceness (deployments/cluster_env.py)
 
-    def admission_report(self) -> Optional[ReplicaReport]:
+    def admission_report(self) -> ReplicaReport:
         """Capacity, live requests and the prefix cache's block hashes (most recently used first; the
-        reporter keeps the first max_prefix_hashes) for the admission controller (None: the engine reports
-        no capacity)."""
-        stats = self._engine.stats()
-        data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
-        chains = getattr(self._engine, "prefix_block_hash_chains", None)  # absent: no prefix cache to report
-        prefix_hashes = summarize(chains(), MAX_SUMMARY_HASHES) if chains is not None else ()
-        return build_report(self._replica_id, data, dict(self._live), healthy=self._engine.is_healthy(),
-                            prefix_hashes=prefix_hashes)
+        reporter keeps the first max_prefix_hashes) for the admission controller."""
+        prefix_hashes = summarize(self._engine.prefix_block_hash_chains(), MAX_SUMMARY_HASHES)
+        return build_report(self._replica_id, self._engine.stats(), self._live, self._engine.is_healthy(),
+                            prefix_hashes)
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""
@@ -251,11 +202,27 @@ class EngineReplica:
                 pass
 
 
-async def _close_quietly(stream: Any) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
+def build_report(replica_id: str, stats: EngineStats, live: Mapping[str, GenerateRequest], healthy: bool,
+                 prefix_hashes: tuple[int, ...]) -> ReplicaReport:
+    """A replica's report: its engine's capacity, the requests it holds and its prefix-cache summary."""
+    capacity = ReplicaCapacity(
+        replica_id, memory_limit_bytes=stats.memory_limit_bytes, weights_bytes=stats.weights_bytes,
+        kv_bytes_per_token=stats.kv_bytes_per_token, kv_cache_step=stats.kv_cache_step,
+        transient_bound_bytes=stats.transient_bound_bytes, kv_budget_bytes=stats.kv_budget_bytes,
+        max_model_len=stats.max_model_len)
+    requests = []
+    for request_id, request in live.items():
+        num_prompt, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
+        requests.append(LiveRequest(request_id, capacity.reservation_bytes(num_prompt, max_tokens),
+                                    num_prompt + max_tokens))
+    return ReplicaReport(capacity, tuple(requests), engine_kv_reserved_bytes=stats.kv_reserved_bytes,
+                         engine_kv_used_bytes=stats.kv_used_bytes,
+                         max_measured_transient_bytes=stats.max_measured_transient_bytes, healthy=healthy,
+                         prefix_hashes=tuple(prefix_hashes))
+
+
+async def _close_quietly(stream: AsyncGenerator[RequestOutput, None]) -> None:
     try:
-        await asyncio.shield(aclose())
+        await asyncio.shield(stream.aclose())
     except (asyncio.CancelledError, Exception):
         pass

@@ -22,13 +22,18 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from deployments.engine_client import EngineClient
+from deployments.messages import GenerateOutput, GenerateRequest
 from deployments.telemetry import metrics as tm
 from deployments.telemetry.metrics import EngineGauges, Telemetry
+
+if TYPE_CHECKING:  # types only: building the app (Serve's controller) never loads MLX
+    from engine import EngineStats, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ class GaugeReporter:
 class ReplicaObserver:
     """All telemetry of one EngineReplica; no method raises into serving code."""
 
-    def __init__(self, telemetry: Telemetry, replica_id: str, engine: Any, gauge_interval_s: float = 1.0,
+    def __init__(self, telemetry: Telemetry, replica_id: str, engine: EngineClient, gauge_interval_s: float = 1.0,
                  prefix_cache: bool = False) -> None:
         self.telemetry = telemetry
         self.replica_id = replica_id
@@ -76,8 +81,7 @@ class ReplicaObserver:
         self._lock = threading.Lock()
         self._window_memory: Optional[tuple[int, int]] = None  # max (predicted, measured) since last report
         self._last_memory: Optional[tuple[int, int]] = None
-        if hasattr(engine, "on_step"):  # the real AsyncEngine; fakes have no steps
-            engine.on_step = self.on_step
+        engine.on_step = self.on_step
         telemetry.record_peak_exceeded(replica_id, 0)  # the series exist from the start
         if prefix_cache:
             telemetry.record_prefix_cache_evictions(replica_id, 0)
@@ -85,7 +89,7 @@ class ReplicaObserver:
 
     # ------------------------------------------------------------------ engine thread
 
-    def on_step(self, step: Any) -> None:
+    def on_step(self, step: StepRecord) -> None:
         """AsyncEngine.on_step: called on the engine thread, before the step's outputs are delivered."""
         self.telemetry.record_step(self.replica_id, step.num_prefill_tokens, step.num_decode_tokens,
                                    step.duration_s)
@@ -112,10 +116,8 @@ class ReplicaObserver:
         except Exception:  # noqa: BLE001 - e.g. stats() of an engine shutting down
             logger.debug("engine gauges not read", exc_info=True)
 
-    def _report_prefix_cache(self, stats: Any) -> None:
-        evictions = getattr(stats, "prefix_cache_evictions", None)
-        if evictions is None:  # an engine without a prefix cache
-            return
+    def _report_prefix_cache(self, stats: EngineStats) -> None:
+        evictions = stats.prefix_cache_evictions
         self.telemetry.set_prefix_cache_bytes(self.replica_id, stats.prefix_cache_bytes)
         if self._num_evictions is not None and evictions > self._num_evictions:
             self.telemetry.record_prefix_cache_evictions(self.replica_id, evictions - self._num_evictions)
@@ -137,7 +139,7 @@ class ReplicaObserver:
 
     # ------------------------------------------------------------------ requests
 
-    def start(self, request: Any) -> "RequestTrace":
+    def start(self, request: GenerateRequest) -> "RequestTrace":
         self._chunks[request.request_id] = []
         return RequestTrace(self, request)
 
@@ -149,7 +151,7 @@ class ReplicaObserver:
 
     def close(self) -> None:
         self._gauges.close()
-        if getattr(self._engine, "on_step", None) == self.on_step:
+        if self._engine.on_step == self.on_step:
             self._engine.on_step = None
         self.telemetry.shutdown()
 
@@ -157,23 +159,23 @@ class ReplicaObserver:
 class RequestTrace:
     """The spans of one request on the replica, and its queue time (sent back on the first output)."""
 
-    def __init__(self, observer: ReplicaObserver, request: Any) -> None:
+    def __init__(self, observer: ReplicaObserver, request: GenerateRequest) -> None:
         self._observer = observer
         self._request_id = request.request_id
         self._received_ns = time.time_ns()
         self._first_output_ns: Optional[int] = None
-        self._last: Optional[Any] = None
+        self._last: Optional[GenerateOutput] = None
         self._error: Optional[str] = None
         self._failed = False
         tracer = observer.telemetry.tracer
-        parent = observer.telemetry.extract(getattr(request, "trace_context", None))
+        parent = observer.telemetry.extract(request.trace_context)
         self._span = tracer.start_span("mlx_serve.replica.generate", context=parent, kind=SpanKind.SERVER,
                                        start_time=self._received_ns,
                                        attributes={tm.REPLICA: observer.replica_id,
                                                    "mlx_serve.request.id": request.request_id})
         self._context = trace.set_span_in_context(self._span)
 
-    def on_output(self, out: Any) -> Any:
+    def on_output(self, out: GenerateOutput) -> GenerateOutput:
         """Pass-through of each GenerateOutput; the first gets `queue_s` and closes queue and prefill."""
         try:
             self._last = out

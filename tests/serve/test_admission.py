@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from deployments.admission.actor import NAMESPACE, decision_to_reservation
-from deployments.admission.state import AdmissionDecision
+from deployments.messages import AdmissionDecision
 from deployments.errors import BadRequestError, ServiceUnavailableError, TooManyRequestsError
 from conftest import named_actor  # noqa: E402
 
@@ -148,15 +148,10 @@ def test_replica_reports_its_cache_most_recent_first_within_the_bound():
     newest, oldest = block_hashes(list(range(10, 10 + 64 * 3))), block_hashes(list(range(500, 500 + 64 * 4)))
 
     class CachingEngine(FakeEngine):
-        def stats(self) -> dict:
-            return {"memory_limit_bytes": 1 << 30, "weights_bytes": 0, "kv_bytes_per_token": 8,
-                    "kv_cache_step": 256, "transient_bound_bytes": 0, "kv_budget_bytes": 1 << 29,
-                    "max_model_len": 128}
-
         def prefix_block_hash_chains(self):
             return (newest, newest[:2], oldest)  # a hit's entry repeats its source's prefix: sent once
 
-    engine = CachingEngine(EngineConfig(model=MODEL))
+    engine = CachingEngine(EngineConfig(model=MODEL, max_model_len=128))
     replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0")
     assert replica.admission_report().prefix_hashes == newest + oldest
     sent = []
@@ -344,7 +339,7 @@ def test_router_sends_to_the_target_and_fails_a_gone_one(cluster):
     from ray import serve
 
     from deployments.errors import ReplicaUnavailableError, unwrap
-    from deployments.replica.replica import GenerateRequest
+    from deployments.messages import GenerateRequest
     from engine.core.types import SamplingParams
 
     handle = serve.get_deployment_handle("EngineReplica", app_name=APP).options(stream=True)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from deployments.app import REPLICA_DEPLOYMENT, build_app_with
+from deployments.messages import ReplicaStats
 from tests.serve.faults import FAIL_DECODE_TOKEN_ID, FAIL_TOKEN_ID, HANG_TOKEN_ID, FaultyEngineFactory
 from conftest import named_actor  # noqa: E402
 
@@ -52,7 +53,7 @@ def base_url(ray_cluster):
     serve.delete(APP)
 
 
-def replica_stats() -> dict:
+def replica_stats() -> ReplicaStats:
     from ray import serve
 
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP)
@@ -75,8 +76,9 @@ def wait_idle(timeout_s: float = 5.0) -> float:
     after timeout_s."""
     start = time.monotonic()
     while True:
-        s = replica_stats()
-        busy = {k: s[k] for k in ("num_running", "num_waiting", "kv_used_bytes", "kv_reserved_bytes")}
+        s = replica_stats().engine
+        busy = {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_used_bytes": s.kv_used_bytes,
+                "kv_reserved_bytes": s.kv_reserved_bytes}
         busy["admission_reservations"] = admission_reservations()
         if not any(busy.values()):
             return time.monotonic() - start
@@ -244,14 +246,14 @@ def test_hung_engine_fails_health_and_is_replaced(base_url):
     """Last: the engine thread blocks for good; the health check fails and Serve starts a new replica."""
     from ray import serve
 
-    old_id = replica_stats()["replica_id"]
+    old_id = replica_stats().replica_id
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{base_url}{COMP}", timeout=1.0, json={"model": MODEL, "prompt": [1, HANG_TOKEN_ID, 2],
                                                            "max_tokens": 4})
     deadline, new_id = time.monotonic() + 90, None
     while time.monotonic() < deadline:
         try:
-            new_id = replica_stats()["replica_id"]
+            new_id = replica_stats().replica_id
         except Exception:  # the old replica is going away, the new one is not up yet
             new_id = None
         if new_id not in (None, old_id):

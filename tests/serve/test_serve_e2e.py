@@ -209,10 +209,10 @@ def test_client_disconnect_frees_the_engine(base_url):
     async def running_on_that_replica() -> int:
         for _ in range(50):  # the router picks a replica per call; sample until ours answers
             stats = await asyncio.wait_for(handle.stats.remote(), 10)
-            assert stats["cpu_threads"] == str(os.cpu_count())  # not Ray's OMP_NUM_THREADS=1
-            assert stats["niceness"] == 0  # not Ray's worker niceness of 15 (deployments/cluster_env.py)
-            if stats["replica_id"] == replica_id:
-                return stats["num_running"] + stats["num_waiting"]
+            assert stats.cpu_threads == str(os.cpu_count())  # not Ray's OMP_NUM_THREADS=1
+            assert stats.niceness == 0  # not Ray's worker niceness of 15 (deployments/cluster_env.py)
+            if stats.replica_id == replica_id:
+                return stats.engine.num_running + stats.engine.num_waiting
         raise AssertionError(f"replica {replica_id} never answered")
 
     async def wait_idle() -> float:

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from deployments.app import AppArgs, build_app_with, parse_args, serve_ingress_class
 from deployments.errors import BadRequestError, EngineError, ModelNotFoundError, ServiceUnavailableError
 from deployments.ingress.ingress import IngressSettings, OpenAIIngress
-from deployments.replica.replica import AbortRequest, EngineReplica, GenerateRequest
+from deployments.messages import AbortRequest, GenerateRequest
+from deployments.replica.replica import EngineReplica
 from deployments.ingress.schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest
 from engine.config import EngineConfig
 from engine.core.types import SamplingParams
@@ -205,16 +206,16 @@ async def test_replica_cancel_aborts_engine():
 
     task = asyncio.create_task(consume())
     await asyncio.sleep(0.05)
-    assert replica.stats()["num_running"] == 1
+    assert replica.stats().engine.num_running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert replica.stats()["num_running"] == 0 and "req-1" in engine.aborted
+    assert replica.stats().engine.num_running == 0 and "req-1" in engine.aborted
     # closing the generator at a yield (what Ray Serve does on disconnect) aborts too
     request2 = GenerateRequest("req-2", [1], SamplingParams(max_tokens=1000))
     async with aclosing(replica.generate(request2)) as gen:
         await gen.__anext__()
-    assert "req-2" in engine.aborted and replica.stats()["num_running"] == 0
+    assert "req-2" in engine.aborted and replica.stats().engine.num_running == 0
 
 
 async def test_replica_abort_before_and_after_arrival():
@@ -332,7 +333,7 @@ class _FakeHandle:
 
 
 async def test_handle_client_retries_a_replica_that_died_before_output():
-    from deployments.ingress.ingress import HandleReplicaClient
+    from deployments.replica.client import HandleReplicaClient
 
     request = GenerateRequest("r", [1], SamplingParams())
     handle = _FakeHandle([_FakeResponseGenerator([1, 2], die_after=0), _FakeResponseGenerator([1, 2])])

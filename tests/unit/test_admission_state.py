@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from deployments.admission.queue import Admitter
-from deployments.admission.state import (AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity,
-                                         ReplicaReport)
+from deployments.admission.state import AdmissionConfig, AdmissionLedger
+from deployments.messages import LiveRequest, ReplicaCapacity, ReplicaReport
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.kv_manager import KVManager
 from engine.core.scheduler import Scheduler, SchedulerConfig

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from deployments.admission.queue import Admitter
-from deployments.admission.state import AdmissionConfig, AdmissionLedger, LiveRequest, ReplicaCapacity, \
-    ReplicaReport
+from deployments.admission.state import AdmissionConfig, AdmissionLedger
+from deployments.messages import LiveRequest, ReplicaCapacity, ReplicaReport
 from engine.core.prefix_cache import PrefixCache
 from engine.core.prefix_hash import BLOCK_TOKENS, block_hashes, matched_blocks, summarize
 
