@@ -13,9 +13,8 @@ cluster was started with). A value already in the environment wins.
   tasks` and the dashboard's task views show) to the GCS every second by default; every 10 s they reach
   those views up to 10 s later.
 
-With all three, an idle app's Ray processes other than the replica took 7.3 % of a core together on a
-2-core host, against 12.9 % with Ray's defaults (`scripts/process_cpu.py`; docs/benchmarks.md, CPU
-session 11).
+Together they cut the CPU an idle app's Ray processes take beside the replica (`scripts/process_cpu.py`
+measures it; docs/benchmarks.md has the figures).
 
     eval "$(python -m deployments.cluster_env)"   # exports what is not set yet
 """

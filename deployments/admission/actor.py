@@ -148,7 +148,7 @@ class AdmissionClient:
         ref = self._controller().reserve.remote(request_id, num_prompt_tokens, max_tokens, prefix_hashes)
         try:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands as the result
-            # arrives, and the abandoned request then runs to its end (seen in a timeout storm).
+            # arrives, and the abandoned request then runs to its end.
             async with asyncio.timeout(timeout_s):
                 decision = await ref
             task = asyncio.current_task()

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from deployments.admission.state import AdmissionConfig, AdmissionLedger, ReportResult
 from deployments.messages import AdmissionDecision, ReplicaReport, Reservation

@@ -43,8 +43,7 @@ from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field
 
-_logger = logging.getLogger(__name__)
-
+from deployments.telemetry.exporters import EXPORT_LOGGERS, ExportFailureLog, PrometheusEndpoint, otlp_exporters
 from deployments.telemetry.names import (  # noqa: F401  (re-exported: callers import them from here)
     ADMISSION_DECISIONS, AdmissionOutcome, DURATION_BUCKETS_S, ERROR_TYPE, ExporterKind,
     GEN_AI_OPERATION_NAME, GEN_AI_PROVIDER_NAME, GEN_AI_REQUEST_MAX_TOKENS, GEN_AI_REQUEST_MODEL,
@@ -57,6 +56,8 @@ from deployments.telemetry.names import (  # noqa: F401  (re-exported: callers i
     STEP_DURATION, STEP_PREFILL_TOKENS, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN, TOKEN_BUCKETS,
     TOKEN_USAGE, TPOT_BUCKETS_S, TTFT_BUCKETS_S, _SPECS,
 )
+
+_logger = logging.getLogger(__name__)
 
 
 
@@ -161,86 +162,12 @@ def _create_instruments(meter: metrics.Meter) -> dict[InstrumentSpec, Any]:
     return {spec: create[spec.kind](spec) for spec in _SPECS}
 
 
-def _otlp_exporters(config: TelemetryConfig) -> tuple[Any, Optional[SpanExporter]]:
-    """The OTLP metric and span exporters; imported here so grpc loads only when asked for."""
-    base, timeout_s, traces = config.otlp_endpoint, config.export_timeout_s, config.traces
-    if config.exporter == "otlp_http":
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        root = base.rstrip("/") if base else None  # None: the exporters resolve the OTEL_* env themselves
-        return (OTLPMetricExporter(endpoint=root and f"{root}/v1/metrics", timeout=timeout_s),
-                OTLPSpanExporter(endpoint=root and f"{root}/v1/traces", timeout=timeout_s) if traces else None)
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-    return (OTLPMetricExporter(endpoint=base, timeout=timeout_s),
-            OTLPSpanExporter(endpoint=base, timeout=timeout_s) if traces else None)
-
-
-# Loggers of the OTLP exporters and of the SDK's export loops: they log an ERROR per failed export.
-_EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.common.http",
-                   "opentelemetry.exporter.otlp.proto.http.metric_exporter",
-                   "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-                   "opentelemetry.exporter.otlp.proto.grpc.exporter",
-                   "opentelemetry.sdk.metrics._internal.export", "opentelemetry.sdk._shared_internal")
-
-
-class _ExportFailureLog(logging.Filter):
-    """An unreachable collector costs one warning per process, not an ERROR every export interval."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.warned = False
-        self.num_dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or getattr(record, "mlx_serve_export_warning", False):
-            return True  # debug noise, or the one warning another Telemetry of this process let through
-        if self.warned:
-            self.num_dropped += 1
-            return False
-        self.warned = record.mlx_serve_export_warning = True
-        message = record.getMessage()
-        record.levelno, record.levelname, record.args = logging.WARNING, "WARNING", None
-        record.msg = f"OTLP export failed ({message}); serving goes on, later failures are not logged"
-        record.exc_info = record.exc_text = None
-        return True
-
-
-class _PrometheusEndpoint:
-    """A /metrics HTTP server over this instance's own registry (never prometheus_client's global one)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import CollectorRegistry, start_http_server
-
-        registry = CollectorRegistry(auto_describe=True)
-        self.reader = PrometheusMetricReader(registry=registry)
-        self.url: Optional[str] = None
-        self._server = None
-        try:
-            self._server, _thread = start_http_server(port, addr=host, registry=registry)
-        except OSError as error:  # several replicas on one host: the port is taken
-            _logger.warning("Prometheus endpoint %s:%d not started (%s); this process serves no /metrics",
-                            host, port, error)
-            return
-        shown_host = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown_host}:{self._server.server_port}/metrics"
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-
 class Telemetry:
     """Meters and tracer of one process. Build with `from_config` (or `for_testing`), end with `shutdown`."""
 
     def __init__(self, config: TelemetryConfig, *, metric_readers: Sequence[MetricReader] = (),
                  span_exporters: Sequence[SpanExporter] = (), batch_spans: bool = True,
-                 set_global: bool = False, prometheus: Optional[_PrometheusEndpoint] = None) -> None:
+                 set_global: bool = False, prometheus: Optional[PrometheusEndpoint] = None) -> None:
         self.config = config
         self._failed_methods: set[str] = set()
         self._prometheus = prometheus
@@ -253,10 +180,10 @@ class Telemetry:
         self._instruments = _create_instruments(self._meter_provider.get_meter("mlx_serve", "0.1.0"))
         self._tracer = self._tracer_provider.get_tracer("mlx_serve", "0.1.0")
         self._is_shut_down = False
-        self._export_log: Optional[_ExportFailureLog] = None
+        self._export_log: Optional[ExportFailureLog] = None
         if any(isinstance(r, PeriodicExportingMetricReader) for r in self.metric_readers) or self.span_exporters:
-            self._export_log = _ExportFailureLog()
-            for name in _EXPORT_LOGGERS:
+            self._export_log = ExportFailureLog()
+            for name in EXPORT_LOGGERS:
                 logging.getLogger(name).addFilter(self._export_log)
         if set_global:
             metrics.set_meter_provider(self._meter_provider)
@@ -278,11 +205,12 @@ class Telemetry:
                     set_global: bool = False) -> "Telemetry":
         config = config or TelemetryConfig()
         if config.exporter == "prometheus":
-            endpoint = _PrometheusEndpoint(config.prometheus_host, config.prometheus_port)
+            endpoint = PrometheusEndpoint(config.prometheus_host, config.prometheus_port)
             return cls(config, metric_readers=[endpoint.reader], set_global=set_global, prometheus=endpoint)
         if config.exporter == "none":
             return cls(config, set_global=set_global)
-        metric_exporter, span_exporter = _otlp_exporters(config)
+        metric_exporter, span_exporter = otlp_exporters(config.exporter, config.otlp_endpoint,
+                                                        config.export_timeout_s, config.traces)
         reader = PeriodicExportingMetricReader(
             metric_exporter, export_interval_millis=config.export_interval_s * 1000,
             export_timeout_millis=config.export_timeout_s * 1000)
@@ -320,7 +248,7 @@ class Telemetry:
                 _logger.warning("telemetry shutdown step failed", exc_info=True)
 
     def _remove_export_log(self) -> None:
-        for name in _EXPORT_LOGGERS if self._export_log else ():
+        for name in EXPORT_LOGGERS if self._export_log else ():
             logging.getLogger(name).removeFilter(self._export_log)
 
     # ---- metrics ----

@@ -24,7 +24,7 @@ import functools
 import logging
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Optional
 
 from opentelemetry.trace import Status, StatusCode
 

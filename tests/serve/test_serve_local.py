@@ -287,6 +287,22 @@ def test_serve_yaml_args_validate():
     assert args.replica.num_cpus + args.ingress.num_cpus <= 1.0  # fits a 2-core box with room to spare
 
 
+def test_metrics_cli_prints_each_process_url(tmp_path, capsys):
+    """`python -m deployments.app metrics <serve.yaml>` (scripts/serve runs it): one URL per process."""
+    from deployments.app import main
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("applications:\n- name: a\n  import_path: deployments.app:build_app\n  args:\n"
+                      "    num_replicas: 2\n    telemetry: {exporter: prometheus, prometheus_port: 9000}\n")
+    main(["metrics", str(config)])
+    out = capsys.readouterr().out
+    assert "ingress: http://127.0.0.1:9000/metrics" in out
+    assert "replica 0: http://127.0.0.1:9002/metrics" in out and "replica 1: http://127.0.0.1:9003/metrics" in out
+    with pytest.raises(ValueError, match="num_replicas"):
+        config.write_text("applications:\n- name: a\n  args: {num_replicas: 0}\n")
+        main(["metrics", str(config)])
+
+
 def test_builder_keeps_classes_plain():
     assert not hasattr(OpenAIIngress, "__serve_build_asgi_app__")
     sub = serve_ingress_class(OpenAIIngress)
