@@ -272,11 +272,11 @@ def admission_state() -> Optional[dict]:
             s = ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).stats.remote(), timeout=10)
             # Every registered replica as its last heartbeat reported it (Serve's router may keep picking
             # one replica for the stats calls above).
-            replicas = {r["replica_id"]: {"engine_kv_used_bytes": r["engine_kv_used_bytes"],
-                                          "engine_kv_reserved_bytes": r["engine_kv_reserved_bytes"],
-                                          "live_requests": len(r["request_ids"])} for r in s["replicas"]}
-            return {"num_reservations": s["num_reservations"], "num_waiting": s["num_waiting"],
-                    "reserved_kv_bytes": s["reserved_kv_bytes"], "replicas": replicas}
+            replicas = {r.replica_id: {"engine_kv_used_bytes": r.engine_kv_used_bytes,
+                                       "engine_kv_reserved_bytes": r.engine_kv_reserved_bytes,
+                                       "live_requests": len(r.request_ids)} for r in s.replicas}
+            return {"num_reservations": s.num_reservations, "num_waiting": s.num_waiting,
+                    "reserved_kv_bytes": s.reserved_kv_bytes, "replicas": replicas}
     return None
 
 

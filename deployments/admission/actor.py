@@ -33,13 +33,16 @@ import ray
 
 from engine.core.prefix_hash import block_hashes
 
-from deployments.admission.queue import Admitter
-from deployments.admission.state import AdmissionConfig
+from deployments.admission.queue import Admitter, AdmissionStats
+from deployments.admission.state import AdmissionConfig, ReportResult
 from deployments.errors import (BadRequestError, ReplicaUnavailableError, ServiceUnavailableError,
                                 TooManyRequestsError)
 from deployments.messages import AdmissionDecision, GenerateOutput, GenerateRequest, ReplicaInfo, ReplicaReport, \
     ReplicaStats, Reservation
 from deployments.replica.client import HandleReplicaClient, ReplicaClient
+from deployments.telemetry.metrics import Telemetry
+
+ControllerTelemetryFactory = Callable[[], Telemetry]  # the controller's own Telemetry, built in its process
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ def controller_name(config: AdmissionConfig, app_name: str) -> str:
 
 
 def get_or_create_controller(config: AdmissionConfig, app_name: Optional[str] = None,
-                             telemetry_factory: Optional[Callable[[], Any]] = None) -> Any:
+                             telemetry_factory: Optional[ControllerTelemetryFactory] = None) -> Any:
     """The app's controller; whoever creates it first gives it its telemetry (a picklable factory)."""
     actor_cls = ray.remote(AdmissionController)
     return actor_cls.options(
@@ -76,7 +79,7 @@ class AdmissionController:
     """The actor: an Admitter, a reaper of silent replicas, and an idle exit. Plain class (Ray applies
     `ray.remote` in `get_or_create_controller`); every method is async, so waits never block the actor."""
 
-    def __init__(self, config: Union[AdmissionConfig, dict], telemetry_factory: Optional[Callable] = None,
+    def __init__(self, config: Union[AdmissionConfig, dict], telemetry_factory: Optional[ControllerTelemetryFactory] = None,
                  exit_fn: Optional[Callable[[], None]] = None) -> None:
         self.config = AdmissionConfig.model_validate(config)
         self._telemetry = telemetry_factory() if telemetry_factory else None
@@ -94,7 +97,7 @@ class AdmissionController:
         self._touch()
         return self._admitter.release(request_id)
 
-    async def report(self, report: ReplicaReport) -> Any:
+    async def report(self, report: ReplicaReport) -> ReportResult:
         self._touch()
         return self._admitter.report(report)
 
@@ -102,10 +105,10 @@ class AdmissionController:
         self._touch()
         return self._admitter.replica_failed(replica_id)
 
-    async def stats(self) -> dict[str, Any]:
-        """The Admitter's stats, plus where this process serves its metrics (None: not served)."""
+    async def stats(self) -> AdmissionStats:
+        """The Admitter's stats, with where this process serves its metrics (None: not served)."""
         self._touch()
-        return {**self._admitter.stats(), "prometheus_url": getattr(self._telemetry, "prometheus_url", None)}
+        return self._admitter.stats(self._telemetry.prometheus_url if self._telemetry is not None else None)
 
     def _touch(self) -> None:
         self._last_activity = time.monotonic()
@@ -131,8 +134,8 @@ def _exit_this_actor() -> None:
 class AdmissionClient:
     """What the ingress calls; maps decisions to the typed API errors."""
 
-    def __init__(self, config: AdmissionConfig, controller_factory: Optional[Callable[[], Any]] = None,
-                 telemetry_factory: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, config: AdmissionConfig, controller_factory: Optional[ControllerTelemetryFactory] = None,
+                 telemetry_factory: Optional[ControllerTelemetryFactory] = None) -> None:
         self.config = config
         self._factory = controller_factory or (lambda: get_or_create_controller(config, None, telemetry_factory))
         self._handle: Any = None
@@ -177,7 +180,7 @@ class AdmissionClient:
     def replica_failed(self, replica_id: str) -> None:
         _submit(self._controller().replica_failed, replica_id)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> AdmissionStats:
         return await asyncio.wait_for(_awaitable(self._controller().stats.remote()), CALL_TIMEOUT_S)
 
 
@@ -244,7 +247,7 @@ class AdmittedReplicaClient:
         return await self._inner.stats(timeout_s)
 
 
-def admitted_client_factory(config: AdmissionConfig, telemetry_factory: Optional[Callable[[], Any]] = None
+def admitted_client_factory(config: AdmissionConfig, telemetry_factory: Optional[ControllerTelemetryFactory] = None
                             ) -> Callable[[Any], AdmittedReplicaClient]:
     """The ingress's `client_factory` when admission is on (a picklable callable, for `bind`)."""
     return _AdmittedClientFactory(config, telemetry_factory)
@@ -253,7 +256,7 @@ def admitted_client_factory(config: AdmissionConfig, telemetry_factory: Optional
 @dataclasses.dataclass(frozen=True)
 class _AdmittedClientFactory:
     config: AdmissionConfig
-    telemetry_factory: Optional[Callable[[], Any]] = None  # the controller's, if this ingress creates it
+    telemetry_factory: Optional[ControllerTelemetryFactory] = None  # the controller's, if this ingress creates it
 
     def __call__(self, handle: Any) -> AdmittedReplicaClient:
         admission = AdmissionClient(self.config, telemetry_factory=self.telemetry_factory)
@@ -265,8 +268,8 @@ class ReplicaReporter:
     first report registers the replica; a restarted controller is re-registered by the next one."""
 
     def __init__(self, config: AdmissionConfig, report_fn: Callable[[], Optional[ReplicaReport]],
-                 controller_factory: Optional[Callable[[], Any]] = None,
-                 telemetry_factory: Optional[Callable[[], Any]] = None) -> None:
+                 controller_factory: Optional[ControllerTelemetryFactory] = None,
+                 telemetry_factory: Optional[ControllerTelemetryFactory] = None) -> None:
         self.config = config
         self._report_fn = report_fn
         self._factory = controller_factory or (lambda: get_or_create_controller(config, None, telemetry_factory))
@@ -322,7 +325,7 @@ class ReporterFactory:
     """EngineReplica's `reporter_factory` (picklable, for `bind`): report_fn -> started ReplicaReporter."""
 
     config: AdmissionConfig
-    telemetry_factory: Optional[Callable[[], Any]] = None  # the controller's, if this replica creates it
+    telemetry_factory: Optional[ControllerTelemetryFactory] = None  # the controller's, if this replica creates it
 
     def __call__(self, report_fn: Callable[[], Optional[ReplicaReport]]) -> ReplicaReporter:
         reporter = ReplicaReporter(self.config, report_fn, telemetry_factory=self.telemetry_factory)

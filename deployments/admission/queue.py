@@ -14,11 +14,12 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence
 
-from deployments.admission.state import AdmissionConfig, AdmissionLedger, ReportResult
+from deployments.admission.state import AdmissionConfig, AdmissionLedger, ReplicaView, ReportResult
 from deployments.messages import AdmissionDecision, ReplicaReport, Reservation
+from deployments.telemetry.metrics import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,28 @@ class AdmissionCounters:
     num_prefix_blocks_matched: int = 0  # over those, prompt blocks (engine/core/prefix_hash.py) it held
 
 
+@dataclass(frozen=True)
+class AdmissionStats:
+    """The controller's state (AdmissionController.stats): counters, queue, each replica as modelled."""
+
+    num_replicas: int
+    num_reservations: int
+    num_waiting: int
+    reserved_kv_bytes: int
+    counters: AdmissionCounters
+    replicas: tuple[ReplicaView, ...]
+    config: AdmissionConfig
+    prometheus_url: Optional[str] = None  # where the controller's process serves /metrics (None: nowhere)
+
+
 class Admitter:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic,
-                 telemetry: Any = None) -> None:
+                 telemetry: Optional[Telemetry] = None) -> None:
         self.config = config
         self.ledger = AdmissionLedger(config)
         self.counters = AdmissionCounters()
         self._clock = clock
-        self._telemetry = telemetry  # deployments.telemetry.metrics.Telemetry or None
+        self._telemetry = telemetry
         self._waiters: deque[_Waiter] = deque()
 
     # --- requests ---------------------------------------------------------------------------------
@@ -203,12 +218,11 @@ class Admitter:
         if self._telemetry is not None:
             self._telemetry.record_admission(outcome, reason)
 
-    def stats(self) -> dict[str, Any]:
-        """Plain data: counters, queue, and each replica as the model sees it."""
-        now = self._clock()
-        replicas = [asdict(v) for v in self.ledger.views(now)]
-        return {
-            "num_replicas": self.ledger.num_replicas, "num_reservations": self.ledger.num_reservations,
-            "num_waiting": self.num_waiting, "reserved_kv_bytes": sum(r["reserved_kv_bytes"] for r in replicas),
-            "counters": asdict(self.counters), "replicas": replicas, "config": self.config.model_dump(),
-        }
+    def stats(self, prometheus_url: Optional[str] = None) -> AdmissionStats:
+        """A snapshot: counters, queue, and each replica as the model sees it."""
+        replicas = tuple(self.ledger.views(self._clock()))
+        return AdmissionStats(
+            num_replicas=self.ledger.num_replicas, num_reservations=self.ledger.num_reservations,
+            num_waiting=self.num_waiting, reserved_kv_bytes=sum(r.reserved_kv_bytes for r in replicas),
+            counters=replace(self.counters, num_rejected=dict(self.counters.num_rejected)),
+            replicas=replicas, config=self.config, prometheus_url=prometheus_url)

@@ -30,6 +30,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from deployments.admission.actor import get_or_create_controller
 from deployments.admission.state import AdmissionConfig
 from deployments.errors import ReplicaUnavailableError
+from deployments.messages import AbortRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,13 @@ ROUTER_CLASS_PATH = "deployments.admission.routing:AdmissionRequestRouter"
 
 
 def target_replica_id(pending_request: Optional[PendingRequest]) -> Optional[str]:
-    """The replica admission chose for this call: a `target_replica_id` on its first argument."""
+    """The replica admission chose for this call: the `target_replica_id` of its GenerateRequest or
+    AbortRequest argument."""
     if pending_request is None:
         return None
     for arg in list(pending_request.args) + list(pending_request.kwargs.values()):
-        target = getattr(arg, "target_replica_id", None)
-        if target:
-            return str(target)
+        if isinstance(arg, (GenerateRequest, AbortRequest)) and arg.target_replica_id:
+            return arg.target_replica_id
     return None
 
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from deployments.admission.actor import NAMESPACE, decision_to_reservation
+from deployments.admission.queue import AdmissionStats
 from deployments.messages import AdmissionDecision
 from deployments.errors import BadRequestError, ServiceUnavailableError, TooManyRequestsError
 from conftest import named_actor  # noqa: E402
@@ -98,7 +99,7 @@ def controller():
     return named_actor(actor["name"], NAMESPACE)
 
 
-def stats() -> dict:
+def stats() -> AdmissionStats:
     import ray
 
     return ray.get(controller().stats.remote(), timeout=30)
@@ -172,9 +173,9 @@ def test_replica_reports_its_cache_most_recent_first_within_the_bound():
 
 
 def test_registered_replicas_and_never_fits(cluster):
-    s = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 else None)(stats()), what="2 replicas")
-    for replica in s["replicas"]:
-        assert replica["kv_limit_bytes"] // cluster["step_bytes"] == int(ROOM_STEPS)
+    s = wait_for(lambda: (lambda s: s if s.num_replicas == 2 else None)(stats()), what="2 replicas")
+    for replica in s.replicas:
+        assert replica.kv_limit_bytes // cluster["step_bytes"] == int(ROOM_STEPS)
     r = post(cluster["url"], 10, 1900)  # 1909 tokens: 8 steps, more than any replica's 6.5
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "never_fits"
@@ -183,7 +184,7 @@ def test_registered_replicas_and_never_fits(cluster):
 def test_burst_beyond_capacity(cluster):
     """Long prompts, 2 steps each: 3 fit per replica, 6 in the cluster, 2 more may queue, the rest 503."""
     url = cluster["url"]
-    before = {r["replica_id"] for r in stats()["replicas"]}
+    before = {r.replica_id for r in stats().replicas}
     samples: list[dict] = []
 
     async def burst() -> list[httpx.Response]:
@@ -211,20 +212,20 @@ def test_burst_beyond_capacity(cluster):
         assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
         assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["code"] == "queue_full"
     for s in samples:  # the model never admits past a replica's room, nor past the engine's own budget
-        for replica in s["replicas"]:
-            assert replica["reserved_kv_bytes"] <= replica["kv_limit_bytes"]
-            assert replica["num_reservations"] <= 3
-            assert replica["engine_kv_reserved_bytes"] <= replica["kv_limit_bytes"]
-    after = wait_for(lambda: (lambda s: s if s["num_reservations"] == 0 else None)(stats()), what="all released")
-    assert {r["replica_id"] for r in after["replicas"]} == before  # no replica died
-    counters = after["counters"]
-    assert counters["num_rejected"].get("queue_full", 0) == len(rejected) and counters["num_queued"] >= 2
+        for replica in s.replicas:
+            assert replica.reserved_kv_bytes <= replica.kv_limit_bytes
+            assert replica.num_reservations <= 3
+            assert replica.engine_kv_reserved_bytes <= replica.kv_limit_bytes
+    after = wait_for(lambda: (lambda s: s if s.num_reservations == 0 else None)(stats()), what="all released")
+    assert {r.replica_id for r in after.replicas} == before  # no replica died
+    counters = after.counters
+    assert counters.num_rejected.get("queue_full", 0) == len(rejected) and counters.num_queued >= 2
     print(f"burst of {len(responses)}: {len(ok)} completed ({counters['num_admitted_after_wait']} after waiting "
           f"in the queue), {len(rejected)} rejected with 503")
-    for replica in after["replicas"]:
-        assert 0 < replica["max_measured_transient_bytes"] <= replica["transient_bound_bytes"]
-        assert not replica["peak_exceeded"]
-    scrape = httpx.get(after["prometheus_url"], timeout=10).text  # the controller's own Telemetry
+    for replica in after.replicas:
+        assert 0 < replica.max_measured_transient_bytes <= replica.transient_bound_bytes
+        assert not replica.peak_exceeded
+    scrape = httpx.get(after.prometheus_url, timeout=10).text  # the controller's own Telemetry
     decisions = [line for line in scrape.splitlines() if line.startswith("mlx_serve_admission_decisions_total{")]
     assert any('outcome="rejected",reason="queue_full"' in line for line in decisions), decisions
 
@@ -237,13 +238,13 @@ def test_placement_by_room_not_round_robin(cluster):
         busy = held.headers["x-replica-id"]  # 1010 tokens: 4 of its 6.5 steps; 2.5 left, room for more
         lines = held.iter_lines()
         next(lines)
-        [hold] = [r for r in stats()["replicas"] if r["num_reservations"]]
-        assert hold["replica_id"] == busy and hold["reserved_kv_bytes"] == 4 * cluster["step_bytes"]
+        [hold] = [r for r in stats().replicas if r.num_reservations]
+        assert hold.replica_id == busy and hold.reserved_kv_bytes == 4 * cluster["step_bytes"]
         placed = [post(url, 10, 8) for _ in range(4)]  # 1 step each: both replicas could take them
         assert all(r.status_code == 200 for r in placed)
-        assert {r.headers["x-replica-id"] for r in placed} == {r["replica_id"] for r in stats()["replicas"]} - {busy}
+        assert {r.headers["x-replica-id"] for r in placed} == {r.replica_id for r in stats().replicas} - {busy}
     # The client went away: the ingress releases, the replica aborts.
-    wait_for(lambda: stats()["num_reservations"] == 0, what="release on disconnect")
+    wait_for(lambda: stats().num_reservations == 0, what="release on disconnect")
 
 
 def test_disconnect_while_queued_never_reaches_the_engine(cluster):
@@ -259,18 +260,18 @@ def test_disconnect_while_queued_never_reaches_the_engine(cluster):
             for r, it in zip(responses, lines):
                 assert r.status_code == 200
                 next(it)
-            assert {r.headers["x-replica-id"] for r in responses} == {r["replica_id"] for r in stats()["replicas"]}
-            before = stats()["counters"]
+            assert {r.headers["x-replica-id"] for r in responses} == {r.replica_id for r in stats().replicas}
+            before = stats().counters
             with pytest.raises(httpx.TimeoutException):  # 1 step: fits nowhere now, so it queues
                 httpx.post(f"{url}/v1/completions", json=body(10, 8, offset=900), timeout=1.5)
-            queued = wait_for(lambda: (lambda s: s if s["num_waiting"] == 0 else None)(stats()), what="left queue")
-            assert queued["counters"]["num_queued"] == before["num_queued"] + 1
+            queued = wait_for(lambda: (lambda s: s if s.num_waiting == 0 else None)(stats()), what="left queue")
+            assert queued.counters.num_queued == before.num_queued + 1
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
-    after = wait_for(lambda: (lambda s: s if s["num_reservations"] == 0 else None)(stats()), what="all released")
-    assert after["counters"]["num_admitted_after_wait"] == before["num_admitted_after_wait"]
-    assert after["counters"]["num_admitted"] == before["num_admitted"]
+    after = wait_for(lambda: (lambda s: s if s.num_reservations == 0 else None)(stats()), what="all released")
+    assert after.counters.num_admitted_after_wait == before.num_admitted_after_wait
+    assert after.counters.num_admitted == before.num_admitted
 
 
 class _Raced(Exception):
@@ -295,16 +296,16 @@ def _kill_controller_under_load(url: str, step: int, attempt: int) -> float:
             killed = time.monotonic()
             ray.kill(controller(), no_restart=False)
             try:
-                rebuilt = wait_for(lambda: (lambda s: s if s["num_replicas"] == 2 and s["num_reservations"] == 2
+                rebuilt = wait_for(lambda: (lambda s: s if s.num_replicas == 2 and s.num_reservations == 2
                                             else None)(stats()), what="rebuild from heartbeats")
             except AssertionError:
-                if stats()["counters"]["num_released"] > 0:  # a stream ended before the rebuild saw it
+                if stats().counters.num_released > 0:  # a stream ended before the rebuild saw it
                     raise _Raced()
                 raise
             rebuild_s = time.monotonic() - killed
-            assert rebuilt["counters"]["num_adopted"] == 2 and rebuilt["counters"]["num_admitted"] == 0
-            assert sorted(i for r in rebuilt["replicas"] for i in r["request_ids"]) == sorted(ids)
-            assert rebuilt["reserved_kv_bytes"] == 2 * 6 * step  # 1510 tokens each: 6 steps
+            assert rebuilt.counters.num_adopted == 2 and rebuilt.counters.num_admitted == 0
+            assert sorted(i for r in rebuilt.replicas for i in r.request_ids) == sorted(ids)
+            assert rebuilt.reserved_kv_bytes == 2 * 6 * step  # 1510 tokens each: 6 steps
             # Admitted by the new controller: it waits in its queue until one adopted stream ends (no
             # replica has a step left beside them), however long that takes on a loaded box.
             fresh = httpx.post(f"{url}/v1/completions", json=body(10, 8), timeout=120)
@@ -327,11 +328,11 @@ def test_controller_killed_under_load(cluster):
             rebuild_s = _kill_controller_under_load(cluster["url"], cluster["step_bytes"], attempt)
             break
         except _Raced:
-            wait_for(lambda: stats()["num_reservations"] == 0, what="releases after the raced run")
+            wait_for(lambda: stats().num_reservations == 0, what="releases after the raced run")
             if attempt == 1:
                 raise AssertionError("both runs raced: the streams ended before the controller rebuilt")
     print(f"controller rebuilt {rebuild_s:.1f} s after the kill")
-    wait_for(lambda: stats()["num_reservations"] == 0, what="releases after the restart")
+    wait_for(lambda: stats().num_reservations == 0, what="releases after the restart")
 
 
 def test_router_sends_to_the_target_and_fails_a_gone_one(cluster):
@@ -348,7 +349,7 @@ def test_router_sends_to_the_target_and_fails_a_gone_one(cluster):
         request = GenerateRequest(request_id, [5, 6, 7], SamplingParams(max_tokens=2), target_replica_id=target)
         return [out async for out in handle.generate.remote(request)]
 
-    for i, replica in enumerate(sorted(r["replica_id"] for r in stats()["replicas"]) * 3):
+    for i, replica in enumerate(sorted(r.replica_id for r in stats().replicas) * 3):
         assert {out.replica_id for out in asyncio.run(generate(f"direct-{i}", replica))} == {replica}
     started = time.monotonic()
     with pytest.raises(Exception) as err:
@@ -391,17 +392,17 @@ def test_shared_system_prompt_lands_on_the_replica_that_caches_it(cluster, chat_
     from engine.core.prefix_hash import BLOCK_TOKENS, block_hashes
 
     url = cluster["url"]
-    wait_for(lambda: stats()["num_reservations"] == 0, what="an idle cluster")
+    wait_for(lambda: stats().num_reservations == 0, what="an idle cluster")
     first = httpx.post(f"{url}/v1/chat/completions", json=chat_body("What is two plus two?"), timeout=60)
     assert first.status_code == 200, first.text
     home = first.headers["x-replica-id"]
-    [other] = {r["replica_id"] for r in stats()["replicas"]} - {home}
+    [other] = {r.replica_id for r in stats().replicas} - {home}
     ids = chat_ids(chat_body("What is two plus two?"))
     assert first.json()["usage"]["prompt_tokens"] == len(ids) and len(ids) // BLOCK_TOKENS >= 4
     hashes = block_hashes(ids)
-    wait_for(lambda: any(r["replica_id"] == home and r["num_prefix_hashes"] >= len(hashes)
-                         for r in stats()["replicas"]), what="the first replica's heartbeat with its cache")
-    before = stats()["counters"]
+    wait_for(lambda: any(r.replica_id == home and r.num_prefix_hashes >= len(hashes)
+                         for r in stats().replicas), what="the first replica's heartbeat with its cache")
+    before = stats().counters
 
     def with_blocker(i: int, body_: dict) -> httpx.Response:
         """`body_` sent while a 4-step reservation (placed by affinity on `home`) leaves it 2.5 steps."""
@@ -425,9 +426,9 @@ def test_shared_system_prompt_lands_on_the_replica_that_caches_it(cluster, chat_
     big = with_blocker(11, chat_body("Count slowly.", max_tokens=700 - len(ids)))  # 3 steps: no room at home
     assert big.status_code == 200 and big.headers["x-replica-id"] == other
     assert big.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK_TOKENS  # not cached there
-    counters = stats()["counters"]
-    assert counters["num_admitted_by_prefix"] - before["num_admitted_by_prefix"] >= 2 * len(questions) + 2
-    assert counters["num_prefix_blocks_matched"] > before["num_prefix_blocks_matched"]
+    counters = stats().counters
+    assert counters.num_admitted_by_prefix - before.num_admitted_by_prefix >= 2 * len(questions) + 2
+    assert counters.num_prefix_blocks_matched > before.num_prefix_blocks_matched
     print(f"{len(questions)} repeats of a {len(ids)}-token prompt all on {home}; control and oversized on {other}")
 
 
@@ -440,7 +441,7 @@ def test_replica_killed_frees_its_reservations(cluster):
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions",
                                                         json=body(10, 1500, stream=True)) as r:
         victim = r.headers["x-replica-id"]
-        assert stats()["num_reservations"] == 1
+        assert stats().num_reservations == 1
         [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}")]
         handle = named_actor(actor["name"], actor["namespace"])
         for line in r.iter_lines():
@@ -449,9 +450,9 @@ def test_replica_killed_frees_its_reservations(cluster):
             if len(events) == 3:
                 ray.kill(handle, no_restart=False)
     assert "data: [DONE]" not in events and "error" in events[-1]
-    after = wait_for(lambda: (lambda s: s if victim not in {x["replica_id"] for x in s["replicas"]}
-                              and s["num_reservations"] == 0 else None)(stats()), what="reclaim")
-    assert after["counters"]["num_reclaimed"] + after["counters"]["num_released"] >= 1
+    after = wait_for(lambda: (lambda s: s if victim not in {x.replica_id for x in s.replicas}
+                              and s.num_reservations == 0 else None)(stats()), what="reclaim")
+    assert after.counters.num_reclaimed + after.counters.num_released >= 1
     moved = [post(url, 10, 8) for _ in range(3)]
     assert all(m.status_code == 200 for m in moved), [m.text for m in moved]
     assert victim not in {m.headers["x-replica-id"] for m in moved}

@@ -68,7 +68,7 @@ def admission_reservations() -> int:
 
     [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
                if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]
-    return ray.get(named_actor(actor["name"], NAMESPACE).stats.remote(), timeout=30)["num_reservations"]
+    return ray.get(named_actor(actor["name"], NAMESPACE).stats.remote(), timeout=30).num_reservations
 
 
 def wait_idle(timeout_s: float = 5.0) -> float:

@@ -253,7 +253,7 @@ async def test_reap_and_replica_failure_make_room_for_waiters():
     adm.report(ReplicaReport(capacity("c", steps=1)))
     await adm.reserve("3", 10, 10)
     assert adm.replica_failed("c") == 1
-    assert adm.stats()["counters"]["num_reclaimed"] == 3
+    assert adm.stats().counters.num_reclaimed == 3
 
 
 async def test_peak_exceeded_is_counted_and_reported_to_telemetry():
@@ -270,8 +270,8 @@ async def test_peak_exceeded_is_counted_and_reported_to_telemetry():
     adm.report(ReplicaReport(capacity("a", steps=2), max_measured_transient_bytes=BOUND + 1))
     await adm.reserve("1", 10, 10)
     assert ("peak", "a") in calls and ("admitted", "room") in calls
-    assert adm.stats()["counters"]["num_peak_exceeded"] == 1
-    assert adm.stats()["replicas"][0]["peak_exceeded"]
+    assert adm.stats().counters.num_peak_exceeded == 1
+    assert adm.stats().replicas[0].peak_exceeded
 
 
 def test_config_bounds():

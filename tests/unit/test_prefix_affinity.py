@@ -191,6 +191,6 @@ async def test_admitter_counts_affinity_and_waiters_keep_their_hashes():
     granted = await asyncio.wait_for(waiting, 1)
     assert granted.reason == "after_wait" and granted.reservation.replica_id == "b"
     assert granted.reservation.num_prefix_blocks == 0
-    counters = adm.stats()["counters"]
-    assert counters["num_admitted_by_prefix"] == 1 and counters["num_prefix_blocks_matched"] == 4
+    counters = adm.stats().counters
+    assert counters.num_admitted_by_prefix == 1 and counters.num_prefix_blocks_matched == 4
     assert decisions == [("admitted", "prefix_affinity"), ("queued", "no_room"), ("admitted", "after_wait")]
