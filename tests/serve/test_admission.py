@@ -220,7 +220,7 @@ def test_burst_beyond_capacity(cluster):
     assert {r.replica_id for r in after.replicas} == before  # no replica died
     counters = after.counters
     assert counters.num_rejected.get("queue_full", 0) == len(rejected) and counters.num_queued >= 2
-    print(f"burst of {len(responses)}: {len(ok)} completed ({counters['num_admitted_after_wait']} after waiting "
+    print(f"burst of {len(responses)}: {len(ok)} completed ({counters.num_admitted_after_wait} after waiting "
           f"in the queue), {len(rejected)} rejected with 503")
     for replica in after.replicas:
         assert 0 < replica.max_measured_transient_bytes <= replica.transient_bound_bytes
