@@ -16,6 +16,6 @@
     telemetry/        OpenTelemetry metrics and traces of every process, Prometheus ports
 
 Imports go one way: app -> admission and ingress -> replica -> telemetry -> messages, engine_client,
-errors (admission and ingress meet only in app). This package is the only one that imports ray (engine/ never does). `config/serve.yaml` runs it:
-`serve run config/serve.yaml`.
+errors (admission and ingress meet only in app). This package is the only one that imports ray
+(engine/ never does). `config/serve.yaml` runs it: `serve run config/serve.yaml`.
 """

@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any, Optional, Union
 
@@ -79,7 +79,8 @@ class AdmissionController:
     """The actor: an Admitter, a reaper of silent replicas, and an idle exit. Plain class (Ray applies
     `ray.remote` in `get_or_create_controller`); every method is async, so waits never block the actor."""
 
-    def __init__(self, config: Union[AdmissionConfig, dict], telemetry_factory: Optional[ControllerTelemetryFactory] = None,
+    def __init__(self, config: Union[AdmissionConfig, dict],
+                 telemetry_factory: Optional[ControllerTelemetryFactory] = None,
                  exit_fn: Optional[Callable[[], None]] = None) -> None:
         self.config = AdmissionConfig.model_validate(config)
         self._telemetry = telemetry_factory() if telemetry_factory else None
@@ -214,7 +215,7 @@ class AdmittedReplicaClient:
         self._admission = admission
         self._max_attempts = max_attempts
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """Reserve, stream from the chosen replica, release exactly once whatever happens. A replica that
         is gone before the first output is reported and the request admitted again."""
         num_prompt = len(request.prompt_token_ids)

@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any, Optional
 
@@ -81,12 +81,12 @@ def default_tokenizer_factory(config: EngineConfig) -> Any:
     return load_tokenizer(resolve_model_path(config.model, config.cache_dir, resolve_dtype(config.dtype)))
 
 
-async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+async def merge_streams(streams: list[AsyncGenerator[Any, None]]) -> AsyncGenerator[tuple[int, Any], None]:
     """Interleave several async iterators as (index, item); the first error ends the merge."""
     queue: asyncio.Queue = asyncio.Queue()
     finished = object()
 
-    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[Any, None]) -> None:
         try:
             async with aclosing(stream):
                 async for item in stream:
@@ -145,7 +145,7 @@ class OpenAIIngress:
         """Non-streaming chat completion: a ChatCompletionResponse."""
         return await self._complete(await self._prepare(request, ChatCompletionRequest))
 
-    async def chat_stream(self, request: ChatCompletionRequest | dict) -> AsyncIterator[Any]:
+    async def chat_stream(self, request: ChatCompletionRequest | dict) -> AsyncGenerator[Any, None]:
         """Streaming chat completion: ChatCompletionChunk objects (call with stream=True)."""
         async with aclosing(self._stream(await self._prepare(request, ChatCompletionRequest))) as chunks:
             async for chunk in chunks:
@@ -155,7 +155,7 @@ class OpenAIIngress:
         """Non-streaming completion: a CompletionResponse."""
         return await self._complete(await self._prepare(request, CompletionRequest))
 
-    async def completions_stream(self, request: CompletionRequest | dict) -> AsyncIterator[Any]:
+    async def completions_stream(self, request: CompletionRequest | dict) -> AsyncGenerator[Any, None]:
         """Streaming completion: CompletionChunk objects (call with stream=True)."""
         async with aclosing(self._stream(await self._prepare(request, CompletionRequest))) as chunks:
             async for chunk in chunks:
@@ -208,7 +208,7 @@ class OpenAIIngress:
         prepared = prepare(req, self._tokenizer, await self._limits(), self._model_name)
         return dataclasses.replace(prepared, received_ns=received_ns)
 
-    async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    async def _outputs(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, GenerateOutput], None]:
         """Every increment of every choice; the request's telemetry is recorded when this ends."""
         observation = RequestObservation(self._telemetry, prepared)
         error: Optional[BaseException] = None
@@ -224,7 +224,7 @@ class OpenAIIngress:
             observation.finish(error)
 
     async def _replica_outputs(self, prepared: PreparedRequest,
-                               trace_context: dict[str, str]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+                               trace_context: dict[str, str]) -> AsyncGenerator[tuple[int, GenerateOutput], None]:
         streams = [
             self._replicas.generate(GenerateRequest(f"{prepared.request_id}-{i}", prepared.prompt_token_ids, s,
                                                     trace_context))
@@ -246,7 +246,7 @@ class OpenAIIngress:
                 acc.add(index, out)
         return final_response(prepared, acc)
 
-    async def _stream(self, prepared: PreparedRequest) -> AsyncIterator[Any]:
+    async def _stream(self, prepared: PreparedRequest) -> AsyncGenerator[Any, None]:
         acc = Accumulator(len(prepared.samplings))
         started: set[int] = set()
         async with aclosing(self._outputs(prepared)) as outputs:

@@ -10,7 +10,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from deployments.errors import APIError, EngineError, ReplicaUnavailableError, ServiceUnavailableError, unwrap
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class ReplicaClient(Protocol):
     """What the ingress calls on the engine replicas."""
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]: ...
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]: ...
 
     async def info(self, timeout_s: float) -> ReplicaInfo:
         """The model of one replica; raises ServiceUnavailableError when none answers in time."""
@@ -38,7 +38,7 @@ class HandleReplicaClient:
         self._handle = handle
         self._max_attempts = max_attempts
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """Stream from one replica. A replica that dies before its first output is retried on another
         (nothing was produced yet); after that, its death is the request's error."""
         for attempt in range(1, self._max_attempts + 1):

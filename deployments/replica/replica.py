@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 from engine import EngineConfig, RequestOutput
@@ -88,7 +88,7 @@ class EngineReplica:
         self._reporter = reporter_factory(self.admission_report) if reporter_factory else None
         logger.info("replica %s serving %s", self._replica_id, self._engine.model_name)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """Stream the increments of one request; abort it in the engine if the caller goes away."""
         if self._aborted.pop(request.request_id, None) is not None:
             return  # its caller went away while Serve was still dispatching it: never reaches the engine
