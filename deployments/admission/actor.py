@@ -268,7 +268,7 @@ class ReplicaReporter:
     """The replica's heartbeat: a background asyncio task that sends `report_fn()` every interval. The
     first report registers the replica; a restarted controller is re-registered by the next one."""
 
-    def __init__(self, config: AdmissionConfig, report_fn: Callable[[], Optional[ReplicaReport]],
+    def __init__(self, config: AdmissionConfig, report_fn: Callable[[], ReplicaReport],
                  controller_factory: Optional[ControllerTelemetryFactory] = None,
                  telemetry_factory: Optional[ControllerTelemetryFactory] = None) -> None:
         self.config = config
@@ -295,8 +295,6 @@ class ReplicaReporter:
     async def send_once(self) -> bool:
         try:
             report = self._report_fn()
-            if report is None:
-                return False
             bound = self.config.max_prefix_hashes
             if len(report.prefix_hashes) > bound:  # the summary is most recent first: keep its head
                 report = dataclasses.replace(report, prefix_hashes=report.prefix_hashes[:bound])
@@ -328,7 +326,7 @@ class ReporterFactory:
     config: AdmissionConfig
     telemetry_factory: Optional[ControllerTelemetryFactory] = None  # the controller's, if this replica creates it
 
-    def __call__(self, report_fn: Callable[[], Optional[ReplicaReport]]) -> ReplicaReporter:
+    def __call__(self, report_fn: Callable[[], ReplicaReport]) -> ReplicaReporter:
         reporter = ReplicaReporter(self.config, report_fn, telemetry_factory=self.telemetry_factory)
         reporter.ensure_started()
         return reporter
