@@ -8,14 +8,11 @@ optional methods, no stats read by string keys.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional, Protocol
 
-from engine import EngineConfig, RequestOutput, SamplingParams
+from engine import EngineConfig, EngineStats, RequestOutput, SamplingParams, StepRecord
 
-if TYPE_CHECKING:  # types only: the ingress and the Serve controller import this module without loading MLX
-    from engine import EngineStats, StepRecord
-
-StepObserver = Callable[["StepRecord"], None]
+StepObserver = Callable[[StepRecord], None]
 
 
 class EngineClient(Protocol):

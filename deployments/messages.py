@@ -12,12 +12,9 @@ every layer may import this one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
-from engine import SamplingParams
-
-if TYPE_CHECKING:  # the admission controller never needs the engine's stats, only their type
-    from engine import EngineStats
+from engine import EngineStats, SamplingParams
 
 Outcome = Literal["admitted", "rejected", "invalid"]
 
@@ -71,7 +68,7 @@ class ReplicaStats:
     """A replica's engine stats and how its process runs (EngineReplica.stats, the handle API's stats)."""
 
     replica_id: str
-    engine: "EngineStats"
+    engine: EngineStats
     prometheus_url: Optional[str] = None
     cpu_threads: Optional[str] = None  # OPENBLAS_NUM_THREADS of its process (ReplicaArgs.cpu_threads)
     niceness: int = 0  # Ray's worker niceness, as deployments/cluster_env.py sets it

@@ -20,9 +20,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import TYPE_CHECKING, Optional, Protocol, Union
+from typing import Optional, Protocol, Union
 
-from engine import EngineConfig, RequestOutput
+from engine import EngineConfig, EngineStats, RequestOutput
 from engine.core.prefix_hash import MAX_SUMMARY_HASHES, summarize
 
 from deployments.engine_client import EngineClient, EngineFactory, default_engine_factory
@@ -32,9 +32,6 @@ from deployments.messages import (AbortRequest, GenerateOutput, GenerateRequest,
 from deployments.replica.telemetry import ReplicaObserver
 from deployments.telemetry.metrics import TelemetryConfig
 from deployments.telemetry.observability import TelemetryFactory, process_telemetry
-
-if TYPE_CHECKING:  # types only: building the app (Serve's controller) never loads MLX
-    from engine import EngineStats
 
 logger = logging.getLogger(__name__)
 

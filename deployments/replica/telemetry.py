@@ -22,18 +22,17 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from engine import EngineStats, StepRecord
 
 from deployments.engine_client import EngineClient
 from deployments.messages import GenerateOutput, GenerateRequest
 from deployments.telemetry import metrics as tm
 from deployments.telemetry.metrics import EngineGauges, Telemetry
-
-if TYPE_CHECKING:  # types only: building the app (Serve's controller) never loads MLX
-    from engine import EngineStats, StepRecord
 
 logger = logging.getLogger(__name__)
 
