@@ -25,6 +25,9 @@ _EXPORTS = {
     "EngineStats": "engine.core.types",
     "StepRecord": "engine.core.types",
     "StepMemory": "engine.core.types",
+    "StepOptions": "engine.core.types",
+    "ExecutionPaths": "engine.core.types",
+    "ForwardTiming": "engine.core.types",
 }
 
 __all__ = sorted(_EXPORTS)

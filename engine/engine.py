@@ -23,8 +23,8 @@ from engine.core.memory.coefficients import coefficients_for, with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.output import TextStream, process_token
 from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.core.types import (CompletionOutput, EngineStats, FinishReason, Request, RequestOutput,  # noqa: F401
-                               SamplingParams, SchedulerOutput, StepRecord)
+from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, FinishReason, Request,  # noqa: F401
+                               RequestOutput, SamplingParams, SchedulerOutput, StepOptions, StepRecord)
 from engine.executor import StepExecutor, StepRun
 from engine.model.runner import ModelRunner, RunnerOptions
 
@@ -80,9 +80,9 @@ class Engine:
     """One model on one MLX device; `step()` runs one scheduler step and returns its StepRecord."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict,
-                 runner_options: RunnerOptions = RunnerOptions()):
-        """`runner_options`: the runner's ways of building forwards (tests and benchmarks compare them;
-        the defaults are what measured best)."""
+                 runner_options: RunnerOptions = RunnerOptions(), step_options: StepOptions = StepOptions()):
+        """`runner_options`: the runner's ways of building forwards; `step_options`: how steps run
+        (tests and benchmarks compare them; the defaults are what measured best)."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -130,12 +130,15 @@ class Engine:
                             int(config.prefix_cache_fraction * kv_budget))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.prefill_chunk_size, self.max_model_len),
+                            config.prefill_chunk_size, self.max_model_len,
+                            mix_beyond_bound=step_options.mix_beyond_bound),
             self.memory, self.kv)
         # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
-        # next step: what measured best; tests and benchmarks set the executor's flags to compare.
+        # next step: what measured best (StepOptions' defaults).
+        overlap = step_options.overlap_steps
         self.executor = StepExecutor(self.runner, self.memory, self.scheduler, config.seed,
-                                     async_decode=True, overlap_steps=backend == "cuda")
+                                     async_decode=step_options.async_decode,
+                                     overlap_steps=backend == "cuda" if overlap is None else overlap)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
 
@@ -212,13 +215,17 @@ class Engine:
         samples nothing returns without waiting for it (`StepExecutor.overlap_steps`): the next step is
         scheduled and its first forward built while it runs, and waits for it before launching."""
         start_ns, started = time.time_ns(), time.perf_counter()
+        schedule_s = 0.0
         if self.executor.pipelining:
             run = self.executor.advance()
         else:
-            run = self.executor.run(self.scheduler.schedule())
+            plan = self.scheduler.schedule()
+            schedule_s = time.perf_counter() - started
+            run = self.executor.run(plan)
         outputs = self._commit_run(run)
         return StepRecord(tuple(outputs), start_ns, time.perf_counter() - started, plan=run.plan,
-                          memory=run.memory, slice_reads=run.slice_reads, forwards=run.forwards)
+                          memory=run.memory, slice_reads=run.slice_reads, forwards=run.forwards,
+                          schedule_s=schedule_s)
 
     def _commit_run(self, run: StepRun) -> list[RequestOutput]:
         if run.error is not None:
@@ -271,6 +278,19 @@ class Engine:
         """The prefix cache's block hashes per entry, most recently used first (a snapshot: safe to read
         from another thread; the replica summarises it for the admission controller)."""
         return self.kv.prefix_cache.block_hash_chains
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache entry no waiting request holds (their blocks return to the pool's free
+        list); returns the bytes freed. Benchmarks call it between passes so that a pass finds no hits."""
+        return self.kv.prefix_cache.evict(self.kv.cached_bytes)
+
+    def execution_paths(self) -> ExecutionPaths:
+        """Which ways of building forwards the runner took for this model and backend (read-only)."""
+        runner = self.runner
+        decode = runner.decode_path
+        return ExecutionPaths(paged_attention=runner.paged_attention, decode_loop=decode is not None,
+                              compiled_decode=decode is not None and decode.compiled is not None,
+                              chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None)
 
     def stats(self) -> EngineStats:
         s, kv, ex = self.scheduler, self.kv, self.executor

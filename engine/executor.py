@@ -119,8 +119,9 @@ class StepExecutor:
         self.num_steps += 1
         if self._can_pipeline(plan):
             try:
+                build_s = time.perf_counter() - self._t0
                 self._inflight = self._build_decode(plan, None)
-                self._launch(self._inflight)
+                self._launch(self._inflight, build_s)
             except Exception as exc:
                 self._inflight = None
                 return StepRun(plan, error=exc, slice_reads=slices)
@@ -233,11 +234,12 @@ class StepExecutor:
                 logger.exception("prefill of %s failed", chunk_id)
                 failed[chunk_id] = f"{type(exc).__name__}: {exc}"
                 continue
+            built_s = time.perf_counter() - self._t0
             if running is not None:
                 self._retire(running, sampled)
             if before is None:
                 before = self._measure_from()
-            self._timed_launch(forward, build_s)
+            self._timed_launch(forward, build_s, built_s)
             running = (ids, forward)
         if before is None:
             before = self._measure_from()
@@ -251,8 +253,10 @@ class StepExecutor:
             self._deferred = _Deferred(running[1], plan.predicted_transient_bytes, base)
         return sampled, memory
 
-    def _timed_launch(self, forward: Forward, build_s: Optional[float] = None) -> None:
-        record = [build_s, time.perf_counter() - self._t0, 0.0, None, None]
+    def _timed_launch(self, forward: Forward, build_s: Optional[float] = None,
+                      built_s: Optional[float] = None) -> None:
+        """Launch `forward`, timed (ForwardTiming); `build_s`, `built_s`: its graph build, this step."""
+        record = [build_s, time.perf_counter() - self._t0, 0.0, None, None, built_s]
         self._timings.append(record)
         self.runner.launch(forward)
         record[2] = time.perf_counter() - self._t0
@@ -309,10 +313,13 @@ class StepExecutor:
         work = self._decode_work(plan) if inputs is None else [DecodeWork(i, -1) for i in plan.decodes]
         return _Inflight(plan, self.runner.decode(work, inputs))
 
-    def _launch(self, decode: _Inflight) -> None:
-        """Start a built decode; the device is idle (its transient is measured from here)."""
+    def _launch(self, decode: _Inflight, build_s: Optional[float] = None,
+                built_s: Optional[float] = None) -> None:
+        """Start a built decode; the device is idle (its transient is measured from here). `build_s`,
+        `built_s`: when its graph build started and ended (None: not timed)."""
+        built_s = time.perf_counter() - self._t0 if built_s is None and build_s is not None else built_s
         self._launch_base_bytes = _measure_start()
-        self._timed_launch(decode.forward)
+        self._timed_launch(decode.forward, build_s, built_s)
 
     def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
         """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are
@@ -339,12 +346,14 @@ class StepExecutor:
         """Build the next decode while the running one computes, wait for it, launch the next; the
         finished one's tokens are returned for the engine to commit (while the next one runs)."""
         prev, self._inflight = self._inflight, None
+        build_s = time.perf_counter() - self._t0
         try:
             nxt = self._next_decode(prev)
         except Exception as exc:  # the next forward's rows fail once this one's tokens are committed
             nxt, next_error = None, exc
         else:
             next_error = None
+        built_s = time.perf_counter() - self._t0
         try:
             finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
             tokens = prev.forward.tokens.tolist()
@@ -355,7 +364,7 @@ class StepExecutor:
         if nxt is not None:
             self.num_steps += 1
             try:
-                self._launch(nxt)
+                self._launch(nxt, build_s, built_s)
                 self._inflight = nxt
             except Exception as exc:
                 next_error = exc

@@ -129,8 +129,7 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
         meter = Meter()
         engine.add_request("g", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
         steps = run_steps(engine, recorder, meter,
-                          lambda: engine.scheduler.requests.get("g") is None
-                          or engine.scheduler.requests["g"].num_output_tokens >= 1)
+                          lambda: "g" in recorder.finished or recorder.num_output_tokens.get("g", 0) >= 1)
         meter.result(0, None, [0.0], 0.0)
         for st in steps:
             if st["decodes"] or len(st["chunks"]) != 1:
@@ -156,15 +155,15 @@ def start_decoding(engine, prompts: list[list[int]], max_tokens: int):
     ids = [f"d{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    run_steps(engine, recorder, meter, lambda: all(engine.scheduler.requests[i].num_output_tokens >= 1 for i in ids))
+    run_steps(engine, recorder, meter, lambda: all(recorder.num_output_tokens.get(i, 0) >= 1 for i in ids))
     return recorder, meter, ids
 
 
-def keep_rows(engine, alive: list[str], b: int, grid: str) -> list[str]:
-    """Abort all but the first `b` decoding rows; the ones left."""
+def keep_rows(recorder, alive: list[str], b: int, grid: str) -> list[str]:
+    """Abort all but the first `b` decoding rows; the ones left (StepRecorder: the engine's outputs)."""
     for rid in alive[b:]:
-        engine.abort(rid)
-    alive = [i for i in alive[:b] if i in engine.scheduler.requests]
+        recorder.abort(rid)
+    alive = [i for i in alive[:b] if i not in recorder.finished]
     if len(alive) < b:
         raise RuntimeError(f"{grid} grid: rows finished early ({len(alive)} < {b})")
     return alive
@@ -184,7 +183,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=False)
         recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
         for b in rows:
-            alive = keep_rows(engine, alive, b, "decode")
+            alive = keep_rows(recorder, alive, b, "decode")
             free_memory()
             done = [0]
 
@@ -195,7 +194,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
             for st in run_steps(engine, recorder, meter, until):
                 if st["chunks"] or st["decodes"] != b:
                     continue
-                ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
+                ctx = max(recorder.num_tokens[i] for i in alive) - 1
                 paged = engine.memory.paged_decode  # else decode gathers (engine/model/kv_pool.py)
                 terms = decode_terms(shape, b, ctx, paged, engine.memory.kv_step)
                 points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=not paged,
@@ -203,7 +202,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                    whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)
-        keep_rows(engine, alive, 0, "")
+        keep_rows(recorder, alive, 0, "")
         engine = recorder = None
         free_memory()
     return points
@@ -211,62 +210,73 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
 
 def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,
                label: str) -> list[dict]:
-    """Mixed steps (engine/model/layers/mixed.py): a probe prompt of two chunks of c tokens, each in one forward with
-    B decoding rows of context n (after a first such probe, unmeasured: on CUDA every new shape builds
-    kernels and attention graphs once, and the pool may grow), then the same probe with mixing off (the step's chunk and decode
-    forwards apart: `apart_measured`, what the mixed forward adds to). One engine per context: its
-    rows are prefilled in large chunks, then the chunk size is set per probe and the scheduler's bound
-    lifted, so that every probe step mixes (bench instrumentation; the engine's code is untouched)."""
-    from engine.core.types import SamplingParams
-
+    """Mixed steps (engine/model/layers/mixed.py): a probe prompt of c tokens in one forward with B
+    decoding rows of context n (after a first such probe, unmeasured: on CUDA every new shape builds
+    kernels and attention graphs once, and the pool may grow), and the same probe in an engine that does
+    not mix (the step's chunk and decode forwards apart: `apart_measured`, what the mixed forward adds
+    to). Both engines are chosen at construction (mixed_probes); a probe is a whole prompt, so its step
+    is one chunk of c tokens, which ends the prompt (logits), beside the rows."""
     points = []
     rows = sorted(rows, reverse=True)
-    b_max, big = rows[0], max(max(chunks), 512)
     for n in contexts:
-        prompts = random_prompts([n] * b_max, lm.config["vocab_size"], seed=n)
-        max_tokens = (n * b_max) // big + len(rows) * len(chunks) * 8 + 16
-        engine = make_engine(lm, [n] * b_max + [2 * max(chunks)], max_tokens, chunk=big,
-                             max_num_batched_tokens=max(big, 2048), max_num_seqs=max(64, b_max + 1),
-                             async_decode=False)
-        recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
-        engine.scheduler.transient_bound_bytes = 1 << 62  # every probe step mixes
-        mixes = engine.memory.mixed
-        for b in rows:
-            alive = keep_rows(engine, alive, b, "mixed")
-            for c in chunks:
-                # one chunk and the rows per step (a larger budget would take a second chunk of the probe)
-                engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_chunk_size=c,
-                                                              max_num_batched_tokens=c + b)
-                found = {}
-                for mode in ("warm", True, False):  # the warm probe builds the shapes' kernels, grows the pool
-                    engine.memory.mixed = bool(mode) and mixes
-                    free_memory()
-                    probe = f"m{b}-{c}-{mode}"
-                    prompt = random_prompts([2 * c], lm.config["vocab_size"],
-                                            seed=n + 10 * c + b + {"warm": 2, True: 1, False: 0}[mode])[0]
-                    engine.add_request(probe, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                    steps = run_steps(engine, recorder, meter, lambda: probe not in engine.scheduler.requests)
-                    found[mode] = [st for st in steps if st["decodes"] == b and len(st["chunks"]) == 1]
-                engine.memory.mixed = mixes
-                for st, apart, warm in zip(found[True], found[False], found["warm"]):
-                    cc, end, logits = st["chunks"][0]
-                    ctx = max(engine.scheduler.requests[i].num_tokens for i in alive) - 1
-                    paged = engine.memory.paged_decode
-                    gathers = not any(s.startswith("m") for s in st["slice_reads"])
-                    terms = prefill_terms(shape, cc, end, logits)
-                    terms["prefill_gather"] *= gathers
-                    points.append(dict(kind="mixed", variant=label, c=cc, n=end, logits=logits, B=b,
-                                       decode_n=ctx, gathers=gathers, paged=paged, mixed=mixes,
-                                       measured=st["measured"], predicted=st["predicted"],
-                                       apart_measured=apart["measured"], apart_predicted=apart["predicted"],
-                                       warm_measured=warm["measured"], warm_step_s=warm["step_s"],
-                                       step_s=st["step_s"], apart_step_s=apart["step_s"], terms=terms,
-                                       decode_terms=decode_terms(shape, b, ctx, paged, engine.memory.kv_step)))
-        meter.result(0, None, [0.0], 0.0)
-        keep_rows(engine, alive, 0, "")
-        engine = recorder = None
-        free_memory()
+        mixed, mixes, paged, kv_step = mixed_probes(lm, chunks, rows, n, mixing=True)
+        apart = mixed_probes(lm, chunks, rows, n, mixing=False)[0]
+        for (b, c), (warm, st, ctx) in mixed.items():
+            other = apart.get((b, c))
+            if warm is None or st is None or other is None or other[1] is None:
+                continue
+            apart_st = other[1]
+            cc, end, logits = st["chunks"][0]
+            gathers = not any(s.startswith("m") for s in st["slice_reads"])
+            terms = prefill_terms(shape, cc, end, logits)
+            terms["prefill_gather"] *= gathers
+            points.append(dict(kind="mixed", variant=label, c=cc, n=end, logits=logits, B=b,
+                               decode_n=ctx, gathers=gathers, paged=paged, mixed=mixes,
+                               measured=st["measured"], predicted=st["predicted"],
+                               apart_measured=apart_st["measured"], apart_predicted=apart_st["predicted"],
+                               warm_measured=warm["measured"], warm_step_s=warm["step_s"],
+                               step_s=st["step_s"], apart_step_s=apart_st["step_s"], terms=terms,
+                               decode_terms=decode_terms(shape, b, ctx, paged, kv_step)))
     return points
+
+
+def mixed_probes(lm: LoadedModel, chunks: list[int], rows: list[int], n: int, mixing: bool) -> tuple:
+    """One engine's probes for `mixed_grid`: rows of context n prefilled in large chunks, then for each
+    B (rows aborted one group at a time) and c a warm probe and a measured one. `mixing`: the engine
+    mixes every probe step, beyond its transient bound (StepOptions.mix_beyond_bound); else it has no
+    mixed forwards (RunnerOptions.mixed_batches=False). Returns ({(B, c): (warm step, probe step, the
+    rows' context)}, whether the engine mixes, whether its decodes are paged, its KV step)."""
+    from engine.core.types import SamplingParams
+
+    b_max, big = rows[0], max(max(chunks), 512)
+    vocab = lm.config["vocab_size"]
+    prompts = random_prompts([n] * b_max, vocab, seed=n)
+    max_tokens = (n * b_max) // big + len(rows) * len(chunks) * 8 + 16
+    # a budget that takes any probe whole beside every row: each probe is one step
+    engine = make_engine(lm, [n] * b_max + [max(chunks)], max_tokens, chunk=big,
+                         max_num_batched_tokens=max(big, 2048) + b_max, max_num_seqs=max(64, b_max + 1),
+                         async_decode=False, mix_beyond_bound=mixing, mixed_batches=mixing)
+    recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
+    seeds = {("warm", True): 2, ("probe", True): 1, ("probe", False): 0, ("warm", False): 3}
+    found = {}
+    for b in rows:
+        alive = keep_rows(recorder, alive, b, "mixed")
+        for c in chunks:
+            steps = {}
+            for mode in ("warm", "probe"):  # the warm probe builds the shapes' kernels, grows the pool
+                free_memory()
+                probe = f"m{b}-{c}-{mode}"
+                prompt = random_prompts([c], vocab, seed=n + 10 * c + b + seeds[mode, mixing])[0]
+                engine.add_request(probe, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                taken = run_steps(engine, recorder, meter, lambda: probe in recorder.finished)  # noqa: B023
+                steps[mode] = next((st for st in taken if st["decodes"] == b and len(st["chunks"]) == 1), None)
+            found[b, c] = (steps["warm"], steps["probe"], max(recorder.num_tokens[i] for i in alive) - 1)
+    result = (found, engine.execution_paths().mixed_batches, engine.memory.paged_decode, engine.memory.kv_step)
+    meter.result(0, None, [0.0], 0.0)
+    keep_rows(recorder, alive, 0, "")
+    engine = recorder = None
+    free_memory()
+    return result
 
 
 def measure(args) -> dict:

@@ -248,11 +248,14 @@ ENGINE_OVERRIDES: dict = {}  # --engine-config
 
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
                 layer_loops: bool = True, async_decode: bool = True, overlap_steps: Optional[bool] = None,
-                read_slices: bool = True, **overrides):
+                read_slices: bool = True, mixed_batches: bool = True, mix_beyond_bound: bool = False,
+                **overrides):
     """This engine at its default config around the already loaded model. `layer_loops`,
-    `async_decode`, `overlap_steps` (None: the engine's choice), `read_slices`: its ways to compare;
+    `read_slices`, `mixed_batches` (RunnerOptions'), `async_decode`, `overlap_steps` (None: the
+    engine's choice), `mix_beyond_bound` (StepOptions'): its ways to compare, chosen at construction;
     `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
+    from engine.core.types import StepOptions
     from engine.engine import Engine
     from engine.model.runner import RunnerOptions
 
@@ -265,25 +268,42 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
     fields.update(overrides)
     limit = engine_memory_limit(lm, lengths, max_tokens, EngineConfig(**fields))
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(memory_limit_bytes=limit, **fields), lm.config,
-                    runner_options=RunnerOptions(layer_loops=layer_loops, read_slices=read_slices))
-    engine.executor.async_decode = async_decode
-    if overlap_steps is not None:
-        engine.executor.overlap_steps = overlap_steps
+                    runner_options=RunnerOptions(layer_loops=layer_loops, read_slices=read_slices,
+                                                 mixed_batches=mixed_batches),
+                    step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps,
+                                             mix_beyond_bound=mix_beyond_bound))
     return engine
 
 
 class StepRecorder:
     """Steps the engine and keeps each step's record (engine.core.types.StepRecord): its plan, the
-    prompt chunks it read as views of the pool, its forwards' times and its memory."""
+    prompt chunks it read as views of the pool, its forwards' times and its memory; and each request's
+    progress as the records' outputs tell it (the engine's public step records, not its scheduler)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.records: list = []
+        self.num_tokens: dict[str, int] = {}  # request id -> prompt + output tokens so far
+        self.num_output_tokens: dict[str, int] = {}
+        self.finished: set[str] = set()
 
     def step(self):
         record = self.engine.step()
         self.records.append(record)
+        for out in record.outputs:
+            self._observe(out)
         return record
+
+    def abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._observe(out)
+
+    def _observe(self, out) -> None:
+        self.num_tokens[out.request_id] = out.num_prompt_tokens + out.num_output_tokens
+        self.num_output_tokens[out.request_id] = out.num_output_tokens
+        if out.finished:
+            self.finished.add(out.request_id)
 
 
 def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], max_tokens: int,

@@ -21,7 +21,6 @@ request so no prefix cache helps either side.
 from __future__ import annotations
 
 import argparse
-import collections
 import asyncio
 import dataclasses
 import json
@@ -142,14 +141,12 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     from engine.core.types import SamplingParams
 
     engine = make_engine(lm, prompts, args, **overrides)
-    tracer = StepTracer(engine, args.trace_steps) if args.trace_steps and breakdown else None
+    tracer = StepTracer(args.trace_steps) if args.trace_steps and breakdown else None
+    # seconds, from the step records: the scheduler's plans, the graph builds of steps without prompt
+    # chunks ("decode") and with ("prefill"), the host's time before each step's first launch
     timers = {"schedule": 0.0, "decode": 0.0, "prefill": 0.0, "forward_build": 0.0}
-    # (rows, step_s, runner.decode_s, host time before the step's first launch, schedule_s)
+    # (rows, step_s, decode graph build_s, host time before the step's first launch, schedule_s)
     decode_steps: list[tuple] = []
-    if breakdown:
-        _wrap(engine.scheduler, "schedule", timers, "schedule")
-        _wrap(engine.runner, "decode", timers, "decode")
-        _wrap(engine.runner, "prefill", timers, "prefill")
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
 
     def add(i, prompt):
@@ -158,21 +155,24 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     first_steps = []  # the first steps: when each ran (from the first's start) and what it computed
 
     def step():
-        before = dict(timers)
         t = time.perf_counter()
         record = engine.step()
         outs = record.outputs
         dt = time.perf_counter() - t
-        if record.forwards:  # the host's time before the device had work: scheduling and the graph build
-            timers["forward_build"] += record.forwards[0].launch_s
+        if tracer is not None:
+            tracer.observe(record)
+        # the host's time before the device had work: scheduling and the graph build
+        first_launch_s = record.forwards[0].launch_s if record.forwards else 0.0
+        build_s = sum(f.build_duration_s for f in record.forwards)
+        timers["forward_build"] += first_launch_s
+        timers["schedule"] += record.schedule_s
+        timers["prefill" if record.prefill_chunks else "decode"] += build_s
         if len(first_steps) < 8 and record.plan is not None:
             first_steps.append({"start_s": t, "duration_s": round(dt, 4),
                                 "prefill_chunks": len(record.prefill_chunks),
                                 "decode_rows": record.num_decode_tokens})
-        if timers["prefill"] == before["prefill"] and outs:
-            decode_steps.append((len(outs), dt, timers["decode"] - before["decode"],
-                                 timers["forward_build"] - before["forward_build"],
-                                 timers["schedule"] - before["schedule"]))
+        if not record.prefill_chunks and outs:
+            decode_steps.append((len(outs), dt, build_s, first_launch_s, record.schedule_s))
         return [(int(o.request_id), o.finished) for o in outs if o.new_token_ids]
 
     with MemoryWindow() as mem:
@@ -193,9 +193,9 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
         def mean(i):
             return sum(s[i] for s in decode_steps) / n
 
-        # A decode-only step = schedule + runner.decode (graph build + evaluation + sampling) + the rest
-        # (scheduler update, output processing). "graph_build" is the host's time before the step's
-        # first launch (its record's forwards), which for a decode-only step includes its schedule.
+        # A decode-only step = schedule + the decode's graph build (runner_decode, its record's forwards)
+        # + launch, evaluation and sampling + the rest (scheduler update, output processing).
+        # "graph_build" is the host's time before the step's first launch, which includes its schedule.
         result["breakdown"] = dict(
             timers_s=timers, num_decode_only_steps=n, decode_rows_mean=mean(0),
             decode_step_mean_s=mean(1), runner_decode_mean_s=mean(2), graph_build_mean_s=mean(3),
@@ -205,48 +205,24 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     return result
 
 
-def _wrap(obj, name: str, timers: dict, key: str) -> None:
-    fn = getattr(obj, name)
-
-    def timed(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            timers[key] += time.perf_counter() - t
-
-    setattr(obj, name, timed)
-
-
 class StepTracer:
-    """Where the first steps' time goes: host seconds per engine function, step by step (--trace-steps)."""
+    """Where the first steps' host time goes, step by step (--trace-steps), from each step's record:
+    milliseconds in the scheduler's plan, building the forwards' graphs, launching them, waiting for
+    them, and the whole step."""
 
-    PARTS = (("executor", ("run", "advance")), ("scheduler", ("schedule", "update")),
-             ("runner", ("grow_pool", "prefill", "decode", "launch")),
-             ("kv", ("allocate", "place_admitted", "free")))
-
-    def __init__(self, engine, num_steps: int):
+    def __init__(self, num_steps: int):
         self.num_steps, self.steps = num_steps, []
-        totals = collections.defaultdict(float)  # seconds per function, over the run
-        for owner, names in self.PARTS:
-            obj = getattr(engine, owner)
-            for name in names:
-                if hasattr(obj, name):
-                    _wrap(obj, name, totals, f"{owner}.{name}")
-        step = engine.step
 
-        def traced_step():
-            if len(self.steps) >= self.num_steps:
-                return step()
-            before, t = dict(totals), time.perf_counter()
-            try:
-                return step()
-            finally:
-                spent = {k: v - before.get(k, 0.0) for k, v in totals.items() if v != before.get(k, 0.0)}
-                spent["step"] = time.perf_counter() - t
-                self.steps.append({k: round(v * 1000, 2) for k, v in spent.items()})
-
-        engine.step = traced_step
+    def observe(self, record) -> None:
+        if len(self.steps) >= self.num_steps:
+            return
+        forwards = record.forwards
+        spent = {"schedule": record.schedule_s, "build": sum(f.build_duration_s for f in forwards),
+                 "launch": sum(f.launched_s - f.launch_s for f in forwards),
+                 "wait": sum(f.waited_s - f.wait_s for f in forwards if f.wait_s is not None and f.waited_s is not None)}
+        spent = {k: v for k, v in spent.items() if v}
+        spent["step"] = record.duration_s
+        self.steps.append({k: round(v * 1000, 2) for k, v in spent.items()})
 
 
 def run_engine_sync_thread(lm, prompts, arrivals, args, breakdown: bool = True) -> dict:
@@ -290,12 +266,14 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
     # Built in its thread, as the replica's; no built-in warm-up (the same-shape pass below replaces it)
     aengine = AsyncEngine(lambda: make_engine(lm, prompts, args, **overrides), warmup=args.async_warmup)
     engine = aengine.engine
-    tracer = StepTracer(engine, args.trace_steps) if args.trace_steps else None
+    tracer = StepTracer(args.trace_steps) if args.trace_steps else None
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     steps = []  # the first steps: when each ran (from the run's start) and what it computed
     clock = {"t0_ns": time.time_ns()}
 
     def on_step(record):
+        if tracer is not None:
+            tracer.observe(record)
         if len(steps) < 8:
             steps.append({"start_s": round((record.start_time_ns - clock["t0_ns"]) / 1e9, 4),
                           "duration_s": round(record.duration_s, 4),
@@ -333,7 +311,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         asyncio.run(main([[(t + 1) % vocab for t in p] for p in prompts]))  # warm this engine's thread
         # The prefix cache keeps the warm pass's blocks; let them go (the engine thread is idle), so the
         # timed pass finds the pool at the size this load needs instead of growing it.
-        engine.kv.prefix_cache.evict(engine.kv.cached_bytes)
+        engine.reset_prefix_cache()
         pool_before = engine.stats().kv_allocated_bytes
         warm_steps = list(steps)
         steps.clear()
@@ -417,6 +395,7 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, **ov
     with a memory limit that admits every request. `options`: a RunnerOptions (None: the defaults);
     `async_decode`: False runs decode steps one after another; `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
+    from engine.core.types import StepOptions
     from engine.engine import Engine
     from engine.model.runner import RunnerOptions
 
@@ -437,9 +416,8 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, **ov
     if args.engine_config:
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options)
-    engine.executor.async_decode = async_decode
-    return engine
+    return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options,
+                  step_options=StepOptions(async_decode=async_decode))
 
 
 def engine_only(args) -> dict:

@@ -75,20 +75,25 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
         for i in range(rng.randint(2, 10)):
             prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(4, 1500))]
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=rng.randint(2, 16), ignore_eos=True))
+        num_tokens: dict[str, int] = {}  # request id -> prompt + output tokens, from the step records
+        finished: set[str] = set()
         while engine.has_unfinished():
             pool_bytes = engine.stats().kv_allocated_bytes
             record = engine.step()
+            for out in record.outputs:
+                num_tokens[out.request_id] = out.num_prompt_tokens + out.num_output_tokens
+                if out.finished:
+                    finished.add(out.request_id)
             if engine.stats().kv_allocated_bytes != pool_bytes or record.memory is None:
                 continue  # the pool grew in this step: its copy is counted apart (kv_copy_bytes)
             # The engine measures a step as a whole: keep the steps of one part (one prompt chunk, or
             # the decode alone).
             plan, peak = record.plan, record.memory.measured_bytes
-            reqs = engine.scheduler.requests
             if len(plan.prefills) == 1 and not plan.decodes:
                 c = plan.prefills[0]
                 prefill.append((("prefill", shape, (c.num_tokens, c.start + c.num_tokens, c.completes_prompt)), peak))
-            elif plan.decodes and not plan.prefills and all(i in reqs for i in plan.decodes):
-                lens = [reqs[i].num_tokens - 1 for i in plan.decodes]  # KV after the forward
+            elif plan.decodes and not plan.prefills and not finished.intersection(plan.decodes):
+                lens = [num_tokens[i] - 1 for i in plan.decodes]  # KV after the forward
                 decode.append((("decode", shape, lens), peak))
     return prefill, decode
 

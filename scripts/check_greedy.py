@@ -28,11 +28,10 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
     # no views, and no paged decode attention (a config choice: the memory model then predicts gathers)
     engine = make_engine(lm, [len(p) for p in prompts], max_tokens, chunk, read_slices=read_slices,
                          **({} if read_slices else {"execution": {"paged_attention": False}}))
-    if paths is not None:  # which code paths the runner built (introspection, not engine state)
-        path = engine.runner.decode_path
-        paths.update(paged_attention=engine.runner.paged_attention, decode_loop=path is not None,
-                     compiled_decode=path is not None and path.compiled is not None,
-                     chunk_loop=engine.runner.chunk_path is not None)
+    if paths is not None:  # which code paths the runner built (the engine's read-only summary)
+        taken = engine.execution_paths()
+        paths.update(paged_attention=taken.paged_attention, decode_loop=taken.decode_loop,
+                     compiled_decode=taken.compiled_decode, chunk_loop=taken.chunk_loop)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]
 

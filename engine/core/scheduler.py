@@ -36,6 +36,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     prefill_chunk_size: int
     max_model_len: int
+    mix_beyond_bound: bool = False  # StepOptions.mix_beyond_bound
 
 
 class Scheduler:
@@ -139,7 +140,7 @@ class Scheduler:
         # stays within the bound of separate ones
         mixed = self.memory.mixed and bool(decodes) and bool(prefills)
         predicted = self.predict(decodes, prefills, mixed=mixed)
-        if mixed and predicted > self.transient_bound_bytes:
+        if mixed and predicted > self.transient_bound_bytes and not self.config.mix_beyond_bound:
             mixed, predicted = False, self.predict(decodes, prefills)
         return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=new_rows,
                                predicted_transient_bytes=predicted, mixed=mixed,

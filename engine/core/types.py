@@ -204,14 +204,20 @@ class StepMemory:
 @dataclass(frozen=True)
 class ForwardTiming:
     """One forward of a step, seconds from the step's start: its graph build started (None: built by an
-    earlier step, the pipelined decode), launch called, launch returned, wait started, wait ended (None
-    where the forward was left running past the step)."""
+    earlier step), launch called, launch returned, wait started, wait ended (None where the forward was
+    left running past the step), its graph build ended (None where build_s is)."""
 
     build_s: Optional[float]
     launch_s: float
     launched_s: float
     wait_s: Optional[float] = None
     waited_s: Optional[float] = None
+    built_s: Optional[float] = None
+
+    @property
+    def build_duration_s(self) -> float:
+        """Host seconds spent building its graph in this step (0: built by an earlier step)."""
+        return self.built_s - self.build_s if self.build_s is not None and self.built_s is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,7 @@ class StepRecord:
     memory: Optional[StepMemory] = None
     slice_reads: frozenset[str] = frozenset()  # requests whose prompt chunks read the pool as a view
     forwards: tuple[ForwardTiming, ...] = ()
+    schedule_s: float = 0.0  # host seconds in the scheduler's plan (0: a pipelined decode, planned before)
 
     @property
     def prefill_chunks(self) -> tuple[ScheduledChunk, ...]:
@@ -241,6 +248,29 @@ class StepRecord:
     @property
     def pipelined(self) -> bool:
         return self.memory is not None and self.memory.pipelined
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the engine runs its steps, fixed at construction (`Engine(step_options=...)`). The defaults
+    are what measured best; tests and benchmarks pass others to compare."""
+
+    async_decode: bool = True  # pipelined decode steps (engine/executor.py)
+    overlap_steps: Optional[bool] = None  # a step's last prompt chunk left running; None: on CUDA only
+    # decode rows ride in a prompt chunk's forward even where it exceeds the configuration's transient
+    # bound (the memory grid measures such forwards); the memory limit still applies
+    mix_beyond_bound: bool = False
+
+
+@dataclass(frozen=True)
+class ExecutionPaths:
+    """Which of its ways of building forwards the engine's runner took (for this model and backend)."""
+
+    paged_attention: bool  # decode attention reads the KV pool in place (the CUDA kernel)
+    decode_loop: bool  # decodes run the engine's layer loop (else mlx-lm's modules)
+    compiled_decode: bool  # that loop's layers built from compiled traces
+    chunk_loop: bool  # prompt chunks run the engine's layer loop
+    mixed_batches: bool  # decode rows can ride in a prompt chunk's forward
 
 
 @dataclass(frozen=True)

@@ -161,8 +161,8 @@ def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tin
     after building its own first forward. Greedy tokens stay mlx-lm's, every step's measured transient
     stays within its prediction (the deferred tail is counted in the next record, with the next forward's
     inputs), and an abort while a forward is deferred leaves the engine with one step to retire it."""
-    engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=64, prefix_cache_fraction=0.0)
-    engine.executor.overlap_steps = True
+    engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=64, prefix_cache_fraction=0.0,
+                         overlap_steps=True)
     rng = np.random.default_rng(5)
     vocab = engine.memory.shape.vocab_size
     prompts = [rng.integers(3, vocab, n).tolist() for n in (150, 70, 9)]
