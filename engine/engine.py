@@ -204,7 +204,7 @@ class Engine:
         `outputs` are the requests' increments.
 
         Forwards that write the KV pool never overlap on the device (runner.finish says why). Decode-
-        only steps are pipelined on the host (`StepExecutor.async_decode`), like mlx-lm's
+        only steps are pipelined on the host (`StepOptions.async_decode`), like mlx-lm's
         BatchGenerator but without overlapping two forwards: while decode k runs, the engine builds
         decode k+1's graph (fed with k's tokens as a lazy array); once k is done it launches k+1
         and, while k+1 runs, reads back and commits k (scheduler update, detokenizing, stops). So
@@ -212,7 +212,7 @@ class Engine:
         string has had one more token computed, which is dropped; rows reaching max_tokens are left
         out of the next decode. Anything new for the scheduler (a waiting request, a prompt chunk)
         ends the pipeline for one step. On CUDA a step whose last forward is a prompt chunk that
-        samples nothing returns without waiting for it (`StepExecutor.overlap_steps`): the next step is
+        samples nothing returns without waiting for it (`StepOptions.overlap_steps`): the next step is
         scheduled and its first forward built while it runs, and waits for it before launching."""
         start_ns, started = time.time_ns(), time.perf_counter()
         schedule_s = 0.0

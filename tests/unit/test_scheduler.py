@@ -191,3 +191,24 @@ def test_property_every_request_finishes_and_budget_holds(arrivals, aborts, budg
     assert not s.has_unfinished() and not pending
     assert done | aborted == {str(i) for i in range(len(arrivals))}
     assert s.kv.reserved_bytes == 0
+
+
+class _CostlyMixes(MemoryModel):
+    """A memory model whose mixed forwards exceed any bound (pure logic of the option below)."""
+
+    def step_transient_bytes(self, plan, mixed=False):
+        return 1 << 50 if mixed else super().step_transient_bytes(plan)
+
+
+def test_mix_beyond_bound_mixes_a_step_the_bound_would_split():
+    for beyond in (False, True):
+        memory = _CostlyMixes(SHAPE, kv_step=STEP, mixed=True)
+        kv = KVManager(STEP, memory.kv_bytes_per_token, 4096 * memory.kv_bytes_per_token)
+        s = Scheduler(SchedulerConfig(8, 32, 8, 512, mix_beyond_bound=beyond), memory, kv)
+        s.add(req("a", 4, max_tokens=8))
+        run_step(s)  # a's prompt: it decodes from now on
+        s.add(req("b", 8))
+        out = s.schedule()
+        assert out.decodes == ("a",) and [c.request_id for c in out.prefills] == ["b"]
+        assert out.mixed == beyond
+        assert (out.predicted_transient_bytes > s.transient_bound_bytes) == beyond
