@@ -74,12 +74,16 @@ class EngineConfig(BaseModel):
         "default",
         min_length=1,
         description="'default' (embedded SmolLM2-135M-Instruct), 'tiny' (random tiny llama with the "
-        "default tokenizer, for tests) or the path of a local MLX / mlx-lm model folder.",
+        "default tokenizer, for tests), the path of a local MLX / mlx-lm model folder, or a Hugging Face "
+        "repo id (org/name) already in the local Hugging Face cache (never downloaded). Families: llama, "
+        "mistral, qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3 / gemma3_text, phi3; float or mlx-lm "
+        "4- / 8-bit quantized.",
     )
     dtype: DType = Field(
         "auto",
         description="Weights and KV dtype. 'auto': float32 on the CPU (quantized and half matmuls are "
-        "slow there), the model's own float dtype (bfloat16 for the default) on a GPU.",
+        "slow there: a quantized model is dequantized, and the log says so), the model's own float dtype "
+        "(bfloat16 for the default) on a GPU. An explicit dtype keeps quantized weights quantized.",
     )
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests running (holding KV) at once.")
     max_num_batched_tokens: int = Field(

@@ -6,6 +6,7 @@ executor (how a step's forwards run on the device: executor.py). AsyncEngine: as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from engine.config import EngineConfig, ExecutionConfig, export_max_ops_per_buff
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import coefficients_for, with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.model_config import ConfigShape
 from engine.core.output import TextStream, process_token
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, FinishReason, Request,  # noqa: F401
@@ -87,7 +89,6 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = config.model
-        dtype_bytes = next(iter(p.dtype.size for _, p in tree_flatten(model.parameters())))
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the transient bound and KV budget.
@@ -99,7 +100,9 @@ class Engine:
                                   compiled_decode=options.compiled_decode and backend == "cuda",
                                   cpu_math=options.cpu_math and backend == "cpu",
                                   read_slices=options.read_slices)
-        shape = ModelShape.from_config(model_config, dtype_bytes, weights_bytes)
+        layout = self.runner.layout  # KV heads, head size and dtype as the model computes them
+        shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes),
+                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
         runner = self.runner
         coefficients, self.memory_coefficients_source = backend_coefficients(
             shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
@@ -111,7 +114,7 @@ class Engine:
                                   coefficients=with_overrides(coefficients, config.memory_coefficients),
                                   paged_decode=self.runner.paged_attention,
                                   mixed=self.runner.mixed is not None)
-        model_max = model_config.get("max_position_embeddings") or 4096
+        model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (
             int(config.memory_utilization * device_memory_bytes())
@@ -144,13 +147,15 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        from engine.model.loader import load_model, resolve_model_path
+        from engine.model.loader import dequantize_on_cpu, load_model, resolve_model_path
 
         # Before any GPU work: MLX reads it once per process, at its GPU backend's first commit.
         export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(mlx_backend()))
         dtype = resolve_dtype(config.dtype)
         path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))
         model, tokenizer = load_model(path)
+        if config.dtype == "auto" and mx.default_device() == mx.cpu:
+            dequantize_on_cpu(model)
         model.set_dtype(_DTYPES[dtype])
         mx.eval(model.parameters())
         model_config = json.loads((path / "config.json").read_text())

@@ -99,8 +99,11 @@ class KVPool:
     """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
-                 read_slices: bool = True):
+                 read_slices: bool = True, grouped_masks: bool = False):
+        """`grouped_masks`: explicit masks meet scores grouped as [B, H_kv, repeats, T, L] (mlx-lm's
+        gemma2 attention), so a batch's mask gets that rank."""
         self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
+        self.grouped_masks = grouped_masks
         # One-query forwards' attention straight from the pool (engine/model/kernels/paged_attention.py); None: they gather
         self.paged = None
         self.num_layers = num_layers
@@ -173,11 +176,7 @@ class _ViewLayer:
         return self._view.write_and_read(self._index, keys, values)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None or return_array:
-            raise NotImplementedError("sliding-window / explicit-mask models are not supported")
-        if n > 1:
-            return "causal"  # one row's chunk: MLX's causal mode aligns queries to the last keys
-        return self._view.mask
+        return self._view.make_mask(n, return_array, window_size)
 
 
 class ForwardView:
@@ -190,6 +189,8 @@ class ForwardView:
         self.pool = pool
         self.rows = rows
         lengths = [r.offset + num_new for r in rows]  # KV length after this forward
+        self._lengths = lengths
+        self._masks: dict = {}  # (return_array, window_size) -> the mask mlx-lm's modules asked for
         write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
         self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
         for row in rows:
@@ -217,6 +218,36 @@ class ForwardView:
         self.mask = None
         if len(rows) > 1 and self._read is not None:
             self.mask = mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        """The attention mask of this forward's `n` queries per row over the keys `read` returns (mlx-lm's
+        cache protocol): "causal" or None where MLX's modes do, else a boolean array, True where a
+        query reads a key: causal, within each row's length, and within `window_size` keys of the
+        query (a sliding layer: p - window < key <= p, as mlx-lm's RotatingKVCache masks)."""
+        key = (return_array, window_size)
+        if key not in self._masks:
+            self._masks[key] = self._build_mask(n, return_array, window_size)
+        return self._masks[key]
+
+    def _build_mask(self, n: int, return_array: bool, window_size: Optional[int]):
+        if n > 1:  # one row's chunk: queries at positions offset ... offset + n - 1
+            if window_size is None and not return_array:
+                return "causal"  # MLX's causal mode aligns queries to the last keys
+            keys = mx.arange(self._lengths[0])[None]  # [1, L]
+            queries = mx.arange(self._lengths[0] - n, self._lengths[0])[:, None]  # [n, 1]
+            allowed = keys <= queries
+            if window_size is not None:
+                allowed = allowed & (keys > queries - window_size)
+            return allowed  # [n, L]
+        if window_size is None:
+            mask = self.mask
+        else:  # each row's one query sits at its last position
+            lengths = np.array(self._lengths)[:, None]
+            keys = np.arange(max(self._lengths))[None]
+            mask = mx.array((keys < lengths) & (keys >= lengths - window_size))[:, None, None, :]
+        if mask is not None and self.pool.grouped_masks:
+            mask = mask[:, :, None]  # [B, 1, 1, 1, L]: scores are [B, H_kv, repeats, 1, L]
+        return mask
 
     def layers(self) -> list[_ViewLayer]:
         return [_ViewLayer(self, i) for i in range(self.pool.num_layers)]

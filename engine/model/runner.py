@@ -25,6 +25,7 @@ from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
 from engine.model.layers.decode_path import DecodePath, ReferenceOps
 from engine.model.layers.decode_path import unsupported as decode_unsupported
+from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start
 from engine.model.layers.mixed import MixedForward
@@ -64,27 +65,6 @@ class DecodeWork:
     token_id: int  # the last sampled token, fed back (-1: given by `decode`'s lazy `tokens`)
 
 
-def _split_model(model: nn.Module):
-    """(backbone, head) for mlx-lm models shaped Model(model=backbone, lm_head | tied embeddings)."""
-    backbone = getattr(model, "model", None)
-    if backbone is None or not hasattr(backbone, "layers"):
-        raise ValueError(f"unsupported model {type(model).__name__}: expected model.model.layers")
-    args = getattr(model, "args", None)
-    if getattr(args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        head = backbone.embed_tokens.as_linear
-    else:
-        head = model.lm_head
-    return backbone, head
-
-
-def check_plain_kv_cache(model: nn.Module) -> None:
-    """The runner stores KV per row; models whose cache is not a plain KVCache are refused."""
-    if hasattr(model, "make_cache"):
-        kinds = {type(c).__name__ for c in model.make_cache()}
-        if kinds != {"KVCache"}:
-            raise ValueError(f"model cache types {sorted(kinds)} are not supported (need KVCache only)")
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256,
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
@@ -106,15 +86,13 @@ class ModelRunner:
         weights); else mlx-lm's modules.
         `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers).
         `cpu_math`: the loops' attention and SwiGLU are engine/model/layers/cpu_math.py's (for MLX's CPU backend)."""
-        check_plain_kv_cache(model)
         self.model = model
-        self._backbone, self._head = _split_model(model)
+        self.layout = model_layout(model)  # every shape read from the model (engine/model/families.py)
+        self._backbone, self._head = self.layout.backbone, self.layout.head
         self.num_layers = len(self._backbone.layers)
-        attention = self._backbone.layers[0].self_attn
-        head_dim = getattr(attention, "head_dim", None) or model.args.hidden_size // attention.n_heads
-        proj = attention.k_proj  # quantized layers keep their float dtype in `scales`
-        dtype = proj.scales.dtype if hasattr(proj, "scales") else proj.weight.dtype
-        self.pool = KVPool(self.num_layers, attention.n_kv_heads, head_dim, dtype, block_size, read_slices)
+        lay = self.layout
+        self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
+                           grouped_masks=lay.grouped_masks)
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
         self.fused = fuse and loops_unsupported(model) is None and fuse_projections(model) > 0
         self.decode_path: Optional[DecodePath] = None
@@ -134,8 +112,8 @@ class ModelRunner:
                 self.chunk_path = ChunkPath(self.model, self.ops)
             else:
                 logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
-        if paged_attention:
-            self._enable_paged_kernel(attention.n_heads, attention.n_kv_heads, head_dim, block_size, dtype)
+        if paged_attention:  # only the engine's decode loop reads it, so never a sliding-window model
+            self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
         self.seed = seed
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients
+from engine.core.model_config import ConfigShape
 
 FLOAT32_BYTES = 4
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
@@ -64,20 +65,23 @@ class ModelShape:
     dtype_bytes: int
     weights_bytes: int = 0
 
+    # hidden-size rows per token a layer of this family holds beyond a llama block's (engine/core/
+    # model_config.py: Qwen3-MoE's token copies per expert, Phi-3's fused q/k/v product), counted once each
+    extra_hidden_rows: int = 0
+    # float32 score-sized arrays [H, c, n] a prompt chunk's attention holds beyond MLX's fused attention
+    # (engine/core/model_config.py: Gemma 2's softcapped scores in Python, Gemma 3's windowed masks)
+    extra_score_copies: int = 0
+
     @classmethod
     def from_config(cls, config: dict, dtype_bytes: int, weights_bytes: int = 0) -> "ModelShape":
-        """From an mlx-lm / HF config.json dict (llama family field names)."""
-        heads = config["num_attention_heads"]
+        """From an mlx-lm / HF config.json dict, read per family (engine/core/model_config.py: a nested
+        text_config, head_dim, MoE experts). `dtype_bytes`: the activations' (and KV's) float size."""
+        c = ConfigShape.from_config(config)
         return cls(
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            dtype_bytes=dtype_bytes,
-            weights_bytes=weights_bytes,
+            num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size, dtype_bytes=dtype_bytes, weights_bytes=weights_bytes,
+            extra_hidden_rows=c.extra_hidden_rows, extra_score_copies=c.extra_score_copies,
         )
 
 
@@ -166,11 +170,11 @@ class MemoryModel:
         if c == 1 and self.paged_decode:  # a one-query forward: the paged kernel, no gather
             gather, paged = 0, self.paged_partials_bytes(1, n)
         per_layer = (
-            k.prefill_scores * scores + k.decode_scores * single + k.prefill_mask * c * n
+            (k.prefill_scores + s.extra_score_copies) * scores + k.decode_scores * single + k.prefill_mask * c * n
             + k.prefill_gather * gather + (k.decode_paged or 0.0) * paged
             + (k.prefill_layer_rows if c > 1 else 0.0) * s.intermediate_size * s.dtype_bytes
             + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
-            + k.prefill_hidden * c * s.hidden_size * s.dtype_bytes
+            + (k.prefill_hidden + s.extra_hidden_rows) * c * s.hidden_size * s.dtype_bytes
         )
         head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         overhead = k.step_overhead_bytes + (k.prefill_overhead_bytes if c > 1 else 0)
@@ -210,7 +214,7 @@ class MemoryModel:
         m = self.layer_factor
         layers = m * (self._decode_attention_bytes(context_lens, gathers)
                       + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
-        hidden = m * k.decode_hidden * b * s.hidden_size * s.dtype_bytes
+        hidden = m * (k.decode_hidden + s.extra_hidden_rows) * b * s.hidden_size * s.dtype_bytes
         # A sum, not the larger of the two phases: the head's graph is launched while the layers' still
         # runs (runner.launch), so the last layer's gathered KV and the logits can be alive together.
         return int(hidden + layers + self._decode_head_bytes(b, samples) + k.step_overhead_bytes)

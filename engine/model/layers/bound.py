@@ -21,20 +21,28 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+# mlx-lm modules whose TransformerBlock is a llama block: pre-norm attention and SwiGLU MLP, RMSNorm,
+# q/k/v (with biases in qwen2), RoPE; qwen3 adds an RMSNorm of each query and key head before RoPE
+LLAMA_BLOCK_MODULES = ("llama", "qwen2", "qwen3")
+
+
 def unsupported(model: nn.Module) -> Optional[str]:
-    """Why the engine's loops cannot run `model` (None: they can): mlx-lm's llama blocks (llama, and the
-    families that reuse its block), RMSNorm norms, float linear projections (plain or fused; quantized
-    ones are left to mlx-lm's modules)."""
+    """Why the engine's loops cannot run `model` (None: they can): mlx-lm's llama-shaped blocks
+    (LLAMA_BLOCK_MODULES: llama and mistral, qwen2, qwen3), RMSNorm norms, float linear projections
+    (plain or fused; quantized ones are left to mlx-lm's modules)."""
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None) or []
     if not layers or not hasattr(backbone, "embed_tokens") or type(getattr(backbone, "norm", None)) is not nn.RMSNorm:
         return "not an mlx-lm llama-shaped model (model.model.layers, embed_tokens, RMSNorm norm)"
     for layer in layers:
-        if type(layer).__name__ != "TransformerBlock" or not type(layer).__module__.endswith(".llama"):
-            return f"layer type {type(layer).__module__}.{type(layer).__name__} is not mlx-lm's llama block"
+        module = type(layer).__module__
+        if type(layer).__name__ != "TransformerBlock" or module.rsplit(".", 1)[-1] not in LLAMA_BLOCK_MODULES:
+            return f"layer type {module}.{type(layer).__name__} is not a llama-shaped block"
         if getattr(layer, "use_sliding", False):
             return "sliding-window layers"
-        if not (type(layer.input_layernorm) is nn.RMSNorm and type(layer.post_attention_layernorm) is nn.RMSNorm):
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if n in layer.self_attn]
+        if any(type(norm) is not nn.RMSNorm for norm in norms):
             return "norms are not nn.RMSNorm"
         for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
             for name in names:
@@ -89,6 +97,16 @@ class BoundLayer:
         self.gate_up = _bind(mlp.gate_up_proj) if "gate_up_proj" in mlp else None
         self.up_start = self.gate.weight_t.shape[1]  # the up part's first column of gate_up's product
         self.rope, self.scale = attn.rope, attn.scale
+        # qwen3: RMSNorm of each query / key head before RoPE (weights [d]), else None
+        self.q_norm = (attn.q_norm.weight, attn.q_norm.eps) if "q_norm" in attn else None
+        self.k_norm = (attn.k_norm.weight, attn.k_norm.eps) if "k_norm" in attn else None
+
+    def norm_q(self, q: mx.array) -> mx.array:
+        """q [..., d] through the layer's query-head norm (as is without one)."""
+        return q if self.q_norm is None else mx.fast.rms_norm(q, *self.q_norm)
+
+    def norm_k(self, k: mx.array) -> mx.array:
+        return k if self.k_norm is None else mx.fast.rms_norm(k, *self.k_norm)
 
     def projections(self) -> list[Projection]:
         return [p for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.qkv,

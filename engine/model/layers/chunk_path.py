@@ -6,7 +6,7 @@ most some ten committed batches of operations ahead of the GPU (`mlx/transforms.
 returns only when most of it has run, and the next forward's graph is built while the device finishes
 the last few layers: with mlx-lm's modules the device sat idle most of that build (docs/benchmarks.md).
 
-This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, RoPE, the KV write and
+This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, qwen3's q/k head norms, RoPE, the KV write and
 read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down; on the CPU
 the attention and SwiGLU of engine/model/layers/cpu_math.py, `RunnerOptions.cpu_math`) with:
 - every projection's weight bound once (engine/model/layers/bound.py), so the same matmuls run on the same memory
@@ -17,7 +17,7 @@ the attention and SwiGLU of engine/model/layers/cpu_math.py, `RunnerOptions.cpu_
   prefill does the same work with a last one-token forward); nothing more for a chunk that samples
   nothing.
 
-Models: mlx-lm's llama blocks with float projections (engine/model/layers/bound.py `unsupported` says why not);
+Models: mlx-lm's llama-shaped blocks (llama, mistral, qwen2, qwen3) with float projections (engine/model/layers/bound.py `unsupported` says why not);
 others run mlx-lm's modules. Greedy output equals mlx-lm's (tests).
 """
 
@@ -61,7 +61,7 @@ class ChunkPath:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = mx.fast.rms_norm(h, layer.in_w, layer.in_eps)
-            k = layer.rope(layer.k(x).reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=offset)
+            k = layer.rope(layer.norm_k(layer.k(x).reshape(1, T, H_kv, d)).transpose(0, 2, 1, 3), offset=offset)
             v = layer.v(x).reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             view.write(i, k, v)
             if i == last:
@@ -70,7 +70,8 @@ class ChunkPath:
                 if T > 1:  # the last position's query, attention and MLP alone
                     x, h = x[:, -1:], h[:, -1:]
             Tq = x.shape[1]
-            q = layer.rope(layer.q(x).reshape(1, Tq, H, d).transpose(0, 2, 1, 3), offset=offset + T - Tq)
+            q = layer.rope(layer.norm_q(layer.q(x).reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
+                           offset=offset + T - Tq)
             out = self.ops.attend(view, i, q, layer.scale)
             h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
             x = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)

@@ -72,12 +72,18 @@ class ReferenceOps:
             out = self.attention(q, keys, values, scale, "causal" if q.shape[2] > 1 else view.mask)
         return out
 
-    def rope_qkv(self, qkv: mx.array, offsets: mx.array, rope: RopeSpec, heads: int, kv_heads: int):
-        """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d] (q, k rotated)."""
+    def rope_qkv(self, qkv: mx.array, offsets: mx.array, rope: RopeSpec, heads: int, kv_heads: int,
+                 norms: Optional[tuple] = None):
+        """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d] (q, k rotated);
+        `norms`: ((weight, eps) of the query heads' RMSNorm, that of the key heads') applied before
+        RoPE, as qwen3's attention does, or None."""
         B, d = qkv.shape[0], rope.head_dim
         q, k, v = mx.split(qkv, [heads * d, (heads + kv_heads) * d], axis=-1)
-        q = q.reshape(B, 1, heads, d).transpose(0, 2, 1, 3)
-        k = k.reshape(B, 1, kv_heads, d).transpose(0, 2, 1, 3)
+        q, k = q.reshape(B, 1, heads, d), k.reshape(B, 1, kv_heads, d)
+        if norms is not None:
+            q, k = mx.fast.rms_norm(q, *norms[0]), mx.fast.rms_norm(k, *norms[1])
+        q = q.transpose(0, 2, 1, 3)
+        k = k.transpose(0, 2, 1, 3)
         v = v.reshape(B, 1, kv_heads, d).transpose(0, 2, 1, 3)
         return rope.module(q, offset=offsets), rope.module(k, offset=offsets), v
 
@@ -88,7 +94,8 @@ class ReferenceOps:
 
 def unsupported(model: nn.Module) -> Optional[str]:
     """Why this loop cannot run `model`'s decode (None: it can): it takes mlx-lm's llama blocks with
-    fused projections and mlx-lm's RoPE or Llama3RoPE."""
+    fused projections (llama, mistral, qwen2, qwen3: engine/model/layers/bound.py) and mlx-lm's RoPE or
+    Llama3RoPE."""
     why = bound.unsupported(model)
     if why is not None:
         return why
@@ -138,7 +145,8 @@ class DecodePath:
         first = self.layers[0]
         y = mx.fast.rms_norm(h, first.in_w, first.in_eps)
         for i, layer in enumerate(self.layers):
-            q, k, v = self.ops.rope_qkv(layer.qkv(y), offsets, self.ropes[i], self.heads, self.kv_heads)
+            q, k, v = self.ops.rope_qkv(layer.qkv(y), offsets, self.ropes[i], self.heads, self.kv_heads,
+                                        qk_norms(layer))
             out = self.attend(view, i, q, k, v, layer.scale)
             h, y = self.block_end(h, out, layer.o, layer.post_w, layer.post_eps, layer.gate_up, layer.down,
                                   layer.up_start, *self.next_norm(i))
@@ -166,6 +174,11 @@ class DecodePath:
         if i + 1 < len(self.layers):
             return self.layers[i + 1].in_w, self.layers[i + 1].in_eps
         return self.backbone.norm.weight, self.backbone.norm.eps
+
+
+def qk_norms(layer: bound.BoundLayer) -> Optional[tuple]:
+    """The layer's query and key head norms for `ReferenceOps.rope_qkv` (None: it has none)."""
+    return None if layer.q_norm is None else (layer.q_norm, layer.k_norm)
 
 
 def swiglu_mlp(y: mx.array, gate_up, down, up_start: int, act=swiglu) -> mx.array:
@@ -198,8 +211,13 @@ class CompiledLayers:
         def projection(ws):  # a projection of its bound arrays (W^T, and the bias if any)
             return lambda x: bound.project(x, *ws)
 
-        def qkv_rope(y, offsets, ws):
-            return path.ops.rope_qkv(bound.project(y, *ws), offsets, rope, path.heads, path.kv_heads)
+        num_qkv = len(layers[0].qkv.arrays())
+        norm_eps = (layers[0].q_norm[1], layers[0].k_norm[1]) if layers[0].q_norm is not None else None
+
+        def qkv_rope(y, offsets, ws):  # ws: q/k/v's arrays, then the q and k head norms' weights if any
+            norms = None if norm_eps is None else ((ws[num_qkv], norm_eps[0]), (ws[num_qkv + 1], norm_eps[1]))
+            return path.ops.rope_qkv(bound.project(y, *ws[:num_qkv]), offsets, rope, path.heads,
+                                     path.kv_heads, norms)
 
         def block_end(h, out, post_w, next_w, ws):
             return path.block_end(h, out, projection(ws[:ends[0]]), post_w, eps, projection(ws[ends[0]:ends[1]]),
@@ -216,7 +234,8 @@ class CompiledLayers:
             return block_end(h, out, post_w, next_w, ws)[1]
 
         self._first, self._middle, self._last = mx.compile(first), mx.compile(middle), mx.compile(last)
-        self._qkv = [tuple(layer.qkv.arrays()) for layer in layers]
+        self._qkv = [tuple(layer.qkv.arrays()) + (() if norm_eps is None else (layer.q_norm[0], layer.k_norm[0]))
+                     for layer in layers]
         self._end = [(layer.post_w, path.next_norm(i)[0], *layer.o.arrays(), *layer.gate_up.arrays(),
                       *layer.down.arrays()) for i, layer in enumerate(layers)]
 
@@ -231,6 +250,9 @@ class CompiledLayers:
                                   for r in path.ropes):
             return "the layers' rotary embeddings differ"
         eps = {path.backbone.norm.eps} | {x for layer in layers for x in (layer.in_eps, layer.post_eps)}
+        if len({(layer.q_norm or (None, None))[1] for layer in layers}
+               | {(layer.k_norm or (None, None))[1] for layer in layers}) != 1:
+            return "the q/k head norms' presence or epsilons differ"
         if len(eps) != 1:
             return "the norms' epsilons differ"
         if len({tuple(len(p.arrays()) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.model.layers.decode_path import DecodePath
+from engine.model.layers.decode_path import DecodePath, qk_norms
 
 
 class MixedForward:
@@ -65,16 +65,17 @@ class MixedForward:
             Tq = T - q_from
             # the decode rows: [B, 1, ...] each at its own position
             dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
-            dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv)
+            dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv, qk_norms(layer))
             # the chunk: mlx-lm's attention module, step by step
-            k = layer.rope(k[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3), offset=chunk_view.offset)
+            k = layer.rope(layer.norm_k(k[:, :T].reshape(1, T, H_kv, d)).transpose(0, 2, 1, 3),
+                           offset=chunk_view.offset)
             v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
             parts = [ops.attend(decode_view, i, dq, layer.scale).transpose(2, 0, 1, 3)]  # [1, B, H, d]
             if Tq:
-                q = layer.rope(q[:, :Tq].reshape(1, Tq, H, d).transpose(0, 2, 1, 3),
-                              offset=chunk_view.offset + q_from)
+                q = layer.rope(layer.norm_q(q[:, :Tq].reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
+                               offset=chunk_view.offset + q_from)
                 # the chunk's queries are its last Tq positions: causal, or (one query) every key
                 parts.insert(0, ops.attend(chunk_view, i, q, layer.scale).transpose(0, 2, 1, 3))
             # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts

@@ -1,0 +1,137 @@
+"""What the engine reads from a model's config.json, per family (no mlx: the memory model, the scheduler
+and the admission side read it too).
+
+Families are mlx-lm's model modules the engine serves (`SUPPORTED_MODEL_TYPES`): each one's config names
+its shape a little differently (a multimodal Gemma 3 nests the text model under `text_config`; Phi-3
+and Qwen2 derive the head size from the hidden size whatever `head_dim` says; Qwen3-MoE's MLP is
+`num_experts_per_tok` experts of `moe_intermediate_size`; Gemma 3's layers alternate sliding-window
+and global attention). `ConfigShape.from_config` reads every one the way mlx-lm's module builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# model_type (config.json) -> the mlx-lm module that builds it (mlx-lm maps mistral to its llama module)
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3_text",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+}
+# mlx-lm model modules (mlx_lm.models.<name>) whose models the runner takes
+SUPPORTED_MODULES = frozenset(SUPPORTED_MODEL_TYPES.values())
+# families whose head size is hidden_size // num_attention_heads in mlx-lm, whatever head_dim says
+_DERIVED_HEAD_DIM = frozenset({"qwen2", "phi3"})
+# families whose mlx-lm module attends over a sliding window in some layers
+_SLIDING_FAMILIES = frozenset({"gemma3_text", "gemma3"})
+# mlx-lm's gemma3_text defaults, for configs that leave them out
+_GEMMA3_DEFAULTS = {"sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
+                    "head_dim": 256, "num_key_value_heads": 1, "num_attention_heads": 4}
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+
+
+def model_type(config: dict) -> str:
+    """The config's model_type; ValueError naming it and the supported ones if the engine cannot serve it."""
+    name = config.get("model_type")
+    if name not in SUPPORTED_MODEL_TYPES:
+        archs = config.get("architectures")
+        raise ValueError(f"model_type={name!r} (architectures {archs}) is not supported; supported model "
+                         f"types: {supported_list()}")
+    return name
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config: `text_config` merged over the top level where the model nests it
+    (multimodal Gemma 3), with the family's defaults for fields mlx-lm fills in."""
+    nested = config.get("text_config")
+    merged = dict(config)
+    if isinstance(nested, dict):
+        merged.update(nested)
+        if "vocab_size" in config:  # mlx-lm's gemma3 gives the text model the top-level vocabulary
+            merged["vocab_size"] = config["vocab_size"]
+    if config.get("model_type") in _SLIDING_FAMILIES:
+        merged = {**_GEMMA3_DEFAULTS, **merged}
+    return merged
+
+
+@dataclass(frozen=True)
+class ConfigShape:
+    """The dimensions of a model as its mlx-lm module builds them from the config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the widest MLP a token goes through (MoE: its experts' widths together)
+    vocab_size: int
+    max_position_embeddings: Optional[int]
+    num_experts_per_tok: int = 0  # MoE: experts each token runs (0: a dense model)
+    num_experts: int = 0
+    layer_windows: tuple = ()  # per layer: the sliding window in tokens, or None (global attention)
+    # hidden-size rows per token a layer holds beyond a llama block's: a MoE token's copies per expert
+    # (gathered in, each expert's output, unsorted back: 3 per expert); Phi-3's fused q/k/v product,
+    # alive whole until its last part is used
+    extra_hidden_rows: int = 0
+    # float32 score-sized arrays a prompt chunk's attention holds beyond MLX's fused attention: Gemma 2
+    # computes its softcapped scores in Python, Gemma 3's sliding layers pass an explicit mask
+    extra_score_copies: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ConfigShape":
+        name = config.get("model_type") or "llama"  # test configs without model_type are llamas
+        text = text_config(config)
+        hidden, heads = text["hidden_size"], text["num_attention_heads"]
+        head_dim = text.get("head_dim") or hidden // heads
+        if name in _DERIVED_HEAD_DIM:
+            head_dim = hidden // heads
+        num_layers = text["num_hidden_layers"]
+        intermediate = text["intermediate_size"]
+        experts_per_tok, num_experts = 0, 0
+        if name == "qwen3_moe" and text.get("num_experts", 0) > 0:
+            experts_per_tok, num_experts = text["num_experts_per_tok"], text["num_experts"]
+            moe_width = experts_per_tok * text["moe_intermediate_size"]
+            dense = _dense_layers(text, num_layers)
+            intermediate = max(moe_width, intermediate if dense else 0)
+        extra = 3 * experts_per_tok
+        if name == "phi3":
+            kv_heads = text.get("num_key_value_heads") or heads
+            # +1: on the CPU a chunk's peak measured up to a row above the product's own size
+            # (tests/engine/test_families.py)
+            extra = -(-(heads + 2 * kv_heads) * head_dim // hidden) + 1
+        return cls(
+            model_type=name, num_layers=num_layers, hidden_size=hidden, num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads, head_dim=head_dim,
+            intermediate_size=intermediate, vocab_size=text["vocab_size"],
+            max_position_embeddings=text.get("max_position_embeddings"),
+            num_experts_per_tok=experts_per_tok, num_experts=num_experts,
+            layer_windows=_layer_windows(name, text, num_layers), extra_hidden_rows=extra,
+            extra_score_copies=1 if name in ("gemma2", "gemma3_text", "gemma3") else 0,
+        )
+
+
+def _dense_layers(text: dict, num_layers: int) -> list[int]:
+    """Qwen3-MoE layers with a dense MLP (mlx-lm's rule: mlp_only_layers, or off the sparse step)."""
+    step = text.get("decoder_sparse_step", 1) or 1
+    only = set(text.get("mlp_only_layers") or [])
+    return [i for i in range(num_layers) if i in only or (i + 1) % step != 0]
+
+
+def _layer_windows(name: str, text: dict, num_layers: int) -> tuple:
+    """Gemma 3: every `sliding_window_pattern`-th layer is global, the others slide (mlx-lm's rule)."""
+    if name not in _SLIDING_FAMILIES:
+        return (None,) * num_layers
+    pattern, window = text["sliding_window_pattern"], text["sliding_window"]
+    return tuple(None if i % pattern == pattern - 1 else window for i in range(num_layers))
