@@ -57,7 +57,7 @@ def _serve(engine, prompts, max_tokens=MAX_TOKENS) -> list[list[int]]:
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     tokens: dict = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return [tokens[str(i)] for i in range(len(prompts))]
 
@@ -151,8 +151,9 @@ def test_family_memory_prediction_never_under_measured(checkpoints, family):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     steps = []
     while engine.has_unfinished():
-        engine.step()
-        steps.append(engine.last_step_memory)
+        memory = engine.step().memory
+        if memory is not None:  # None: nothing was scheduled
+            steps.append(memory)
     assert len(steps) > 4
     for step in steps:
         assert step.measured_bytes <= step.predicted_bytes <= engine.scheduler.transient_bound_bytes, step
