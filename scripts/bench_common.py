@@ -36,7 +36,24 @@ LLAMA_8B = dict(
 # The same code path at a size a 2-core CPU runs in seconds (the 8B vocabulary is kept).
 LLAMA_TEST = dict(LLAMA_8B, hidden_size=256, num_hidden_layers=4, intermediate_size=768,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-RANDOM_SHAPES = {"llama-8b": LLAMA_8B, "llama-test": LLAMA_TEST}
+# Qwen3-8B's shape (q/k head norms; head_dim 128 = hidden / heads here, set explicitly as its config does).
+QWEN3_8B = dict(
+    model_type="qwen3", hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, vocab_size=151936,
+    rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+)
+# Gemma-3-12B's text model: 5 sliding-window layers (1024 tokens) to 1 global, head_dim 256.
+GEMMA3_12B = dict(
+    model_type="gemma3_text", hidden_size=3840, num_hidden_layers=48, intermediate_size=15360,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, vocab_size=262208,
+    rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=1024,
+    sliding_window_pattern=6, max_position_embeddings=131072, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+)
+RANDOM_SHAPES = {"llama-8b": LLAMA_8B, "llama-test": LLAMA_TEST, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B,
+                 "qwen3-test": dict(QWEN3_8B, hidden_size=256, num_hidden_layers=4, intermediate_size=768,
+                                    num_attention_heads=8, num_key_value_heads=2, head_dim=64),
+                 "gemma3-test": dict(GEMMA3_12B, hidden_size=256, num_hidden_layers=6, intermediate_size=768,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=128)}
 
 
 # --------------------------------------------------------------------------- tokenizer stand-in
@@ -105,17 +122,25 @@ def _random_weights(model: nn.Module, dtype: mx.Dtype, init: str, seed: int) -> 
     mx.eval(model.parameters())
 
 
-def build_random_llama(config: dict, dtype: str, init: str = "normal", seed: int = 0) -> nn.Module:
-    from mlx_lm.models.llama import Model, ModelArgs
+def build_random_model(config: dict, dtype: str, init: str = "normal", seed: int = 0) -> nn.Module:
+    """A random-weight model of `config`'s shape, built by the mlx-lm module of its model_type."""
+    import importlib
 
-    model = Model(ModelArgs.from_dict(config))
+    from engine.core.model_config import SUPPORTED_MODEL_TYPES, model_type
+
+    module = importlib.import_module(f"mlx_lm.models.{SUPPORTED_MODEL_TYPES[model_type(config)]}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     _random_weights(model, DTYPES[dtype], init, seed)
     return model
 
 
+build_random_llama = build_random_model  # the scripts' older name
+
+
 def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = None, init: str = "normal",
                      seed: int = 0) -> LoadedModel:
-    """`name`: default | tiny | llama-8b | llama-test | an mlx-lm folder. `layers` truncates a random
+    """`name`: default | tiny | a RANDOM_SHAPES name (llama-8b, qwen3-8b, gemma3-12b, ...) | an mlx-lm
+    folder or cached Hugging Face repo id. `layers` truncates a random
     shape (the per-layer transient does not depend on the number of layers)."""
     from engine.config import MAX_OPS_ENV, ExecutionConfig, export_max_ops_per_buffer
     from engine.engine import mlx_backend
@@ -131,7 +156,7 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
         config = dict(RANDOM_SHAPES[name])
         if layers:
             config["num_hidden_layers"] = layers
-        model = build_random_llama(config, dtype, init, seed)
+        model = build_random_model(config, dtype, init, seed)
         tokenizer, path = RandomModelTokenizer(), None
     else:
         from engine.model.loader import load_model, resolve_model_path

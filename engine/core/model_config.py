@@ -32,9 +32,10 @@ SUPPORTED_MODULES = frozenset(SUPPORTED_MODEL_TYPES.values())
 _DERIVED_HEAD_DIM = frozenset({"qwen2", "phi3"})
 # families whose mlx-lm module attends over a sliding window in some layers
 _SLIDING_FAMILIES = frozenset({"gemma3_text", "gemma3"})
-# mlx-lm's gemma3_text defaults, for configs that leave them out
+# mlx-lm's gemma3_text defaults, for configs that leave them out (and gemma3's default vocabulary)
 _GEMMA3_DEFAULTS = {"sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
-                    "head_dim": 256, "num_key_value_heads": 1, "num_attention_heads": 4}
+                    "head_dim": 256, "num_key_value_heads": 1, "num_attention_heads": 4, "vocab_size": 262144}
+_GEMMA3_VOCAB = 262208
 
 
 def supported_list() -> str:
@@ -58,8 +59,10 @@ def text_config(config: dict) -> dict:
     merged = dict(config)
     if isinstance(nested, dict):
         merged.update(nested)
-        if "vocab_size" in config:  # mlx-lm's gemma3 gives the text model the top-level vocabulary
-            merged["vocab_size"] = config["vocab_size"]
+    if config.get("model_type") == "gemma3":  # what mlx-lm's gemma3 fills into the text model's config
+        merged["vocab_size"] = config.get("vocab_size", _GEMMA3_VOCAB)
+        merged.setdefault("num_attention_heads", 8)
+        merged.setdefault("num_key_value_heads", 4)
     if config.get("model_type") in _SLIDING_FAMILIES:
         merged = {**_GEMMA3_DEFAULTS, **merged}
     return merged

@@ -1,0 +1,68 @@
+"""engine/core/model_config.py: config shapes per family, from configs as Hugging Face ships them (the
+fields the engine reads), and the refusal of unsupported model types. No mlx."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.memory.model import ModelShape
+from engine.core.model_config import ConfigShape, model_type, text_config
+
+# google/gemma-3-12b-it: the text model nested under text_config (model_type gemma3)
+GEMMA3_12B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+                    "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                    "head_dim": 256, "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    "vision_config": {"hidden_size": 1152},
+}
+# Qwen/Qwen3-30B-A3B
+QWEN3_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "max_position_embeddings": 40960,
+}
+# microsoft/Phi-3-mini-4k-instruct
+PHI3 = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 4096}
+
+
+def test_gemma3_nested_text_config_and_windows():
+    shape = ConfigShape.from_config(GEMMA3_12B)
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (
+        48, 3840, 16, 8, 256)
+    assert shape.vocab_size == 262208  # mlx-lm's gemma3 default vocabulary, given to the text model
+    assert shape.max_position_embeddings == 32768  # mlx-lm's gemma3_text default when the config has none
+    assert shape.layer_windows[:6] == (1024,) * 5 + (None,) and shape.layer_windows.count(None) == 8
+    assert text_config(GEMMA3_12B)["sliding_window_pattern"] == 6
+
+
+def test_qwen3_moe_mlp_width_is_its_experts_per_token():
+    shape = ConfigShape.from_config(QWEN3_MOE)
+    assert shape.intermediate_size == 8 * 768 and shape.num_experts_per_tok == 8
+    assert shape.extra_hidden_rows == 3 * 8
+    dense = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0]})
+    assert dense.intermediate_size == 8 * 768  # the dense layer's 6144 is narrower than 8 experts' 6144
+    wide = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0], "intermediate_size": 8192})
+    assert wide.intermediate_size == 8192
+
+
+def test_head_dim_per_family():
+    assert ConfigShape.from_config(PHI3).head_dim == 96
+    # phi3 and qwen2 derive it from hidden / heads whatever head_dim says (as mlx-lm builds them)
+    assert ConfigShape.from_config({**PHI3, "head_dim": 64}).head_dim == 96
+    qwen3 = {**QWEN3_MOE, "model_type": "qwen3", "num_experts": 0, "hidden_size": 1024, "num_attention_heads": 16}
+    assert ConfigShape.from_config(qwen3).head_dim == 128  # explicit, not 1024 / 16
+
+
+def test_model_shape_reads_the_family_shape():
+    shape = ModelShape.from_config(GEMMA3_12B, dtype_bytes=2)
+    assert shape.head_dim == 256 and shape.num_layers == 48 and shape.extra_score_copies == 1
+    assert ModelShape.from_config(PHI3, 2).extra_hidden_rows == 3 + 1  # its fused q/k/v product
+
+
+@pytest.mark.parametrize("config", [{"model_type": "mamba"}, {"architectures": ["X"]}])
+def test_unsupported_model_type_names_it_and_the_supported(config):
+    with pytest.raises(ValueError, match=r"model_type=.* is not supported; supported model types: gemma, "):
+        model_type(config)
