@@ -48,6 +48,9 @@ FAMILY_SEED = {"qwen2": 1}
 
 
 def family_config(model_type: str, **overrides) -> dict:
+    if model_type == "gemma3":  # the multimodal wrapper: its text model's config nested, as HF ships it
+        text = family_config("gemma3_text", **overrides)
+        return {"model_type": "gemma3", "vocab_size": text.pop("vocab_size"), "text_config": text}
     return {"model_type": model_type, **_COMMON, **FAMILY_CONFIGS[model_type], **overrides}
 
 

@@ -22,7 +22,8 @@ from tests.engine.family_checkpoints import FAMILY_CONFIGS, build_checkpoint, re
 PROMPT_LENGTHS = (40, 23, 57)  # chunks of 16: 3, 2 and 4 chunks; 57 + 10 tokens pass gemma3's window
 MAX_TOKENS = 10
 
-VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("qwen3", 4), ("gemma3_text", 4), ("llama", 8)]
+VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("gemma3", None), ("qwen3", 4), ("gemma3_text", 4),
+                                                            ("llama", 8)]
 
 
 @pytest.fixture(scope="session")
