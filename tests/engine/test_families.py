@@ -85,10 +85,10 @@ def test_family_greedy_equals_mlx_lm(checkpoints, family, bits):
 
 
 @pytest.mark.parametrize("decode", ["loop", "compiled-paged"])
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3"])
 def test_layer_loops_serve_llama_shaped_families(checkpoints, family, decode):
     """The engine's own layer loops (chunk_path, decode_path, mixed; qwen3's q/k head norms, qwen2's
-    biases) run these families, and their greedy tokens are mlx-lm's; `compiled-paged`: decode's
+    biases, phi3's pre-fused projections) run these families, and their greedy tokens are mlx-lm's; `compiled-paged`: decode's
     compiled layer traces over the paged attention path (MLX's reference in the CUDA kernel's place)."""
     from engine.model.kernels.paged_attention import ReferenceAttention
 

@@ -21,15 +21,20 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+# mlx-lm's phi3 stores q/k/v and gate/up fused already (its own projections' names)
+PRE_FUSED_ATTENTION = ("qkv_proj", "o_proj")
+PRE_FUSED_MLP = ("gate_up_proj", "down_proj")
+
 # mlx-lm modules whose TransformerBlock is a llama block: pre-norm attention and SwiGLU MLP, RMSNorm,
-# q/k/v (with biases in qwen2), RoPE; qwen3 adds an RMSNorm of each query and key head before RoPE
-LLAMA_BLOCK_MODULES = ("llama", "qwen2", "qwen3")
+# q/k/v (with biases in qwen2), RoPE; qwen3 adds an RMSNorm of each query and key head before RoPE;
+# phi3's q/k/v and gate/up come as one fused projection each
+LLAMA_BLOCK_MODULES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 def unsupported(model: nn.Module) -> Optional[str]:
     """Why the engine's loops cannot run `model` (None: they can): mlx-lm's llama-shaped blocks
-    (LLAMA_BLOCK_MODULES: llama and mistral, qwen2, qwen3), RMSNorm norms, float linear projections
-    (plain or fused; quantized ones are left to mlx-lm's modules)."""
+    (LLAMA_BLOCK_MODULES: llama and mistral, qwen2, qwen3, phi3), RMSNorm norms, float linear
+    projections (plain or fused; quantized ones are left to mlx-lm's modules)."""
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None) or []
     if not layers or not hasattr(backbone, "embed_tokens") or type(getattr(backbone, "norm", None)) is not nn.RMSNorm:
@@ -44,12 +49,18 @@ def unsupported(model: nn.Module) -> Optional[str]:
         norms += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if n in layer.self_attn]
         if any(type(norm) is not nn.RMSNorm for norm in norms):
             return "norms are not nn.RMSNorm"
-        for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
+        for block, names in _projection_names(layer):
             for name in names:
                 proj = getattr(getattr(layer, block), name)
                 if type(proj) not in (nn.Linear, FusedPart):
                     return f"{block}.{name} is {type(proj).__name__}"
     return None
+
+
+def _projection_names(layer: nn.Module) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (("self_attn", ATTENTION if "q_proj" in attn else PRE_FUSED_ATTENTION),
+            ("mlp", MLP if "gate_proj" in mlp else PRE_FUSED_MLP))
 
 
 def project(x: mx.array, weight_t: mx.array, bias: Optional[mx.array] = None) -> mx.array:
@@ -83,6 +94,13 @@ def _bind(proj: nn.Module) -> Projection:
     return Projection(proj.weight, proj.bias if "bias" in proj else None)
 
 
+def _split(proj: nn.Linear, ends: tuple) -> list[Projection]:
+    """Projections of consecutive row ranges of one linear layer, ending at `ends`."""
+    bias = proj.bias if "bias" in proj else None
+    starts = (0,) + ends[:-1]
+    return [Projection(proj.weight[a:b], None if bias is None else bias[a:b]) for a, b in zip(starts, ends)]
+
+
 class BoundLayer:
     """One block: its norms, rotation, and projections (q, k, v, o, gate, up, down; and the fused q/k/v
     and gate/up products where engine/model/layers/fused.py fused them, else None)."""
@@ -91,8 +109,17 @@ class BoundLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.in_w, self.in_eps = layer.input_layernorm.weight, layer.input_layernorm.eps
         self.post_w, self.post_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
-        self.q, self.k, self.v, self.o = (_bind(getattr(attn, n)) for n in ATTENTION)
-        self.gate, self.up, self.down = (_bind(getattr(mlp, n)) for n in MLP)
+        if "q_proj" in attn:
+            self.q, self.k, self.v = (_bind(getattr(attn, n)) for n in ATTENTION[:3])
+        else:  # phi3: the rows of its q/k/v projection
+            q_rows, kv_rows = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+            self.q, self.k, self.v = _split(attn.qkv_proj, (q_rows, q_rows + kv_rows, q_rows + 2 * kv_rows))
+        if "gate_proj" in mlp:
+            self.gate, self.up = (_bind(getattr(mlp, n)) for n in MLP[:2])
+        else:  # phi3: gate, then up, in one projection (mlx-lm splits its product in halves)
+            rows = mlp.gate_up_proj.weight.shape[0]
+            self.gate, self.up = _split(mlp.gate_up_proj, (rows // 2, rows))
+        self.o, self.down = _bind(attn.o_proj), _bind(mlp.down_proj)
         self.qkv = _bind(attn.qkv_proj) if "qkv_proj" in attn else None
         self.gate_up = _bind(mlp.gate_up_proj) if "gate_up_proj" in mlp else None
         self.up_start = self.gate.weight_t.shape[1]  # the up part's first column of gate_up's product
