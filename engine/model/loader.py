@@ -123,7 +123,7 @@ def resolve_hf_cache(repo_id: str) -> pathlib.Path:
     except (LocalEntryNotFoundError, FileNotFoundError) as exc:
         raise ValueError(f"model={repo_id!r} is not in the local Hugging Face cache "
                          f"{constants.HF_HUB_CACHE} (set HF_HOME or HF_HUB_CACHE, or download it with "
-                         f"`hf download {repo_id}`)") from exc
+                         f"`hf download {repo_id}`), nor a local folder with config.json") from exc
     if not (folder / "config.json").is_file():
         raise ValueError(f"model={repo_id!r}: its cached snapshot {folder} has no config.json")
     return folder
