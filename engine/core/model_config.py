@@ -86,7 +86,7 @@ class ConfigShape:
     layer_windows: tuple = ()  # per layer: the sliding window in tokens, or None (global attention)
     # hidden-size rows per token a layer holds beyond a llama block's: a MoE token's copies per expert
     # (gathered in, each expert's output, unsorted back: 3 per expert); Phi-3's fused q/k/v product,
-    # alive whole until its last part is used
+    # alive whole until its last part is used; one for quantized weights
     extra_hidden_rows: int = 0
     # float32 score-sized arrays a prompt chunk's attention holds beyond MLX's fused attention: Gemma 2
     # computes its softcapped scores in Python, Gemma 3's sliding layers pass an explicit mask
@@ -109,6 +109,8 @@ class ConfigShape:
             dense = _dense_layers(text, num_layers)
             intermediate = max(moe_width, intermediate if dense else 0)
         extra = 3 * experts_per_tok
+        if config.get("quantization"):  # mlx-lm's quantized layers: on the CPU a prompt chunk measured up
+            extra += 1                  # to a row per token above the float model's prediction
         if name == "phi3":
             kv_heads = text.get("num_key_value_heads") or heads
             # +1: on the CPU a chunk's peak measured up to a row above the product's own size

@@ -22,7 +22,7 @@ from tests.engine.family_checkpoints import FAMILY_CONFIGS, build_checkpoint, re
 PROMPT_LENGTHS = (40, 23, 57)  # chunks of 16: 3, 2 and 4 chunks; 57 + 10 tokens pass gemma3's window
 MAX_TOKENS = 10
 
-VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("gemma3", None), ("qwen3", 4), ("gemma3_text", 4),
+VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("gemma3", None), ("qwen3", 4), ("gemma3_text", 4), ("qwen3_moe", 4),
                                                             ("llama", 8)]
 
 
@@ -138,12 +138,15 @@ def test_gemma3_sliding_window_changes_the_output(checkpoints):
     assert reference_greedy_ids(windowed, prompt, MAX_TOKENS) != reference_greedy_ids(wide, prompt, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
-def test_family_memory_prediction_never_under_measured(checkpoints, family):
+MEMORY_VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("qwen3", 4), ("gemma3_text", 4)]
+
+
+@pytest.mark.parametrize("family,bits", MEMORY_VARIANTS, ids=[f"{f}-{b or 'float'}" for f, b in MEMORY_VARIANTS])
+def test_family_memory_prediction_never_under_measured(checkpoints, family, bits):
     """Every step's measured transient (MLX's peak) stays within the memory model's prediction, on a
     shape large enough that the allocator's rounding does not decide the peak (hidden 256)."""
     extra = {} if family in ("llama", "mistral", "qwen2", "phi3") else {"head_dim": 64}
-    folder = checkpoints(family, None, hidden_size=256, intermediate_size=512, **extra)
+    folder = checkpoints(family, bits, hidden_size=256, intermediate_size=512, **extra)
     engine, _ = _engine(folder, prefill_chunk_size=128, max_num_batched_tokens=256, max_num_seqs=4)
     gc.collect()  # earlier engines collected mid-step would hide part of a step's transient
     rng = random.Random(1)
