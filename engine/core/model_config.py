@@ -32,6 +32,8 @@ SUPPORTED_MODULES = frozenset(SUPPORTED_MODEL_TYPES.values())
 _DERIVED_HEAD_DIM = frozenset({"qwen2", "phi3"})
 # families whose mlx-lm module attends over a sliding window in some layers
 _SLIDING_FAMILIES = frozenset({"gemma3_text", "gemma3"})
+# families whose attention normalizes each query and key head before RoPE
+_QK_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "gemma3"})
 # mlx-lm's gemma3_text defaults, for configs that leave them out (and gemma3's default vocabulary)
 _GEMMA3_DEFAULTS = {"sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
                     "head_dim": 256, "num_key_value_heads": 1, "num_attention_heads": 4, "vocab_size": 262144}
@@ -86,7 +88,8 @@ class ConfigShape:
     layer_windows: tuple = ()  # per layer: the sliding window in tokens, or None (global attention)
     # hidden-size rows per token a layer holds beyond a llama block's: a MoE token's copies per expert
     # (gathered in, each expert's output, unsorted back: 3 per expert); Phi-3's fused q/k/v product,
-    # alive whole until its last part is used; one for quantized weights
+    # alive whole until its last part is used; Qwen3's and Gemma 3's q/k head norms' outputs; one for
+    # quantized weights
     extra_hidden_rows: int = 0
     # float32 score-sized arrays a prompt chunk's attention holds beyond MLX's fused attention: Gemma 2
     # computes its softcapped scores in Python, Gemma 3's sliding layers pass an explicit mask
@@ -109,10 +112,12 @@ class ConfigShape:
             dense = _dense_layers(text, num_layers)
             intermediate = max(moe_width, intermediate if dense else 0)
         extra = 3 * experts_per_tok
+        kv_heads = text.get("num_key_value_heads") or heads
+        if name in _QK_NORM_FAMILIES:  # the q/k head norms' outputs, beside q and k themselves
+            extra += -(-(heads + kv_heads) * head_dim // hidden)
         if config.get("quantization"):  # mlx-lm's quantized layers: on the CPU a prompt chunk measured up
             extra += 1                  # to a row per token above the float model's prediction
         if name == "phi3":
-            kv_heads = text.get("num_key_value_heads") or heads
             # +1: on the CPU a chunk's peak measured up to a row above the product's own size
             # (tests/engine/test_families.py)
             extra = -(-(heads + 2 * kv_heads) * head_dim // hidden) + 1

@@ -35,7 +35,8 @@ model counts (`MemoryModel.kv_copy_bytes`).
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -99,11 +100,19 @@ class KVPool:
     """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
-                 read_slices: bool = True, grouped_masks: bool = False):
+                 read_slices: bool = True, grouped_masks: bool = False,
+                 layer_windows: Optional[Sequence[Optional[int]]] = None):
         """`grouped_masks`: explicit masks meet scores grouped as [B, H_kv, repeats, T, L] (mlx-lm's
-        gemma2 attention), so a batch's mask gets that rank."""
+        gemma2 attention), so a batch's mask gets that rank. `layer_windows`: per layer its sliding
+        window in tokens (None: global attention); a sliding layer reads only the keys its queries'
+        windows reach (one window per model)."""
         self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
         self.grouped_masks = grouped_masks
+        self.layer_windows = tuple(layer_windows or (None,) * num_layers)
+        windows = {w for w in self.layer_windows if w is not None}
+        if len(windows) > 1:
+            raise ValueError(f"layer_windows: one sliding window per model is supported, got {sorted(windows)}")
+        self.window: Optional[int] = windows.pop() if windows else None
         # One-query forwards' attention straight from the pool (engine/model/kernels/paged_attention.py); None: they gather
         self.paged = None
         self.num_layers = num_layers
@@ -179,6 +188,22 @@ class _ViewLayer:
         return self._view.make_mask(n, return_array, window_size)
 
 
+def _padding_mask(lengths: Sequence[int]) -> mx.array:
+    """[B, 1, 1, L_max]: True where row b has a real key (its first lengths[b] positions)."""
+    return mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class _WindowReads:
+    """What a forward's sliding layers read: per row the first position read, and a view (slots
+    [s0, s1) of the one row) or a gather index [B, H_kv, L_w] with its padding mask."""
+
+    firsts: list
+    slice: Optional[tuple]
+    index: Optional[mx.array]
+    mask: Optional[mx.array]
+
+
 class ForwardView:
     """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
 
@@ -217,7 +242,23 @@ class ForwardView:
         self.offset = rows[0].offset if len(rows) == 1 else mx.array([r.offset for r in rows])
         self.mask = None
         if len(rows) > 1 and self._read is not None:
-            self.mask = mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
+            self.mask = _padding_mask(lengths)
+        self._windowed = None if pool.window is None or self._paged is not None else self._window_reads(num_new)
+
+    def _window_reads(self, num_new: int) -> "_WindowReads":
+        """What a sliding layer reads: per row, positions [first, length) where `first` is the earliest
+        key the window of the forward's first query reaches (a view of a consecutive row, else a gather)."""
+        window = self.pool.window
+        firsts = [max(0, n - num_new - window + 1) for n in self._lengths]
+        if self._slice is not None:
+            start, end = self._slice
+            return _WindowReads(firsts, (start + firsts[0], end), None, None)
+        spans = [n - f for n, f in zip(self._lengths, firsts)]
+        read = np.zeros((len(self.rows), max(spans)), np.int64)  # padded positions read slot 0, masked
+        for b, (row, first, n) in enumerate(zip(self.rows, firsts, self._lengths)):
+            read[b, : n - first] = row.slots(first, n)
+        index = mx.array(self.pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_w]
+        return _WindowReads(firsts, None, index, _padding_mask(spans) if len(self.rows) > 1 else None)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """The attention mask of this forward's `n` queries per row over the keys `read` returns (mlx-lm's
@@ -230,6 +271,8 @@ class ForwardView:
         return self._masks[key]
 
     def _build_mask(self, n: int, return_array: bool, window_size: Optional[int]):
+        if window_size is not None and window_size == self.pool.window and self._windowed is not None:
+            return self._window_mask(n, window_size)
         if n > 1:  # one row's chunk: queries at positions offset ... offset + n - 1
             if window_size is None and not return_array:
                 return "causal"  # MLX's causal mode aligns queries to the last keys
@@ -247,6 +290,19 @@ class ForwardView:
             mask = mx.array((keys < lengths) & (keys >= lengths - window_size))[:, None, None, :]
         if mask is not None and self.pool.grouped_masks:
             mask = mask[:, :, None]  # [B, 1, 1, 1, L]: scores are [B, H_kv, repeats, 1, L]
+        return mask
+
+    def _window_mask(self, n: int, window: int):
+        """The mask of a sliding layer over what it reads (`_window_reads`): a chunk's queries each within
+        its window and causal; one query per row: every key read is in its window, so only padding."""
+        if n > 1:
+            first, end = self._windowed.firsts[0], self._lengths[0]
+            keys = mx.arange(first, end)[None]  # [1, L_w] positions
+            queries = mx.arange(end - n, end)[:, None]  # [n, 1]
+            return (keys <= queries) & (keys > queries - window)  # [n, L_w]
+        mask = self._windowed.mask
+        if mask is not None and self.pool.grouped_masks:
+            mask = mask[:, :, None]
         return mask
 
     def layers(self) -> list[_ViewLayer]:
@@ -273,8 +329,13 @@ class ForwardView:
 
     def read(self, layer: int):
         """All rows' KV, right-padded [B, H_kv, L_max, D] (a gathered copy, or a view of a consecutive
-        row): what mlx-lm's attention takes."""
-        return self._read_layer(self.pool.keys[layer]), self._read_layer(self.pool.values[layer])
+        row): what mlx-lm's attention takes. A sliding layer's: only the keys its windows reach."""
+        if self._windowed is not None and self.pool.layer_windows[layer] is not None:
+            w = self._windowed
+            return (self._read_layer(self.pool.keys[layer], w.slice, w.index),
+                    self._read_layer(self.pool.values[layer], w.slice, w.index))
+        return (self._read_layer(self.pool.keys[layer], self._slice, self._read),
+                self._read_layer(self.pool.values[layer], self._slice, self._read))
 
     def attend(self, layer: int, queries: mx.array, scale: float) -> Optional[mx.array]:
         """queries [B, H, 1, D] -> attention over each row's KV in the pool, [B, H, 1, D]; None if this
@@ -288,10 +349,10 @@ class ForwardView:
     def reads_paged(self) -> bool:
         return self._paged is not None
 
-    def _read_layer(self, pool_array: mx.array) -> mx.array:
-        if self._slice is None:
-            return pool_array[self._read]  # [B, H_kv, L_max, D], a copy
-        start, end = self._slice
+    def _read_layer(self, pool_array: mx.array, span: Optional[tuple[int, int]], index) -> mx.array:
+        if span is None:
+            return pool_array[index]  # [B, H_kv, L_max, D], a copy
+        start, end = span
         heads = pool_array.reshape(self.pool.num_kv_heads, self.pool.num_slots, self.pool.head_dim)
         return heads[None, :, start:end, :]  # [1, H_kv, n, D], a view of the pool
 

@@ -92,7 +92,7 @@ class ModelRunner:
         self.num_layers = len(self._backbone.layers)
         lay = self.layout
         self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
-                           grouped_masks=lay.grouped_masks)
+                           grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows)
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
         self.fused = fuse and loops_unsupported(model) is None and fuse_projections(model) > 0
         self.decode_path: Optional[DecodePath] = None

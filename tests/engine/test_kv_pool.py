@@ -208,3 +208,37 @@ def test_a_request_with_two_chunks_in_a_step_is_predicted_as_gathering_if_either
     assert runner.rows.get("a") is None and tokens == reference_greedy(tiny_parts[0], prompt, 3)
     assert seen[0] == ([(0, 200), (200, 100)], set())
     assert engine.stats().max_measured_transient_bytes <= engine.stats().max_predicted_transient_bytes
+
+
+@pytest.mark.parametrize("read_slices", [True, False], ids=["slice", "gather"])
+def test_sliding_layers_read_only_their_window(read_slices):
+    """A sliding layer (window 8) reads only the keys its queries' windows reach, with positions the
+    mask names; a global layer reads the whole row."""
+    import numpy as np
+
+    from engine.model.kv_pool import ForwardView, KVPool, Row
+
+    pool = KVPool(2, 1, 4, mx.float32, 16, read_slices=read_slices, layer_windows=(8, None))
+    pool.grow(8)
+    for layer in range(2):  # key value = its slot, so a read shows which positions it holds
+        pool.keys[layer] = mx.broadcast_to(mx.arange(pool.num_slots, dtype=mx.float32)[:, None], (pool.num_slots, 4))
+        pool.values[layer] = pool.keys[layer]
+    row = Row([0, 1, 2, 3], 16, pool.block_bytes)
+    row.offset = 40
+    view = ForwardView(pool, [row], 5)  # positions 40..44; the first query's window starts at 33
+    keys, _ = view.read(0)
+    assert keys[0, 0, :, 0].tolist() == list(range(33, 45))
+    assert view.read(1)[0].shape[2] == 45
+    mask = np.array(view.make_mask(5, window_size=8))  # [5, 12]
+    assert mask.shape == (5, 12)
+    assert mask[0].tolist() == [True] * 8 + [False] * 4  # query 40: keys 33..40
+    assert mask[4].tolist() == [False] * 4 + [True] * 8  # query 44: keys 37..44
+    assert view.make_mask(5) == "causal"
+
+    short = Row([4, 5], 16, pool.block_bytes)
+    short.offset = 3
+    decode = ForwardView(pool, [row, short], 1)  # lengths 41 and 4
+    keys, _ = decode.read(0)
+    assert keys.shape[2] == 8 and keys[0, 0, :, 0].tolist() == list(range(33, 41))
+    assert keys[1, 0, :4, 0].tolist() == [64, 65, 66, 67]
+    assert np.array(decode.make_mask(1, window_size=8))[:, 0, 0].tolist() == [[True] * 8, [True] * 4 + [False] * 4]
