@@ -147,7 +147,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        from engine.model.loader import dequantize_on_cpu, load_model, resolve_model_path
+        from engine.model.families import dequantize_on_cpu
+        from engine.model.loader import load_model, resolve_model_path
 
         # Before any GPU work: MLX reads it once per process, at its GPU backend's first commit.
         export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(mlx_backend()))

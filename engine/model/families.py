@@ -14,12 +14,15 @@ the windows from the layers' own `is_sliding`. What differs per family besides:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+import logging
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.core.model_config import SUPPORTED_MODULES, supported_list
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,3 +115,21 @@ def window_of(layout: ModelLayout) -> Optional[int]:
     if len(windows) > 1:
         raise ValueError(f"sliding windows {sorted(windows)}: one window per model is supported")
     return windows.pop() if windows else None
+
+
+def dequantize_on_cpu(model: Any) -> bool:
+    """Dequantize a quantized model's layers in place (MLX's CPU quantized matmuls are slow: DESIGN.md
+    measured 8.6 tok/s from 4-bit weights against 142 dequantized); returns whether it was quantized.
+    Logged, since the weights then take their float size in memory."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model
+
+    if not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "Quantized" in type(m).__name__
+               for _, m in model.named_modules()):
+        return False
+    before = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    dequantize_model(model)
+    after = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    logger.info("quantized weights dequantized on the CPU (dtype auto): %d -> %d bytes; set dtype to "
+                "float32, bfloat16 or float16 to keep them quantized", before, after)
+    return True

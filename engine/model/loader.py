@@ -13,7 +13,7 @@ tokenizer files) that `mlx_lm.load` reads:
   ``local_files_only``); nothing is ever downloaded.
 
 `load_model` refuses a model whose config.json names a family the engine does not serve
-(engine/core/model_config.py) before reading any weight.
+(engine/core/model_config.py) before reading any weight. The Hugging Face cache: engine/model/hf_cache.py.
 
 Folders are built in a temporary sibling and renamed into place, so several Ray replicas starting at
 once never read a half-written model; whoever renames first wins, the others drop their copy.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import logging
 import os
 import pathlib
 import shutil
@@ -39,8 +38,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tqdm import tqdm
 
 from engine.core.model_config import model_type
-
-logger = logging.getLogger(__name__)
+from engine.model.hf_cache import is_repo_id, resolve_hf_cache
 
 DEFAULT_MODEL = "default"
 TINY_MODEL = "tiny"
@@ -99,34 +97,12 @@ def resolve_model_path(
     path = pathlib.Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
-    if _is_repo_id(model) and not path.exists():
+    if is_repo_id(model) and not path.exists():
         return resolve_hf_cache(model)
     raise ValueError(
         f"model={model!r} is neither {DEFAULT_MODEL!r}, {TINY_MODEL!r}, a local folder containing "
         "config.json nor a Hugging Face repo id (org/name) in the local Hugging Face cache"
     )
-
-
-def _is_repo_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
-
-
-def resolve_hf_cache(repo_id: str) -> pathlib.Path:
-    """The snapshot folder of `repo_id` in the local Hugging Face cache (never downloads); ValueError
-    naming the id and the cache folder if it is not there."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        folder = pathlib.Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError) as exc:
-        raise ValueError(f"model={repo_id!r} is not in the local Hugging Face cache "
-                         f"{constants.HF_HUB_CACHE} (set HF_HOME or HF_HUB_CACHE, or download it with "
-                         f"`hf download {repo_id}`), nor a local folder with config.json") from exc
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model={repo_id!r}: its cached snapshot {folder} has no config.json")
-    return folder
 
 
 def check_model_config(path: str | os.PathLike) -> dict:
@@ -143,25 +119,6 @@ def load_model(path: str | os.PathLike) -> tuple[Any, Any]:
 
     check_model_config(path)
     return load(str(path))
-
-
-def dequantize_on_cpu(model: Any) -> bool:
-    """Dequantize a quantized model's layers in place (MLX's CPU quantized matmuls are slow: DESIGN.md
-    measured 8.6 tok/s from 4-bit weights against 142 dequantized); returns whether it was quantized.
-    Logged, since the weights then take their float size in memory."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import dequantize_model
-
-    if not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "Quantized" in type(m).__name__
-               for _, m in model.named_modules()):
-        return False
-    before = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    dequantize_model(model)
-    after = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    logger.info("quantized weights dequantized on the CPU (dtype auto): %d -> %d bytes; set dtype to "
-                "float32, bfloat16 or float16 to keep them quantized", before, after)
-    return True
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

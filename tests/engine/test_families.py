@@ -239,7 +239,7 @@ def test_quantized_model_dequantized_on_the_cpu_by_default(checkpoints, caplog):
     from engine.engine import Engine
 
     folder = checkpoints("qwen3", 4)
-    with caplog.at_level(logging.INFO, logger="engine.model.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.model.families"):
         engine = Engine.from_config(EngineConfig(model=str(folder), memory_limit_bytes=2 << 30))
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in engine.model.named_modules())
     assert "dequantized" in caplog.text
