@@ -91,6 +91,9 @@ class ModelRunner:
         self._backbone, self._head = self.layout.backbone, self.layout.head
         self.num_layers = len(self._backbone.layers)
         lay = self.layout
+        logger.info("model family %s: %d layers, %d KV heads of %d (%s), sliding windows %s", lay.family,
+                    self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype,
+                    sorted({w for w in lay.layer_windows if w}) or "none")
         self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
                            grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows)
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
