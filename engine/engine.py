@@ -99,10 +99,14 @@ class Engine:
                                   layer_loops=options.layer_loops,
                                   compiled_decode=options.compiled_decode and backend == "cuda",
                                   cpu_math=options.cpu_math and backend == "cpu",
-                                  read_slices=options.read_slices)
-        layout = self.runner.layout  # KV heads, head size and dtype as the model computes them
+                                  read_slices=options.read_slices, max_rows=config.max_num_seqs,
+                                  max_forward_tokens=config.prefill_chunk_size)
+        layout, pool = self.runner.layout, self.runner.pool  # KV heads, size, dtype as the model computes them
+        # sliding-window layers' rings: a fixed allocation, counted with the weights (engine/model/kv_pool.py)
+        weights_bytes += pool.ring_bytes
         shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes),
-                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                                    num_kv_layers=pool.num_layers - len(pool.ring_layers))
         runner = self.runner
         coefficients, self.memory_coefficients_source = backend_coefficients(
             shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
@@ -129,8 +133,11 @@ class Engine:
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
                 f"{weights_bytes} + transient bound {bound} bytes"
             )
+        prefix_fraction = 0.0 if pool.ring_rows else config.prefix_cache_fraction
+        if pool.ring_rows and config.prefix_cache_fraction:
+            logger.info("no prefix cache: the sliding-window layers' rings keep no prompt's KV")
         self.kv = KVManager(KV_BLOCK_TOKENS, self.memory.kv_bytes_per_token, kv_budget,
-                            int(config.prefix_cache_fraction * kv_budget))
+                            int(prefix_fraction * kv_budget), num_rings=pool.ring_rows)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,

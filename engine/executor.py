@@ -163,7 +163,8 @@ class StepExecutor:
             measured = self._measured(lambda: self.runner.grow_pool(num_pool_blocks))
         for row in new_rows:
             request = self.scheduler.requests[row.request_id]
-            self.runner.add_row(row.request_id, row.block_ids, RequestSampler(request.sampling, self.seed))
+            self.runner.add_row(row.request_id, row.block_ids, RequestSampler(request.sampling, self.seed),
+                                ring=row.ring)
             prefix = row.prefix
             if prefix is not None:
                 copied = self._measured(lambda: self.runner.copy_prefix(

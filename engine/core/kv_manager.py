@@ -32,7 +32,11 @@ class Reservation:
 
 class KVManager:
     def __init__(self, block_size: int, kv_bytes_per_token: int, kv_budget_bytes: int,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, num_rings: int = 0):
+        """`num_rings`: a model's sliding-window layers keep each running request's KV in one of this
+        many fixed rings (engine/model/kv_pool.py), outside the budget: each placed request gets one,
+        given back when it finishes. Their KV of a prompt is not kept, so such a model has no prefix
+        cache (`prefix_cache_bytes` must be 0)."""
         if block_size < 1 or kv_bytes_per_token < 1 or kv_budget_bytes < 0:
             raise ValueError(f"block_size={block_size} and kv_bytes_per_token={kv_bytes_per_token} must be "
                              f">= 1, kv_budget_bytes={kv_budget_bytes} >= 0")
@@ -50,6 +54,11 @@ class KVManager:
         self._blocks: dict[str, list[int]] = {}  # request -> its placed blocks
         self._admitted: list[str] = []  # reserved this step, blocks not placed yet
         self._hits: dict[str, PrefixHit] = {}  # waiting requests' pinned cache hits
+        if num_rings and prefix_cache_bytes:
+            raise ValueError(f"num_rings={num_rings}: sliding-window rings keep no prefix, so "
+                             f"prefix_cache_bytes={prefix_cache_bytes} must be 0")
+        self._free_rings = list(range(num_rings - 1, -1, -1))  # popped from the end: ring 0 first
+        self._rings: dict[str, int] = {}  # request -> its ring
 
     # --- accounting -------------------------------------------------------------------------------
     @property
@@ -121,12 +130,23 @@ class KVManager:
             self._blocks[request_id] = blocks
             hit = self._hits.pop(request_id, None)
             prefix = None if hit is None else PrefixCopy(self.prefix_cache.take(hit), hit.num_tokens)
-            rows.append(NewRow(request_id, tuple(blocks), prefix))
+            ring = self._take_ring(request_id)
+            rows.append(NewRow(request_id, tuple(blocks), prefix, ring))
         return tuple(rows)
+
+    def _take_ring(self, request_id: str) -> Optional[int]:
+        if not self._free_rings and not self._rings:
+            return None  # a model without rings
+        if not self._free_rings:  # the scheduler runs at most num_rings requests: unreachable
+            raise RuntimeError(f"{request_id}: every sliding-window ring is taken")
+        self._rings[request_id] = self._free_rings.pop()
+        return self._rings[request_id]
 
     def free(self, request_id: str, keep_token_ids: Sequence[int] = ()) -> None:
         """A request finished: its reservation goes; its blocks go back to the pool, or the blocks of
         `keep_token_ids` (the tokens whose KV it computed) into the prefix cache when it keeps them."""
+        if request_id in self._rings:
+            self._free_rings.append(self._rings.pop(request_id))
         hit = self._hits.pop(request_id, None)
         if hit is not None:  # never placed: let the entry go
             self.prefix_cache.unpin(hit)

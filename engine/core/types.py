@@ -170,6 +170,7 @@ class NewRow:
     request_id: str
     block_ids: tuple[int, ...]
     prefix: Optional[PrefixCopy] = None
+    ring: Optional[int] = None  # its ring in the sliding-window layers' KV (KVManager num_rings), if any
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,12 @@ model counts (`MemoryModel.kv_copy_bytes`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from engine.model.kv_windows import padding_mask, window_mask, window_reads
 
 
 class Row:
@@ -50,6 +51,7 @@ class Row:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.offset = 0  # tokens whose KV is stored
+        self.ring: Optional[int] = None  # its ring in the pool's sliding-window layers (KVPool.ring_rows)
         self._pending = 0  # tokens written by the forward being built, committed by advance()
 
     @property
@@ -101,11 +103,16 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
                  read_slices: bool = True, grouped_masks: bool = False,
-                 layer_windows: Optional[Sequence[Optional[int]]] = None):
+                 layer_windows: Optional[Sequence[Optional[int]]] = None, ring_rows: int = 0,
+                 ring_tokens: int = 0):
         """`grouped_masks`: explicit masks meet scores grouped as [B, H_kv, repeats, T, L] (mlx-lm's
         gemma2 attention), so a batch's mask gets that rank. `layer_windows`: per layer its sliding
         window in tokens (None: global attention); a sliding layer reads only the keys its queries'
-        windows reach (one window per model)."""
+        windows reach (one window per model, engine/model/kv_windows.py). `ring_rows`: sliding layers
+        keep their KV in that many rings of `ring_tokens` slots, one per running row (`Row.ring`),
+        instead of in the row's blocks: position p lives in slot p % ring_tokens of its row's ring, so
+        a ring of window - 1 + the most tokens of one forward holds every key a forward reads (0:
+        sliding layers use the blocks)."""
         self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
         self.grouped_masks = grouped_masks
         self.layer_windows = tuple(layer_windows or (None,) * num_layers)
@@ -113,6 +120,11 @@ class KVPool:
         if len(windows) > 1:
             raise ValueError(f"layer_windows: one sliding window per model is supported, got {sorted(windows)}")
         self.window: Optional[int] = windows.pop() if windows else None
+        self.ring_rows = ring_rows if self.window is not None else 0
+        self.ring_tokens = ring_tokens
+        if self.ring_rows and ring_tokens < self.window:
+            raise ValueError(f"ring_tokens={ring_tokens} must hold the window of {self.window} tokens")
+        self.ring_layers = frozenset(i for i, w in enumerate(self.layer_windows) if w is not None and self.ring_rows)
         # One-query forwards' attention straight from the pool (engine/model/kernels/paged_attention.py); None: they gather
         self.paged = None
         self.num_layers = num_layers
@@ -126,7 +138,20 @@ class KVPool:
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self._dtype.size
+        """One block of the layers that keep KV in blocks (all but the ring layers)."""
+        layers = self.num_layers - len(self.ring_layers)
+        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * self._dtype.size
+
+    @property
+    def ring_bytes(self) -> int:
+        """The rings of the sliding layers (allocated with the pool's first blocks, then fixed)."""
+        slots = self.ring_rows * self.ring_tokens
+        return 2 * len(self.ring_layers) * slots * self.num_kv_heads * self.head_dim * self._dtype.size
+
+    def ring_pool_rows(self, ring: int, positions: np.ndarray) -> np.ndarray:
+        """Rows of a ring layer's arrays holding `positions` ([...]) of ring `ring`, every head: [H_kv, ...]."""
+        heads = np.arange(self.num_kv_heads).reshape((-1,) + (1,) * positions.ndim)
+        return heads * (self.ring_rows * self.ring_tokens) + ring * self.ring_tokens + positions[None] % self.ring_tokens
 
     @property
     def nbytes(self) -> int:
@@ -145,13 +170,17 @@ class KVPool:
             return
         h, d = self.num_kv_heads, self.head_dim
         if not self.num_slots:  # nothing to copy: every array at once (one wait, not one per array)
-            self.keys = [mx.zeros((h * slots, d), self._dtype) for _ in range(self.num_layers)]
-            self.values = [mx.zeros((h * slots, d), self._dtype) for _ in range(self.num_layers)]
+            ring = self.ring_rows * self.ring_tokens
+            self.keys = [mx.zeros((h * (ring if i in self.ring_layers else slots), d), self._dtype)
+                         for i in range(self.num_layers)]
+            self.values = [mx.zeros(k.shape, self._dtype) for k in self.keys]
             mx.eval(self.keys, self.values)
             self.num_slots = slots
             return
         for arrays in (self.keys, self.values):
             for i, old in enumerate(arrays):
+                if i in self.ring_layers:  # fixed size
+                    continue
                 grown = mx.pad(old.reshape(h, self.num_slots, d),
                                [(0, 0), (0, slots - self.num_slots), (0, 0)])  # [H_kv, slots, D]
                 arrays[i] = grown.reshape(h * slots, d)  # [H_kv * slots, D]
@@ -162,6 +191,8 @@ class KVPool:
 
     def copy(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         """KV of `src_slots` into `dst_slots` (a prefix-cache hit), one array at a time."""
+        if self.ring_layers:
+            raise RuntimeError("a pool with sliding-window rings keeps no prefix KV of its sliding layers")
         src = mx.array(self.rows(src_slots).reshape(-1), mx.int32)
         dst = mx.array(self.rows(dst_slots).reshape(-1), mx.int32)
         for arrays in (self.keys, self.values):
@@ -188,22 +219,6 @@ class _ViewLayer:
         return self._view.make_mask(n, return_array, window_size)
 
 
-def _padding_mask(lengths: Sequence[int]) -> mx.array:
-    """[B, 1, 1, L_max]: True where row b has a real key (its first lengths[b] positions)."""
-    return mx.array(np.arange(max(lengths))[None] < np.array(lengths)[:, None])[:, None, None, :]
-
-
-@dataclass(frozen=True)
-class _WindowReads:
-    """What a forward's sliding layers read: per row the first position read, and a view (slots
-    [s0, s1) of the one row) or a gather index [B, H_kv, L_w] with its padding mask."""
-
-    firsts: list
-    slice: Optional[tuple]
-    index: Optional[mx.array]
-    mask: Optional[mx.array]
-
-
 class ForwardView:
     """The cache list of one forward: B rows, T new tokens each (prefill: B = 1; decode: T = 1)."""
 
@@ -218,6 +233,11 @@ class ForwardView:
         self._masks: dict = {}  # (return_array, window_size) -> the mask mlx-lm's modules asked for
         write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
         self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
+        self._write_ring: Optional[mx.array] = None  # the same positions in the rows' rings
+        if pool.ring_layers:
+            ring_rows = np.stack([pool.ring_pool_rows(row.ring, np.arange(row.offset, n))
+                                  for row, n in zip(rows, lengths)], axis=1)  # [H_kv, B, T]
+            self._write_ring = mx.array(ring_rows.transpose(1, 0, 2).reshape(-1), mx.int32)
         for row in rows:
             row._pending = num_new
         self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
@@ -242,23 +262,8 @@ class ForwardView:
         self.offset = rows[0].offset if len(rows) == 1 else mx.array([r.offset for r in rows])
         self.mask = None
         if len(rows) > 1 and self._read is not None:
-            self.mask = _padding_mask(lengths)
-        self._windowed = None if pool.window is None or self._paged is not None else self._window_reads(num_new)
-
-    def _window_reads(self, num_new: int) -> "_WindowReads":
-        """What a sliding layer reads: per row, positions [first, length) where `first` is the earliest
-        key the window of the forward's first query reaches (a view of a consecutive row, else a gather)."""
-        window = self.pool.window
-        firsts = [max(0, n - num_new - window + 1) for n in self._lengths]
-        if self._slice is not None:
-            start, end = self._slice
-            return _WindowReads(firsts, (start + firsts[0], end), None, None)
-        spans = [n - f for n, f in zip(self._lengths, firsts)]
-        read = np.zeros((len(self.rows), max(spans)), np.int64)  # padded positions read slot 0, masked
-        for b, (row, first, n) in enumerate(zip(self.rows, firsts, self._lengths)):
-            read[b, : n - first] = row.slots(first, n)
-        index = mx.array(self.pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_w]
-        return _WindowReads(firsts, None, index, _padding_mask(spans) if len(self.rows) > 1 else None)
+            self.mask = padding_mask(lengths)
+        self._windowed = None if pool.window is None or self._paged is not None else window_reads(self, num_new)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """The attention mask of this forward's `n` queries per row over the keys `read` returns (mlx-lm's
@@ -272,7 +277,7 @@ class ForwardView:
 
     def _build_mask(self, n: int, return_array: bool, window_size: Optional[int]):
         if window_size is not None and window_size == self.pool.window and self._windowed is not None:
-            return self._window_mask(n, window_size)
+            return window_mask(self, n, window_size)
         if n > 1:  # one row's chunk: queries at positions offset ... offset + n - 1
             if window_size is None and not return_array:
                 return "causal"  # MLX's causal mode aligns queries to the last keys
@@ -290,19 +295,6 @@ class ForwardView:
             mask = mx.array((keys < lengths) & (keys >= lengths - window_size))[:, None, None, :]
         if mask is not None and self.pool.grouped_masks:
             mask = mask[:, :, None]  # [B, 1, 1, 1, L]: scores are [B, H_kv, repeats, 1, L]
-        return mask
-
-    def _window_mask(self, n: int, window: int):
-        """The mask of a sliding layer over what it reads (`_window_reads`): a chunk's queries each within
-        its window and causal; one query per row: every key read is in its window, so only padding."""
-        if n > 1:
-            first, end = self._windowed.firsts[0], self._lengths[0]
-            keys = mx.arange(first, end)[None]  # [1, L_w] positions
-            queries = mx.arange(end - n, end)[:, None]  # [n, 1]
-            return (keys <= queries) & (keys > queries - window)  # [n, L_w]
-        mask = self._windowed.mask
-        if mask is not None and self.pool.grouped_masks:
-            mask = mask[:, :, None]
         return mask
 
     def layers(self) -> list[_ViewLayer]:
@@ -324,8 +316,9 @@ class ForwardView:
         """Scatter this forward's new keys/values [B, H_kv, T, D] into the pool, in place. A forward
         that writes through two views (engine/model/layers/mixed.py) makes both writes of a layer before either view
         reads it: a read holds the pool array, and MLX would copy it for a later write."""
+        index = self._write_ring if layer in self.pool.ring_layers else self._write
         for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
-            pool_arrays[layer][self._write] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
+            pool_arrays[layer][index] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
 
     def read(self, layer: int):
         """All rows' KV, right-padded [B, H_kv, L_max, D] (a gathered copy, or a view of a consecutive

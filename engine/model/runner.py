@@ -69,9 +69,12 @@ class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256,
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
-                 read_slices: bool = True):
+                 read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
+        `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
+        forward; given, a model's sliding-window layers keep each row's KV in a ring of window - 1 +
+        `max_forward_tokens` slots (`KVPool.ring_rows`; `add_row`'s `ring`), else in its blocks.
         `paged_attention`: the engine's decode loop reads the pool in place with the CUDA kernel (the
         engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
         allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
@@ -94,8 +97,11 @@ class ModelRunner:
         logger.info("model family %s: %d layers, %d KV heads of %d (%s), sliding windows %s", lay.family,
                     self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype,
                     sorted({w for w in lay.layer_windows if w}) or "none")
+        window = max((w for w in lay.layer_windows if w), default=0)
+        rings = max_rows if window and max_forward_tokens else 0
         self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
-                           grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows)
+                           grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows, ring_rows=rings,
+                           ring_tokens=window - 1 + max_forward_tokens if rings else 0)
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
         self.fused = fuse and loops_unsupported(model) is None and fuse_projections(model) > 0
         self.decode_path: Optional[DecodePath] = None
@@ -181,12 +187,18 @@ class ModelRunner:
         """Resize the pool's arrays to hold `num_blocks` blocks (the KV manager decides how many)."""
         self.pool.grow(num_blocks)
 
-    def add_row(self, request_id: str, block_ids: Sequence[int], sampler: RequestSampler) -> None:
-        """The request's row: its KV lives in `block_ids` (the pool must hold them: `grow_pool`)."""
+    def add_row(self, request_id: str, block_ids: Sequence[int], sampler: RequestSampler,
+                ring: Optional[int] = None) -> None:
+        """The request's row: its KV lives in `block_ids` (the pool must hold them: `grow_pool`), and in
+        ring `ring` for a pool's sliding-window layers (KVPool.ring_rows)."""
         if block_ids and max(block_ids) >= self.num_pool_blocks:
             raise RuntimeError(f"{request_id}: block {max(block_ids)} is past the pool's "
                                f"{self.num_pool_blocks} blocks (grow_pool first)")
-        self.rows[request_id] = Row(list(block_ids), self.pool.block_size, self.pool.block_bytes)
+        if bool(self.pool.ring_layers) != (ring is not None) or (ring is not None and ring >= self.pool.ring_rows):
+            raise RuntimeError(f"{request_id}: ring={ring} for a pool of {self.pool.ring_rows} rings")
+        row = Row(list(block_ids), self.pool.block_size, self.pool.block_bytes)
+        row.ring = ring
+        self.rows[request_id] = row
         self.samplers[request_id] = sampler
 
     def drop_row(self, request_id: str) -> int:

@@ -246,3 +246,21 @@ def test_quantized_model_dequantized_on_the_cpu_by_default(checkpoints, caplog):
     kept = Engine.from_config(EngineConfig(model=str(folder), dtype="float32", memory_limit_bytes=2 << 30))
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.model.named_modules())
     assert engine.generate([_prompts()[1]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+
+
+def test_gemma3_sliding_layers_keep_kv_in_rings(checkpoints):
+    """Gemma 3's sliding layers keep a running request's KV in a fixed ring of window - 1 + chunk slots,
+    one per running row (reused as requests finish), counted with the weights: the KV budget per token
+    is the global layers' alone. More prompts than rows, each longer than its ring: mlx-lm's tokens."""
+    engine, model = _engine(checkpoints("gemma3_text"), max_num_seqs=2)
+    pool = engine.runner.pool
+    ring_tokens = 24 - 1 + 16
+    assert pool.ring_layers == {0, 2} and pool.ring_rows == 2 and pool.ring_tokens == ring_tokens
+    d, kv_heads, dtype_bytes = 16, 2, 4
+    assert engine.memory.kv_bytes_per_token == 2 * 2 * kv_heads * d * dtype_bytes  # the 2 global layers
+    assert engine.memory.shape.weights_bytes >= pool.ring_bytes == 2 * 2 * 2 * ring_tokens * kv_heads * d * 4
+    assert engine.kv.prefix_cache.max_bytes == 0
+    prompts = _prompts((57, 40, 23, 45), seed=3)
+    want = [reference_greedy_ids(model, p, MAX_TOKENS) for p in prompts]
+    assert _serve(engine, prompts) == want
+    assert pool.keys[0].shape[0] == kv_heads * 2 * ring_tokens  # the rings never grew

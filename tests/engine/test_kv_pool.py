@@ -242,3 +242,26 @@ def test_sliding_layers_read_only_their_window(read_slices):
     assert keys.shape[2] == 8 and keys[0, 0, :, 0].tolist() == list(range(33, 41))
     assert keys[1, 0, :4, 0].tolist() == [64, 65, 66, 67]
     assert np.array(decode.make_mask(1, window_size=8))[:, 0, 0].tolist() == [[True] * 8, [True] * 4 + [False] * 4]
+
+
+def test_sliding_layers_in_rings_read_their_window_from_the_row_s_ring():
+    """With rings (window 8, rings of 12 slots): position p of ring r is row r * 12 + p % 12 of the
+    sliding layer's arrays, which stay their fixed size; writes and window reads go there."""
+    from engine.model.kv_pool import ForwardView, KVPool, Row
+
+    pool = KVPool(2, 1, 4, mx.float32, 16, layer_windows=(8, None), ring_rows=2, ring_tokens=12)
+    pool.grow(4)
+    pool.grow(8)
+    assert pool.keys[0].shape == (24, 4) and pool.keys[1].shape == (128, 4)
+    assert pool.block_bytes == 2 * 1 * 16 * 4 * 4  # the global layer alone
+    pool.keys[0] = mx.broadcast_to(mx.arange(24, dtype=mx.float32)[:, None], (24, 4))
+    row = Row([0, 1, 2, 3], 16, pool.block_bytes)
+    row.ring, row.offset = 1, 40
+    view = ForwardView(pool, [row], 5)
+    new = mx.full((1, 1, 5, 4), -1.0)
+    view.write(0, new, new)  # positions 40..44: ring rows 12 + 4 ... 12 + 8
+    keys, _ = view.read(0)
+    expected = [12 + p % 12 for p in range(33, 45)]
+    assert keys[0, 0, :, 0].tolist() == [-1.0 if p >= 40 else float(r) for p, r in zip(range(33, 45), expected)]
+    with pytest.raises(ValueError, match="ring_tokens=4 must hold the window of 8"):
+        KVPool(2, 1, 4, mx.float32, 16, layer_windows=(8, None), ring_rows=2, ring_tokens=4)

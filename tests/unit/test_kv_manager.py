@@ -110,3 +110,18 @@ def test_scheduler_hands_block_ids_and_prefix_copies_to_the_plan():
     assert row.prefix.source_block_ids == (0, 1, 2) and row.prefix.num_tokens == 8
     assert set(row.block_ids).isdisjoint({0, 1, 2}) and plan.num_pool_blocks >= 6
     assert [(c.start, c.num_tokens) for c in plan.prefills] == [(8, 2)]
+
+
+def test_each_placed_request_gets_a_sliding_window_ring_given_back_when_it_finishes():
+    kv = KVManager(BLOCK, PER_TOKEN, 8 * BLOCK_BYTES, num_rings=2)
+    kv.allocate("a", 4)
+    kv.allocate("b", 4)
+    assert [r.ring for r in kv.place_admitted()] == [0, 1]
+    kv.free("a")
+    kv.allocate("c", 4)
+    assert [r.ring for r in kv.place_admitted()] == [0]  # a's ring, reused
+    plain = manager()
+    plain.allocate("x", 4)
+    assert [r.ring for r in plain.place_admitted()] == [None]  # a model without rings
+    with pytest.raises(ValueError, match="num_rings=2.*prefix_cache_bytes=40"):
+        KVManager(BLOCK, PER_TOKEN, 8 * BLOCK_BYTES, prefix_cache_bytes=BLOCK_BYTES, num_rings=2)

@@ -71,6 +71,9 @@ class ModelShape:
     # float32 score-sized arrays [H, c, n] a prompt chunk's attention holds beyond MLX's fused attention
     # (engine/core/model_config.py: Gemma 2's softcapped scores in Python, Gemma 3's windowed masks)
     extra_score_copies: int = 0
+    # layers whose KV grows with a request (None: all); a model's sliding-window layers may keep theirs in
+    # fixed rings instead (engine/model/kv_pool.py), counted with the weights
+    num_kv_layers: Optional[int] = None
 
     @classmethod
     def from_config(cls, config: dict, dtype_bytes: int, weights_bytes: int = 0) -> "ModelShape":
@@ -132,7 +135,8 @@ class MemoryModel:
     @property
     def kv_bytes_per_token(self) -> int:
         s = self.shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype_bytes
+        layers = s.num_layers if s.num_kv_layers is None else s.num_kv_layers
+        return 2 * layers * s.num_kv_heads * s.head_dim * s.dtype_bytes
 
     def kv_tokens(self, num_tokens: int) -> int:
         """Tokens of KV actually allocated for `num_tokens`: rounded up to the cache step."""
