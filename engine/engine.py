@@ -132,6 +132,8 @@ class Engine:
             raise ValueError(
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
                 f"{weights_bytes} + transient bound {bound} bytes"
+                + (f" (the weights include max_num_seqs={config.max_num_seqs} sliding-window rings of "
+                   f"{pool.ring_bytes} bytes)" if pool.ring_rows else "")
             )
         prefix_fraction = 0.0 if pool.ring_rows else config.prefix_cache_fraction
         if pool.ring_rows and config.prefix_cache_fraction:
