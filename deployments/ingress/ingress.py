@@ -34,6 +34,7 @@ from deployments.ingress.http_api import build_fastapi_app
 from deployments.ingress.observation import RequestObservation
 from deployments.ingress.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
     usage_chunk
+from deployments.ingress.drain import IngressDrain, find_drain
 from deployments.ingress.schemas import ChatCompletionRequest, CompletionRequest, HealthStatus, ModelCard, ModelList
 from deployments.messages import GenerateOutput, GenerateRequest, ReplicaInfo, ReplicaStats
 from deployments.replica.client import HandleReplicaClient, ReplicaClient
@@ -123,8 +124,11 @@ class OpenAIIngress:
         tokenizer_factory: Optional[Callable[[EngineConfig], Any]] = None,
         client_factory: Optional[Callable[[Any], ReplicaClient]] = None,
         telemetry_factory: Optional[TelemetryFactory] = None,
+        drain_factory: Optional[Callable[[], IngressDrain]] = None,
     ) -> None:
         self._settings = IngressSettings.model_validate(settings)
+        # Graceful shutdown (deployments/ingress/drain.py): the supervisor's drain signal, if any.
+        self._drain = (drain_factory or find_drain)()
         self._telemetry = (telemetry_factory or process_telemetry)(self._settings.telemetry, "ingress")
         self._replicas: ReplicaClient = (client_factory or HandleReplicaClient)(replica)
         self._tokenizer = (tokenizer_factory or default_tokenizer_factory)(self._settings.engine)
@@ -143,26 +147,32 @@ class OpenAIIngress:
 
     async def chat(self, request: ChatCompletionRequest | dict) -> Any:
         """Non-streaming chat completion: a ChatCompletionResponse."""
-        return await self._complete(await self._prepare(request, ChatCompletionRequest))
+        with self._drain.admit():
+            return await self._complete(await self._prepare(request, ChatCompletionRequest))
 
     async def chat_stream(self, request: ChatCompletionRequest | dict) -> AsyncGenerator[Any, None]:
         """Streaming chat completion: ChatCompletionChunk objects (call with stream=True)."""
-        async with aclosing(self._stream(await self._prepare(request, ChatCompletionRequest))) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        with self._drain.admit():
+            async with aclosing(self._stream(await self._prepare(request, ChatCompletionRequest))) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     async def completions(self, request: CompletionRequest | dict) -> Any:
         """Non-streaming completion: a CompletionResponse."""
-        return await self._complete(await self._prepare(request, CompletionRequest))
+        with self._drain.admit():
+            return await self._complete(await self._prepare(request, CompletionRequest))
 
     async def completions_stream(self, request: CompletionRequest | dict) -> AsyncGenerator[Any, None]:
         """Streaming completion: CompletionChunk objects (call with stream=True)."""
-        async with aclosing(self._stream(await self._prepare(request, CompletionRequest))) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        with self._drain.admit():
+            async with aclosing(self._stream(await self._prepare(request, CompletionRequest))) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     async def health(self) -> HealthStatus:
-        """Raises ServiceUnavailableError unless an engine replica answers healthy in time."""
+        """Raises ServiceUnavailableError unless an engine replica answers healthy in time (and while the
+        ingress drains: load balancers stop sending)."""
+        self._drain.check_open()
         info = await self._replicas.info(self._settings.health_timeout_s)
         self._info = self._info or info
         return HealthStatus()
@@ -215,6 +225,7 @@ class OpenAIIngress:
         try:
             async with aclosing(self._replica_outputs(prepared, observation.carrier())) as outputs:
                 async for index, out in outputs:
+                    self._drain.check_deadline()
                     observation.on_output(index, out)
                     yield index, out
         except BaseException as e:

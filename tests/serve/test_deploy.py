@@ -45,12 +45,14 @@ def fresh_env(home: Path) -> dict[str, str]:
     return env
 
 
-def tiny_config(path: Path, http_port: int) -> Path:
+def tiny_config(path: Path, http_port: int, max_model_len: int = 512) -> Path:
+    """config/serve.yaml with the tiny model (context max_model_len, max_tokens up to it) on http_port."""
     config = yaml.safe_load((REPO_ROOT / "config" / "serve.yaml").read_text())
     config["http_options"]["port"] = http_port
     args = config["applications"][0]["args"]
-    args["engine"].update(model=MODEL, max_model_len=512)
+    args["engine"].update(model=MODEL, max_model_len=max_model_len)
     args["served_model_name"] = MODEL
+    args["max_tokens_cap"] = None
     args["telemetry"]["prometheus_port"] = 0  # free ports: never another cluster's
     path.write_text(yaml.safe_dump(config))
     return path
