@@ -150,3 +150,42 @@ async def test_on_step_gets_the_step_records_of_the_engine_thread(make_engine):
     for r in records:  # a step that scheduled its forwards built them: times in order
         for f in r.forwards if not r.pipelined else ():
             assert f.build_s is not None and f.build_s <= f.launch_s <= f.launched_s
+
+
+EXIT_SCRIPT = """
+import asyncio, sys
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core.types import SamplingParams
+
+engine = AsyncEngine.from_config(EngineConfig(model="tiny", max_model_len=512, cache_dir=sys.argv[2]))
+
+async def main():
+    async for out in engine.generate("r0", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)):
+        pass
+    if sys.argv[1] == "busy":  # leave a request running: the interpreter exits mid-generation
+        stream = engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+
+asyncio.run(main())
+print("end of script", flush=True)
+"""
+
+
+def test_a_script_exits_cleanly_without_calling_shutdown(tmp_path, model_cache_dir):
+    """The engine thread is stopped at exit and its OS thread waited for: before, a script that ran the
+    engine often ended with "terminate called without an active exception" (SIGABRT, status 134) or a
+    segfault, as MLX's thread-local destructors took the GIL during interpreter finalization."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit_script.py"
+    script.write_text(EXIT_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    runs = [subprocess.Popen([sys.executable, str(script), mode, model_cache_dir], cwd=root, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for mode in ("idle", "busy", "idle", "busy")]
+    for run in runs:
+        out, _ = run.communicate(timeout=240)
+        assert run.returncode == 0 and "end of script" in out and "terminate called" not in out, out[-2000:]
