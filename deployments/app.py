@@ -216,7 +216,7 @@ def metrics_lines(config_path: str) -> list[str]:
     for app in applications:
         args = parse_args(app.get("args"))
         replicas = args.num_replicas or (args.autoscaling.max_replicas if args.autoscaling else 1)
-        urls = planned_prometheus_urls(args.telemetry, replicas)
+        urls = planned_prometheus_urls(args.telemetry, replicas, admission=args.admission.enabled)
         lines.append(f"[serve] {app.get('name')}: telemetry exporter {args.telemetry.exporter}")
         lines += [f"[serve]   Prometheus {url}" for url in urls]
         if urls:

@@ -29,6 +29,7 @@ logger = logging.getLogger("mlx_serve.supervisor")
 
 FLUSH_S = 1.0  # after the last request ends: its final bytes leave through the proxy before it stops
 POLL_S = 0.2
+CALL_TIMEOUT_S = 30.0
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -38,6 +39,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="longest wait for requests in flight after SIGTERM (default 30)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or "local",
                    help="Ray cluster to use (default: $RAY_ADDRESS, else a new local cluster)")
+    p.add_argument("--prometheus-file-sd", default=os.environ.get("MLX_SERVE_PROMETHEUS_FILE_SD") or None,
+                   help="keep a Prometheus file_sd targets file of every process's /metrics here "
+                        "(deployments/telemetry/discovery.py; default: $MLX_SERVE_PROMETHEUS_FILE_SD)")
     args = p.parse_args(argv)
     if args.drain_timeout_s < 0:
         p.error(f"--drain-timeout-s={args.drain_timeout_s} must be >= 0")
@@ -100,6 +104,28 @@ def drain(signal_actor: Any, timeout_s: float, stop: Stop) -> dict[str, int]:
     return pending
 
 
+def keep_file_sd(config_path: str, out: str, stop: Stop) -> threading.Thread:
+    """A thread that rewrites the targets file every FILE_SD_REFRESH_S until the stop."""
+    from deployments.telemetry.discovery import FILE_SD_REFRESH_S, refresh
+
+    def loop() -> None:
+        wait_s, known = 2.0, -1
+        while not stop.requested.wait(wait_s):
+            try:
+                found = len(refresh(config_path, out))
+            except Exception as e:  # noqa: BLE001 - the app is still starting, or a replica restarts
+                logger.debug("file_sd refresh failed: %r", e)
+                continue
+            if found != known:
+                print(f"[serve] Prometheus targets: {found} /metrics endpoints in {out}", flush=True)
+                known = found
+            wait_s = FILE_SD_REFRESH_S if found else 2.0
+
+    thread = threading.Thread(target=loop, name="file-sd", daemon=True)
+    thread.start()
+    return thread
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -110,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, stop.handle)
     print(f"[serve] deployed {args.config}; SIGTERM or Ctrl-C drains (up to {args.drain_timeout_s:g} s) "
           "and stops", flush=True)
+    file_sd = keep_file_sd(args.config, args.prometheus_file_sd, stop) if args.prometheus_file_sd else None
     while not stop.requested.wait(1.0):
         pass
     print(f"[serve] {stop.signal_name}: draining; new requests get 503", flush=True)
@@ -124,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
         serve.shutdown()
     except Exception as e:  # noqa: BLE001 - e.g. Ctrl-C in a terminal also reached Ray's own processes
         print(f"[serve] Serve shutdown failed ({type(e).__name__}: {e})", flush=True)
+    if file_sd is not None:
+        from deployments.telemetry.discovery import write_file_sd
+
+        file_sd.join(timeout=CALL_TIMEOUT_S)
+        write_file_sd(args.prometheus_file_sd, [])  # nothing to scrape any more
     ray.shutdown()
     print("[serve] stopped", flush=True)
     return 0

@@ -4,6 +4,7 @@ filter that keeps an unreachable collector from flooding the logs."""
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any, Optional
 
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -59,6 +60,19 @@ class ExportFailureLog(logging.Filter):
         return True
 
 
+def advertised_host(host: str) -> str:
+    """The host of a /metrics URL bound to `host`: a wildcard bind (0.0.0.0, ::) names this node's IP (Ray's
+    node address when Ray runs here), so the URL works from the other hosts that scrape it."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
+        except Exception:  # noqa: BLE001 - a name is better than a wildcard
+            host = socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
 class PrometheusEndpoint:
     """A /metrics HTTP server over this instance's own registry (never prometheus_client's global one)."""
 
@@ -76,8 +90,7 @@ class PrometheusEndpoint:
             _logger.warning("Prometheus endpoint %s:%d not started (%s); this process serves no /metrics",
                             host, port, error)
             return
-        shown_host = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown_host}:{self._server.server_port}/metrics"
+        self.url = f"http://{advertised_host(host)}:{self._server.server_port}/metrics"
 
     def close(self) -> None:
         if self._server is not None:

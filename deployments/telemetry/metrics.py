@@ -68,7 +68,8 @@ class TelemetryConfig(BaseModel):
         "prometheus", description="'prometheus': an HTTP /metrics endpoint (metrics only); 'otlp_http' / "
         "'otlp_grpc': push metrics and spans to a collector; 'none': nothing leaves the process.",
     )
-    prometheus_host: str = Field("127.0.0.1", min_length=1, description="Address /metrics binds.")
+    prometheus_host: str = Field("127.0.0.1", min_length=1, description="Address /metrics binds; 0.0.0.0 "
+                                 "when Prometheus scrapes from another host (URLs then name the node's IP).")
     prometheus_port: int = Field(
         9464, ge=0, le=65535, description="Port of /metrics; 0 picks a free one (see prometheus_url). A port "
         "already taken (several replicas on a host) costs a warning and no endpoint.",

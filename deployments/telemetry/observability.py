@@ -89,8 +89,9 @@ def process_telemetry(config: TelemetryConfig, role: str) -> Telemetry:
     return telemetry
 
 
-def planned_prometheus_urls(config: TelemetryConfig, num_replicas: int) -> list[str]:
-    """The URLs a fresh app asks for (scripts/serve prints them; a taken port moves, see the logs)."""
+def planned_prometheus_urls(config: TelemetryConfig, num_replicas: int, admission: bool = False) -> list[str]:
+    """The URLs a fresh app asks for (scripts/serve prints them; a taken port moves, see the logs), the
+    admission controller's among them when `admission`."""
     if config.exporter != "prometheus":
         return []
     host = f"[{config.prometheus_host}]" if ":" in config.prometheus_host else config.prometheus_host
@@ -100,7 +101,8 @@ def planned_prometheus_urls(config: TelemetryConfig, num_replicas: int) -> list[
         return f"{role}{'' if rank is None else f' {rank}'}: " + \
             (f"http://{host}:{port}/metrics" if port else "a free port (logged)")
 
-    return [url("ingress")] + [url("replica", k) for k in range(num_replicas)]
+    return [url("ingress")] + ([url("admission")] if admission else []) + \
+        [url("replica", k) for k in range(num_replicas)]
 
 
 def admission_telemetry_factory(config: TelemetryConfig) -> Callable[[], Telemetry]:

@@ -8,6 +8,7 @@ is up ends with an error event) is also tested without Ray, on the ingress with 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +28,25 @@ from bench_http import Server, alive, descendants, wait_http  # noqa: E402
 
 MODEL = "tiny"
 DRAIN_TIMEOUT_S = 4.0
+
+
+def check_file_sd(path: Path, timeout_s: float = 90.0) -> None:
+    """The supervisor's Prometheus file_sd file names the ingress, the engine replica and the admission
+    controller, and each serves /metrics there."""
+    deadline = time.monotonic() + timeout_s
+    roles: list[str] = []
+    while time.monotonic() < deadline:
+        entries = json.loads(path.read_text()) if path.is_file() else []
+        roles = sorted(e["labels"]["role"] for e in entries)
+        if roles == ["admission", "ingress", "replica"]:
+            break
+        time.sleep(1.0)
+    assert roles == ["admission", "ingress", "replica"], roles
+    for entry in entries:
+        assert entry["labels"]["app"] == "mlx-llm"
+        (target,) = entry["targets"]
+        scraped = httpx.get(f"http://{target}/metrics", timeout=30)  # the admission's may be empty yet
+        assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain"), entry
 
 
 def stream_outcome(url: str, max_tokens: int, started: threading.Event, outcomes: list) -> None:
@@ -61,11 +81,14 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path):
     url = f"http://127.0.0.1:{http}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["MLX_SERVE_CONFIG"] = str(config)
+    targets = tmp_path / "prometheus" / "targets.json"
+    env["MLX_SERVE_PROMETHEUS_FILE_SD"] = str(targets)
     log = tmp_path / "serve.log"
     server = Server([str(REPO_ROOT / "scripts" / "serve"), "--drain-timeout-s", str(DRAIN_TIMEOUT_S)],
                     str(log), http, env=env, cwd=str(REPO_ROOT))
     try:
         wait_http(url, "/health", 300, server.proc)
+        check_file_sd(targets)
         outcomes: list[str] = []
         threads = []
         for max_tokens in (16, 1900, 1900):  # one short, two that outlast the drain on this host
@@ -101,5 +124,6 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path):
         assert not alive(tree), f"still running after exit: {sorted(alive(tree))}"
     finally:
         server.stop(grace_s=60)
+    assert json.loads(targets.read_text()) == []  # stopped: nothing to scrape
     text = log.read_text()
     assert "terminate called" not in text and "Traceback" not in text.split("draining")[-1], text[-3000:]
