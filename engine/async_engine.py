@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import logging
+import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -43,6 +47,12 @@ class _Stream:
 
     def put(self, item) -> None:
         _post_to_loop(self.loop, [(self.queue, item)])
+
+
+def _stop_at_exit(ref: "weakref.ref[AsyncEngine]") -> None:
+    engine = ref()
+    if engine is not None:
+        engine._stop_thread()
 
 
 def _post_to_loop(loop: asyncio.AbstractEventLoop, items: list) -> None:
@@ -95,6 +105,9 @@ class AsyncEngine:
         self._warmed = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="mlx-engine", daemon=True)
         self._thread.start()
+        # A script that never calls shutdown() still stops the thread before the interpreter finalizes.
+        self._atexit = functools.partial(_stop_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
         self._warmed.wait()
         if self._build_error is not None:
             raise self._build_error
@@ -146,9 +159,25 @@ class AsyncEngine:
         self._post(AbortRequest(request_id))
 
     def shutdown(self) -> None:
+        """Stop the engine thread and wait until it is gone. Idempotent; also runs at interpreter exit."""
+        self._stop_thread()
+        atexit.unregister(self._atexit)
+
+    def _stop_thread(self, timeout_s: float = 10.0) -> None:
+        """Join the thread, then wait for its OS thread to end: after `join` returns, the thread still runs
+        MLX's thread-local destructors, which take the GIL; if the interpreter is finalizing by then, that
+        aborts the process ("terminate called without an active exception")."""
         self._stopped.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread is threading.current_thread():
+            return
+        self._thread.join(timeout=timeout_s)
+        if not os.path.isdir("/proc/self/task"):  # no /proc (macOS): give them a moment
+            time.sleep(0.05)
+        task = f"/proc/self/task/{self._thread.native_id}"
+        deadline = time.monotonic() + timeout_s
+        while not self._thread.is_alive() and os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.005)  # releases the GIL those destructors wait for
 
     def _post(self, message: Union[AddRequest, AbortRequest]) -> None:
         if self._error is not None:
