@@ -40,8 +40,12 @@ CLUSTER_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_task_events_report_interval_ms": "10000",
-    "RAY_AUTH_MODE": "token",
 }
+# Printed by `main` beside CLUSTER_ENV, but not part of `missing` / `with_cluster_env`: a process that has
+# imported ray reads the mode once, so setting it later in os.environ (as tests/serve/conftest.py does with
+# those) would leave the process without a token while the cluster it starts wants one. `ray.init` turns
+# token mode on for a cluster it starts by itself.
+AUTH_ENV = {"RAY_AUTH_MODE": "token"}
 AUTH_TOKEN_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # where Ray looks first, then ~/.ray/auth_token
 
 
@@ -65,7 +69,7 @@ def default_token_path(home: Optional[Path] = None) -> Path:
 def ensure_auth_token(environ: Optional[Mapping[str, str]] = None, home: Optional[Path] = None) -> Optional[Path]:
     """Write a new random token to ~/.ray/auth_token (mode 0600) when token authentication is on and Ray
     would find no token; the path written, or None when nothing was needed."""
-    environ = with_cluster_env(environ)
+    environ = {**AUTH_ENV, **(os.environ if environ is None else environ)}
     if environ.get("RAY_AUTH_MODE", "").lower() != "token" or any(environ.get(k) for k in AUTH_TOKEN_ENV):
         return None
     path = default_token_path(home)
@@ -79,7 +83,8 @@ def ensure_auth_token(environ: Optional[Mapping[str, str]] = None, home: Optiona
 
 
 def main() -> None:
-    for key, value in missing().items():
+    unset = {**missing(), **{k: v for k, v in AUTH_ENV.items() if k not in os.environ}}
+    for key, value in unset.items():
         print(f"export {key}={shlex.quote(value)}")
     written = ensure_auth_token()
     if written is not None:

@@ -30,6 +30,7 @@ logger = logging.getLogger("mlx_serve.supervisor")
 FLUSH_S = 1.0  # after the last request ends: its final bytes leave through the proxy before it stops
 POLL_S = 0.2
 CALL_TIMEOUT_S = 30.0
+SILENT_S = 5.0  # an ingress silent this long after the drain's start is taken for gone
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -95,12 +96,20 @@ def drain(signal_actor: Any, timeout_s: float, stop: Stop) -> dict[str, int]:
     Returns the ingresses still busy."""
     import ray
 
-    ray.get(signal_actor.start.remote(timeout_s), timeout=30)
-    deadline = time.monotonic() + timeout_s + 2.0
-    pending = ray.get(signal_actor.pending.remote(), timeout=30)
+    ray.get(signal_actor.start.remote(timeout_s), timeout=CALL_TIMEOUT_S)
+    started = time.monotonic()
+    deadline = started + timeout_s + 2.0
+
+    def busy() -> dict[str, int]:
+        # An ingress that never reports (-1) after SILENT_S is gone (replaced earlier, or dead): a live one
+        # reports as soon as its wait returns.
+        pending = ray.get(signal_actor.pending.remote(), timeout=CALL_TIMEOUT_S)
+        return {k: n for k, n in pending.items() if n > 0 or time.monotonic() - started < SILENT_S}
+
+    pending = busy()
     while pending and time.monotonic() < deadline and not stop.forced.is_set():
         time.sleep(POLL_S)
-        pending = ray.get(signal_actor.pending.remote(), timeout=30)
+        pending = busy()
     return pending
 
 

@@ -40,7 +40,7 @@ def fresh_env(home: Path) -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items()
            if k not in CLUSTER_ENV and k not in ("VIRTUAL_ENV", "PYTHONPATH", "LD_PRELOAD")
-           and not k.startswith(("RAY_AUTH_TOKEN", "RAY_ADDRESS"))}
+           and not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
     env["MLX_SERVE_CACHE"] = os.environ.get("MLX_SERVE_CACHE", str(Path.home() / ".cache" / "mlx-serve"))
     env["HOME"] = str(home)

@@ -104,3 +104,19 @@ async def test_stream_running_at_the_deadline_ends_with_an_error(tokenizer):  # 
         await ingress.chat(request)
     with pytest.raises(ServiceUnavailableError):
         await ingress.health()
+
+
+def test_supervisor_stop_first_signal_drains_second_skips_the_drain():
+    import signal as signals
+
+    from deployments.supervisor import Stop, parse
+
+    stop = Stop()
+    stop.handle(signals.SIGTERM, None)
+    assert stop.requested.is_set() and not stop.forced.is_set() and stop.signal_name == "SIGTERM"
+    stop.handle(signals.SIGINT, None)
+    assert stop.forced.is_set() and stop.signal_name == "SIGTERM"
+    args = parse(["config/serve.yaml", "--drain-timeout-s", "7"])
+    assert args.drain_timeout_s == 7.0 and args.config == "config/serve.yaml"
+    with pytest.raises(SystemExit):
+        parse(["--drain-timeout-s", "-1"])

@@ -20,7 +20,7 @@ def test_defaults_fill_only_what_is_unset():
 
 
 def test_module_prints_shell_exports_of_what_is_unset(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_ENV and not k.startswith("RAY_AUTH_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_ENV and not k.startswith("RAY_AUTH")}
     env["HOME"] = str(tmp_path)  # a fresh machine: no token yet
     env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "2"
     out = subprocess.run([sys.executable, "-m", "deployments.cluster_env"], cwd=ROOT, env=env,
