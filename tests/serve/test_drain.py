@@ -69,8 +69,7 @@ def test_ingress_drain_refuses_new_requests_and_reports_its_count():
     local = LocalSignal()
     drain = IngressDrain(local, "i0", retry_after_s=2.0)
     assert not drain.draining
-    with drain.track():
-        drain.check_open()
+    with drain.admit():
         local.go(30.0)
         assert drain.draining
         assert local.actor.pending() == {"i0": 1}
