@@ -86,7 +86,7 @@ async def test_stream_running_at_the_deadline_ends_with_an_error(tokenizer):  # 
     replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0")
     ingress = OpenAIIngress(replica, IngressSettings(engine=engine.config), tokenizer_factory=lambda cfg: tokenizer,
                             client_factory=LocalReplicaClient,
-                            drain_factory=lambda ingress_id: IngressDrain(local, ingress_id))
+                            drain_factory=lambda: IngressDrain(local, "i0"))
     request = ChatCompletionRequest(model=MODEL, max_tokens=400, messages=[{"role": "user", "content": "hi"}])
     chunks = []
     with pytest.raises(ServiceUnavailableError, match="shut down before this request finished"):
