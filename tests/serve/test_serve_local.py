@@ -298,6 +298,7 @@ def test_metrics_cli_prints_each_process_url(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ingress: http://127.0.0.1:9000/metrics" in out
     assert "replica 0: http://127.0.0.1:9002/metrics" in out and "replica 1: http://127.0.0.1:9003/metrics" in out
+    assert "admission: http://127.0.0.1:9001/metrics" in out  # the admission controller (on by default)
     with pytest.raises(ValueError, match="num_replicas"):
         config.write_text("applications:\n- name: a\n  args: {num_replicas: 0}\n")
         main(["metrics", str(config)])
