@@ -36,10 +36,10 @@ def _run(engine, prompts, params, records=None):
     return [(ids, "".join(t), r, lps) for ids, t, r, lps in (out[f"r{i}"] for i in range(len(prompts)))]
 
 
-@pytest.mark.parametrize("async_decode", [True, False])
+@pytest.mark.parametrize("async_decode, overlap_steps", [(True, None), (False, None), (True, True)])
 def test_constrained_rows_parse_and_free_rows_keep_their_tokens(make_engine, tiny_parts, reference_greedy,
-                                                                async_decode):
-    engine = make_engine(async_decode=async_decode)
+                                                                async_decode, overlap_steps):
+    engine = make_engine(async_decode=async_decode, overlap_steps=overlap_steps)
     model, _, _ = tiny_parts
     prompts = [engine.encode([{"role": "user", "content": f"question {i}"}]) for i in range(4)]
     grammar = Grammar("json_schema", json.dumps(SCHEMA))
@@ -51,7 +51,7 @@ def test_constrained_rows_parse_and_free_rows_keep_their_tokens(make_engine, tin
     # constrained rows keep the decode pipeline (their sampling is built when the forward is launched)
     assert any(r.memory is not None and r.memory.pipelined for r in records) == async_decode
     assert results[0][0] == reference_greedy(model, prompts[0], 16, engine.eos_token_ids)
-    alone = _run(make_engine(async_decode=async_decode), [prompts[2]], [params[2]])[0]
+    alone = _run(make_engine(async_decode=async_decode, overlap_steps=overlap_steps), [prompts[2]], [params[2]])[0]
     assert results[2][0] == alone[0]  # a seeded free row: same tokens with or without the constrained
     for ids, text, reason, _ in (results[1], results[3]):
         value = json.loads(text)
