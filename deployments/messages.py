@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from engine import EngineStats, SamplingParams
+from engine import EngineStats, SamplingParams, TokenLogprob
 
 Outcome = Literal["admitted", "rejected", "invalid"]
 
@@ -53,6 +53,7 @@ class GenerateOutput:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
     queue_s: Optional[float] = None  # on the first output: replica arrival -> first engine step
+    new_logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens shown, when the request asked for them
 
 
 @dataclass(frozen=True)

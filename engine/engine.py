@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -28,7 +29,9 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, FinishReason, Request,  # noqa: F401
                                RequestOutput, SamplingParams, SchedulerOutput, StepOptions, StepRecord)
 from engine.executor import StepExecutor, StepRun
+from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
 from engine.model.runner import ModelRunner, RunnerOptions
+from engine.model.sampling import RequestSampler
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +85,11 @@ class Engine:
     """One model on one MLX device; `step()` runs one scheduler step and returns its StepRecord."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, model_config: dict,
-                 runner_options: RunnerOptions = RunnerOptions(), step_options: StepOptions = StepOptions()):
+                 runner_options: RunnerOptions = RunnerOptions(), step_options: StepOptions = StepOptions(),
+                 grammar_compiler: Optional[GrammarCompiler] = None):
         """`runner_options`: the runner's ways of building forwards; `step_options`: how steps run
-        (tests and benchmarks compare them; the defaults are what measured best)."""
+        (tests and benchmarks compare them; the defaults are what measured best). `grammar_compiler`:
+        one made for this tokenizer already (else made on the first constrained request: ~0.5 s)."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -150,9 +155,13 @@ class Engine:
         overlap = step_options.overlap_steps
         self.executor = StepExecutor(self.runner, self.memory, self.scheduler, config.seed,
                                      async_decode=step_options.async_decode,
-                                     overlap_steps=backend == "cuda" if overlap is None else overlap)
+                                     overlap_steps=backend == "cuda" if overlap is None else overlap,
+                                     make_sampler=self._make_sampler)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
+        self._grammar_compiler = grammar_compiler
+        self._grammar_lock = threading.Lock()
+        self._matchers: dict[str, GrammarMatcher] = {}  # compiled grammars of requests without a row yet
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -190,10 +199,31 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [b.token_id for b in sampling.logit_bias if b.token_id >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if sampling.grammar is not None:
+            check_grammar(sampling.grammar)
+            self._grammars()  # wrapping the tokenizer takes ~0.5 s: here, not on the engine's step thread
+
+    def _grammars(self) -> GrammarCompiler:
+        """The grammar compiler, made on the first constrained request (thread-safe: check_request)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer._tokenizer, self.memory.shape.vocab_size,
+                                                         sorted(self.eos_token_ids))
+            return self._grammar_compiler
+
+    def _make_sampler(self, request: Request) -> RequestSampler:
+        """A new row's sampler, with the matcher its grammar was compiled into at add_request."""
+        return RequestSampler(request.sampling, self.config.seed, request.prompt_token_ids,
+                              self._matchers.pop(request.request_id, None))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         self.check_request(prompt_token_ids, sampling)
         request = Request(request_id, list(prompt_token_ids), sampling)
+        if sampling.grammar is not None:
+            self._matchers[request_id] = self._grammars().matcher(sampling.grammar)
         self.scheduler.add(request)  # a prefix-cache hit: the request starts after its cached tokens
         self._streams[request_id] = TextStream(self.tokenizer.detokenizer, sampling.stop)
 
@@ -203,6 +233,7 @@ class Engine:
     def _finish(self, request_id: str, reason: FinishReason, error: Optional[str] = None):
         """Between forwards: the request's KV goes at once (into the prefix cache when worth keeping)."""
         self._streams.pop(request_id, None)
+        self._matchers.pop(request_id, None)
         num_kv_tokens = self.runner.drop_row(request_id)
         request = self.scheduler.finish(request_id, reason, num_kv_tokens)
         if request is None:
@@ -263,7 +294,15 @@ class Engine:
     def _commit(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         outputs = []
         for request in self.scheduler.update(plan, sampled):
-            out = process_token(request, self._streams[request.request_id], self.eos_token_ids)
+            sampler = self.runner.samplers[request.request_id]
+            token_id = request.output_token_ids[-1]
+            try:
+                done = sampler.accept(token_id, request.num_output_tokens - 1)
+            except RuntimeError as exc:  # a token the grammar refused: a bug, this request's alone
+                outputs += [o for o in [self._finish(request.request_id, FinishReason.ERROR, str(exc))] if o]
+                continue
+            out = process_token(request, self._streams[request.request_id], self.eos_token_ids,
+                                grammar_done=done, logprob=sampler.pop_logprobs(token_id))
             if out.finished:
                 self._finish(request.request_id, out.finish_reason)
             outputs.append(out)

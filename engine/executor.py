@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from engine.core.memory.model import MemoryModel
 from engine.core.scheduler import Scheduler
-from engine.core.types import ForwardTiming, NewRow, SchedulerOutput, StepMemory
+from engine.core.types import ForwardTiming, NewRow, Request, SchedulerOutput, StepMemory
 from engine.model.runner import DecodeWork, Forward, ModelRunner, PrefillWork, finish
 from engine.model.sampling import RequestSampler
 
@@ -71,8 +71,12 @@ class StepExecutor:
     """Runs plans with `runner`; reads the scheduler's requests (inputs, the next pipelined decode)."""
 
     def __init__(self, runner: ModelRunner, memory: MemoryModel, scheduler: Scheduler, seed: int,
-                 async_decode: bool, overlap_steps: bool):
+                 async_decode: bool, overlap_steps: bool,
+                 make_sampler: Optional[Callable[[Request], RequestSampler]] = None):
+        """`make_sampler`: a new row's sampler (the engine's gives it its grammar's matcher); else one
+        from the request's sampling params and `seed`."""
         self.runner = runner
+        self.make_sampler = make_sampler or (lambda r: RequestSampler(r.sampling, seed, r.prompt_token_ids))
         self.memory = memory
         self.scheduler = scheduler
         self.seed = seed
@@ -163,7 +167,7 @@ class StepExecutor:
             measured = self._measured(lambda: self.runner.grow_pool(num_pool_blocks))
         for row in new_rows:
             request = self.scheduler.requests[row.request_id]
-            self.runner.add_row(row.request_id, row.block_ids, RequestSampler(request.sampling, self.seed),
+            self.runner.add_row(row.request_id, row.block_ids, self.make_sampler(request),
                                 ring=row.ring)
             prefix = row.prefix
             if prefix is not None:
@@ -312,7 +316,23 @@ class StepExecutor:
         """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
         last tokens."""
         work = self._decode_work(plan) if inputs is None else [DecodeWork(i, -1) for i in plan.decodes]
-        return _Inflight(plan, self.runner.decode(work, inputs))
+        return _Inflight(plan, self.runner.decode(work, inputs, defer_sampling=self._constrained(plan.decodes)))
+
+    def _constrained(self, request_ids) -> bool:
+        """Whether a row has a grammar: its mask needs its previous token on the host, so its decode's
+        sampling is built at launch (runner.decode's defer_sampling), the mask computed while the
+        forward runs."""
+        requests = self.scheduler.requests
+        return any(r.sampling.grammar is not None for r in map(requests.get, request_ids) if r is not None)
+
+    def _accept_ahead(self, plan: SchedulerOutput, tokens: list[int]) -> None:
+        """Give the constrained rows' tokens of a finished decode to their grammars before the next
+        decode, built already, is launched: its masks need them (the commit does not give them again)."""
+        requests, samplers = self.scheduler.requests, self.runner.samplers
+        for request_id, token in zip(plan.decodes, tokens):
+            request, sampler = requests.get(request_id), samplers.get(request_id)
+            if request is not None and sampler is not None and sampler.matcher is not None:
+                sampler.accept(token, request.num_output_tokens)
 
     def _launch(self, decode: _Inflight, build_s: Optional[float] = None,
                 built_s: Optional[float] = None) -> None:
@@ -365,6 +385,7 @@ class StepExecutor:
         if nxt is not None:
             self.num_steps += 1
             try:
+                self._accept_ahead(prev.plan, tokens)
                 self._launch(nxt, build_s, built_s)
                 self._inflight = nxt
             except Exception as exc:

@@ -11,6 +11,9 @@ In-process (no HTTP): this engine (AsyncEngine, and the bare Engine.step loop wi
 breakdown) against mlx-lm's BatchGenerator with mlx_lm.server's defaults, same prompts, same load:
     python scripts/bench_serving.py --engine-only --model default --concurrency 1,8 \
         --prompt-tokens 256 --output-tokens 32 --json
+The cost of grammar-constrained decoding (bench_constrained.py): the same streams all free, then with a
+fraction constrained by a JSON schema:
+    python scripts/bench_serving.py --engine-only --constrained-fraction 0.5 --model tiny --concurrency 8 --json
 
 Every request gets exactly --output-tokens tokens (EOS ignored: `ignore_eos` for this server,
 `logit_bias` against the EOS ids for mlx_lm.server; in-process, neither side stops at EOS). Prompts are
@@ -133,7 +136,7 @@ class LoopDriver:
         return records, time.perf_counter() - t0
 
 
-def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overrides) -> dict:
+def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, sampling_for=None, **overrides) -> dict:
     """The bare Engine.step loop; with a per-step time breakdown (schedule / forwards / the rest).
     `overrides`: `make_engine`'s (engine_sync_nopipe: async_decode=False; engine_sync_gather:
     execution={"paged_attention": False}; engine_sync_unfused, engine_sync_modules, engine_sync_uncompiled:
@@ -149,8 +152,8 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
     decode_steps: list[tuple] = []
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
 
-    def add(i, prompt):
-        engine.add_request(str(i), prompt, sampling)
+    def add(i, prompt):  # sampling_for(i): request i's SamplingParams (bench_constrained.py)
+        engine.add_request(str(i), prompt, sampling_for(i) if sampling_for else sampling)
 
     first_steps = []  # the first steps: when each ran (from the first's start) and what it computed
 
@@ -185,6 +188,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, **overr
         record["start_s"] = round(record["start_s"] - first_start, 4)
     result["first_steps"] = first_steps
     result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
+    result["tpot_by_request_s"] = [r.tpot_s for r in records]
     if tracer is not None:
         result["step_trace_ms"] = tracer.steps
     if breakdown and decode_steps:
@@ -390,7 +394,7 @@ class MemoryWindow:
         return {"peak_over_weights_bytes": self.peak - self.baseline}
 
 
-def make_engine(lm, prompts, args, options=None, async_decode: bool = True, **overrides):
+def make_engine(lm, prompts, args, options=None, async_decode: bool = True, grammar_compiler=None, **overrides):
     """This engine at its default config (max_num_seqs raised to the concurrency if that is larger),
     with a memory limit that admits every request. `options`: a RunnerOptions (None: the defaults);
     `async_decode`: False runs decode steps one after another; `overrides`: EngineConfig fields."""
@@ -417,7 +421,7 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, **ov
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options,
-                  step_options=StepOptions(async_decode=async_decode))
+                  step_options=StepOptions(async_decode=async_decode), grammar_compiler=grammar_compiler)
 
 
 def engine_only(args) -> dict:
@@ -526,6 +530,9 @@ def parse_args(argv=None):
                    help="also start mlx_lm.server on --model's folder and run the same load")
     p.add_argument("--mlx-lm-port", type=int, default=8089)
     p.add_argument("--engine-only", action="store_true", help="in-process, no HTTP")
+    p.add_argument("--constrained-fraction", type=float, default=None,
+                   help="--engine-only: TPOT with this fraction of the streams constrained by a JSON schema "
+                   "against all free (scripts/bench_constrained.py)")
     p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
                    help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
                    "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
@@ -578,7 +585,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.engine_only:
+    if args.engine_only and args.constrained_fraction is not None:
+        from bench_constrained import constrained_cost
+
+        result = constrained_cost(args)
+    elif args.engine_only:
         result = engine_only(args)
     else:
         from bench_http import http_mode

@@ -32,9 +32,9 @@ from engine import EngineConfig
 from deployments.errors import BadRequestError, ModelNotFoundError
 from deployments.ingress.http_api import build_fastapi_app
 from deployments.ingress.observation import RequestObservation
-from deployments.ingress.protocol import Accumulator, Limits, PreparedRequest, chunk_for, final_response, prepare, \
-    usage_chunk
 from deployments.ingress.drain import IngressDrain, find_drain
+from deployments.ingress.protocol import Limits, PreparedRequest, prepare
+from deployments.ingress.responses import Accumulator, OutputContext, StreamChunks, final_response, usage_chunk
 from deployments.ingress.schemas import ChatCompletionRequest, CompletionRequest, HealthStatus, ModelCard, ModelList
 from deployments.messages import GenerateOutput, GenerateRequest, ReplicaInfo, ReplicaStats
 from deployments.replica.client import HandleReplicaClient, ReplicaClient
@@ -132,6 +132,7 @@ class OpenAIIngress:
         self._telemetry = (telemetry_factory or process_telemetry)(self._settings.telemetry, "ingress")
         self._replicas: ReplicaClient = (client_factory or HandleReplicaClient)(replica)
         self._tokenizer = (tokenizer_factory or default_tokenizer_factory)(self._settings.engine)
+        self._output_context = OutputContext.for_tokenizer(self._tokenizer)
         self._model_name = self._settings.model_name()
         self._info: Optional[ReplicaInfo] = None
 
@@ -255,17 +256,17 @@ class OpenAIIngress:
         async with aclosing(self._outputs(prepared)) as outputs:
             async for index, out in outputs:
                 acc.add(index, out)
-        return final_response(prepared, acc)
+        return final_response(prepared, acc, self._output_context)
 
     async def _stream(self, prepared: PreparedRequest) -> AsyncGenerator[Any, None]:
         acc = Accumulator(len(prepared.samplings))
-        started: set[int] = set()
+        chunks = StreamChunks(prepared, self._output_context)
         async with aclosing(self._outputs(prepared)) as outputs:
             async for index, out in outputs:
-                chunk = chunk_for(prepared, index, out, first=index not in started)
-                started.add(index)
+                chunk = chunks.chunk(index, out)
                 acc.add(index, out)
-                yield chunk
+                if chunk is not None:
+                    yield chunk
         if prepared.include_usage:
             yield usage_chunk(prepared, acc)
 
@@ -280,6 +281,8 @@ def parse_request(request: Any, cls: type[BaseModel]) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":  # OpenAI refuses unknown arguments too
+            raise BadRequestError(f"{param}: this field is not supported by this server", param=param) from None
         raise BadRequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
 
 

@@ -1,4 +1,4 @@
-"""OpenAI protocol logic, pure: API request -> engine inputs, engine increments -> responses and chunks.
+"""OpenAI protocol logic, pure: API request -> engine inputs (engine increments -> responses: responses.py).
 
 No Ray and no FastAPI here, so all of it is unit-tested with a tokenizer alone. Every check of a
 request happens here, before any engine work: prompt length against the model, max_tokens against the
@@ -7,20 +7,17 @@ cap and the context, n against its cap, token ids against the vocabulary.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from engine import SamplingParams
+from engine import Grammar, LogitBias, SamplingParams, check_grammar
 
-from deployments.errors import BadRequestError, EngineError
-from deployments.messages import GenerateOutput
-from deployments.ingress.schemas import (
-    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChunkChoice, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
-    PromptTokensDetails, Usage,
-)
+from deployments.errors import BadRequestError
+from deployments.ingress.schemas import ChatCompletionRequest, CompletionRequest
+from deployments.ingress.tools import ToolPlan, forced_grammar, plan_for, template_messages, tool_format
 
 
 SEED_MODULUS = 1 << 64
@@ -48,6 +45,8 @@ class PreparedRequest:
     samplings: tuple[SamplingParams, ...]
     include_usage: bool = False
     received_ns: int = 0  # time.monotonic_ns() when the ingress got it (telemetry; 0: unknown)
+    tool_plan: Optional[ToolPlan] = None  # the output is (or may hold) tool calls
+    logprobs: Optional[int] = None  # top alternatives per token, when logprobs were asked for
 
 
 def new_request_id(kind: str) -> str:
@@ -67,14 +66,15 @@ def check_text(text: str, param: str) -> str:
 
 
 def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation through the model's chat template."""
-    messages = [{"role": m.role, "content": check_text(m.text(), f"messages.{i}.content")}
-                for i, m in enumerate(req.messages)]
+    """Token ids of the conversation (with the tools, tools.py says how) through the model's chat template."""
+    texts = [check_text(m.text(), f"messages.{i}.content") for i, m in enumerate(req.messages)]
+    messages, tools = template_messages(req, tool_format(tokenizer), texts)
     if not getattr(tokenizer, "has_chat_template", True):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(tokenizer.encode(text))
+    extra = {"tools": tools} if tools else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     except Exception as e:  # jinja templates raise on conversations they do not accept
         raise BadRequestError(f"the chat template rejected the messages: {e}", param="messages") from None
     return list(ids)
@@ -117,12 +117,48 @@ def choose_max_tokens(requested: Optional[int], num_prompt_tokens: int, limits: 
     return requested
 
 
+def request_grammar(req: Any) -> Optional[Grammar]:
+    """The grammar the output must follow: response_format's, or a forced tool choice's (400 if it
+    cannot be compiled, naming llguidance's reason)."""
+    fmt = req.response_format
+    chat = isinstance(req, ChatCompletionRequest)
+    if fmt is not None and fmt.type != "text":
+        if chat and req.tool_mode() != "none":
+            raise BadRequestError("response_format json_object / json_schema cannot be combined with tools "
+                                  "unless tool_choice is 'none'", param="response_format")
+        schema = (fmt.json_schema.json_schema if fmt.type == "json_schema" else None) or {"type": "object"}
+        grammar, param = Grammar("json_schema", json.dumps(schema)), "response_format"
+    elif chat and req.tool_mode() in ("named", "required"):
+        grammar, param = forced_grammar(req), "tools"
+    else:
+        return None
+    try:
+        check_grammar(grammar)
+    except ValueError as e:
+        raise BadRequestError(str(e), param=param) from None
+    return grammar
+
+
+def requested_logprobs(req: Any) -> Optional[int]:
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
 def make_samplings(req: Any, max_tokens: int, limits: Limits) -> tuple[SamplingParams, ...]:
     """One SamplingParams per choice; choice i of a seeded request uses seed + i."""
     if req.n > limits.max_n:
         raise BadRequestError(f"n={req.n} is over this server's cap of {limits.max_n}", param="n")
     for s in req.stop_strings():
         check_text(s, "stop")
+    bias = tuple(LogitBias(int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+    bad = [b.token_id for b in bias if b.token_id >= limits.vocab_size]
+    if bad:
+        raise BadRequestError(f"logit_bias token ids must be in [0, {limits.vocab_size}), got {bad[:5]}",
+                              param="logit_bias")
+    extra = dict(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                 repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
+                 logprobs=requested_logprobs(req), grammar=request_grammar(req))
     samplings = []
     for i in range(req.n):
         seed = None if req.seed is None else (req.seed + i) % SEED_MODULUS  # MLX keys take uint64
@@ -130,7 +166,7 @@ def make_samplings(req: Any, max_tokens: int, limits: Limits) -> tuple[SamplingP
             samplings.append(SamplingParams(
                 max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 seed=seed, stop=req.stop_strings(), stop_token_ids=tuple(req.stop_token_ids or ()),
-                ignore_eos=req.ignore_eos,
+                ignore_eos=req.ignore_eos, **extra,
             ))
         except ValueError as e:  # SamplingParams names the field first: "stop='...': why"
             raise BadRequestError(str(e), param=str(e).split("=", 1)[0]) from None
@@ -153,100 +189,6 @@ def prepare(req: Any, tokenizer: Any, limits: Limits, model: str) -> PreparedReq
     return PreparedRequest(
         request_id=new_request_id(kind), kind=kind, model=model, created=int(time.time()),
         prompt_token_ids=ids, samplings=make_samplings(req, max_tokens, limits),
-        include_usage=req.include_usage(),
+        include_usage=req.include_usage(), tool_plan=plan_for(req) if kind == "chat" else None,
+        logprobs=requested_logprobs(req),
     )
-
-
-# ----------------------------------------------------------------------------- outputs
-
-
-@dataclass
-class ChoiceState:
-    """What one choice has produced so far."""
-
-    text_parts: list[str] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    finish_reason: Optional[str] = None
-    replica_id: Optional[str] = None
-
-
-class Accumulator:
-    """Folds the increments of the n choices of a request into texts and usage."""
-
-    def __init__(self, n: int) -> None:
-        self.choices = [ChoiceState() for _ in range(n)]
-
-    def add(self, index: int, out: GenerateOutput) -> None:
-        check_output(out)
-        choice = self.choices[index]
-        choice.text_parts.append(out.new_text)
-        choice.num_prompt_tokens = out.num_prompt_tokens
-        choice.num_output_tokens = out.num_output_tokens
-        choice.num_cached_tokens = out.num_cached_tokens
-        choice.replica_id = choice.replica_id or out.replica_id
-        if out.finished:
-            choice.finish_reason = openai_finish_reason(out.finish_reason)
-
-    def usage(self) -> Usage:
-        prompt = max((c.num_prompt_tokens for c in self.choices), default=0)
-        completion = sum(c.num_output_tokens for c in self.choices)
-        cached = max((c.num_cached_tokens for c in self.choices), default=0)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-    def fingerprint(self) -> Optional[str]:
-        return next((c.replica_id for c in self.choices if c.replica_id), None)
-
-
-def check_output(out: GenerateOutput) -> None:
-    """Raise EngineError for an increment that reports a failure."""
-    if out.error is not None or out.finish_reason == "error":
-        raise EngineError(f"the engine failed on request {out.request_id}: {out.error or 'unknown error'}")
-
-
-def openai_finish_reason(reason: Optional[str]) -> Optional[str]:
-    if reason is None:
-        return None
-    if reason in ("stop", "length"):
-        return reason
-    if reason == "abort":
-        raise EngineError("the request was aborted by the engine", code="aborted")
-    raise EngineError(f"the engine finished the request with reason {reason!r}")
-
-
-def final_response(prepared: PreparedRequest, acc: Accumulator) -> Any:
-    """The non-streaming response of a finished request."""
-    common = dict(id=prepared.request_id, created=prepared.created, model=prepared.model,
-                  usage=acc.usage(), system_fingerprint=acc.fingerprint())
-    if prepared.kind == "chat":
-        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text_parts)),
-                              finish_reason=c.finish_reason) for i, c in enumerate(acc.choices)]
-        return ChatCompletionResponse(choices=choices, **common)
-    choices = [CompletionChoice(index=i, text="".join(c.text_parts), finish_reason=c.finish_reason)
-               for i, c in enumerate(acc.choices)]
-    return CompletionResponse(choices=choices, **common)
-
-
-def chunk_for(prepared: PreparedRequest, index: int, out: GenerateOutput, first: bool) -> Any:
-    """The stream chunk carrying one increment of choice `index`."""
-    check_output(out)
-    reason = openai_finish_reason(out.finish_reason) if out.finished else None
-    common = dict(id=prepared.request_id, created=prepared.created, model=prepared.model,
-                  system_fingerprint=out.replica_id)
-    if prepared.kind == "chat":
-        delta = DeltaMessage(role="assistant" if first else None, content=out.new_text)
-        return ChatCompletionChunk(choices=[ChunkChoice(index=index, delta=delta, finish_reason=reason)],
-                                   **common)
-    return CompletionChunk(choices=[CompletionChoice(index=index, text=out.new_text, finish_reason=reason)],
-                           **common)
-
-
-def usage_chunk(prepared: PreparedRequest, acc: Accumulator) -> Any:
-    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
-    common = dict(id=prepared.request_id, created=prepared.created, model=prepared.model, choices=[],
-                  usage=acc.usage(), system_fingerprint=acc.fingerprint())
-    if prepared.kind == "chat":
-        return ChatCompletionChunk(**common)
-    return CompletionChunk(**common)

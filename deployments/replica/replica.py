@@ -152,6 +152,7 @@ class EngineReplica:
             finished=out.finished,
             finish_reason=reason,
             error=out.error,
+            new_logprobs=out.new_logprobs,
         )
 
     def info(self) -> ReplicaInfo:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from engine.core.types import FinishReason, Request, RequestOutput
+from engine.core.types import FinishReason, Request, RequestOutput, TokenLogprob
 
 
 class TextStream:
@@ -53,12 +53,16 @@ def finish_reason_for(request: Request, token_id: int, eos_token_ids: set[int]) 
     return None
 
 
-def process_token(request: Request, stream: TextStream, eos_token_ids: set[int]) -> RequestOutput:
-    """Turn the request's newest token into an output increment (finished or not)."""
+def process_token(request: Request, stream: TextStream, eos_token_ids: set[int], grammar_done: bool = False,
+                  logprob: Optional[TokenLogprob] = None) -> RequestOutput:
+    """Turn the request's newest token into an output increment (finished or not). `grammar_done`:
+    the request's grammar is complete (the token ends it); `logprob`: the token's, if asked for."""
     token_id = request.output_token_ids[-1]
     reason = finish_reason_for(request, token_id, eos_token_ids)
     # A stop token's own text is not part of the output (OpenAI and vLLM behave the same).
     shown = None if reason == FinishReason.STOP else token_id
+    if reason is None and grammar_done:  # the token completes the grammar: shown, and the end
+        reason = FinishReason.STOP
     new_text, stopped = stream.add(shown, final=reason is not None)
     if stopped:
         reason = FinishReason.STOP
@@ -71,4 +75,5 @@ def process_token(request: Request, stream: TextStream, eos_token_ids: set[int])
         finished=reason is not None,
         finish_reason=reason,
         num_cached_tokens=request.num_cached_tokens,
+        new_logprobs=(logprob,) if logprob is not None and shown is not None else (),
     )

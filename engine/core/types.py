@@ -25,6 +25,46 @@ class RequestStatus(str, enum.Enum):
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the output, enforced token by token (engine/model/grammar.py compiles it).
+    kind: "json_schema" (source: a JSON schema as text), "lark" (llguidance's Lark dialect, which can
+    embed JSON schemas with %json) or "regex"."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("json_schema", "lark", "regex"), "grammar.kind", self.kind,
+               "must be 'json_schema', 'lark' or 'regex'")
+        _check(isinstance(self.source, str) and bool(self.source), "grammar.source", self.source[:40],
+               "must be a non-empty string")
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    token_id: int
+    bias: float  # added to the token's logit before sampling
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a sampled token and of the most likely alternatives (engine/model/sampling.py
+    says from which distribution)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +79,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted from the logits of tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
+    logit_bias: tuple[LogitBias, ...] = ()
+    logprobs: Optional[int] = None  # None: none; k: the sampled token's and the k most likely ones
+    grammar: Optional[Grammar] = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -62,10 +109,35 @@ class SamplingParams:
                    f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", t, "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
+        _check(_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty",
+               self.repetition_penalty, "must be in (0, 10]")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        for b in self.logit_bias:
+            _check(isinstance(b, LogitBias) and isinstance(b.token_id, int) and b.token_id >= 0
+                   and _finite(b.bias) and abs(b.bias) <= MAX_LOGIT_BIAS, "logit_bias", b,
+                   f"must be LogitBias records of token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", self.grammar,
+               "must be None or a Grammar")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """No logits processing, no logprobs: the batched fast path of the sampler."""
+        return not (self.has_penalties or self.logit_bias or self.min_p or self.grammar is not None
+                    or self.logprobs is not None)
 
 
 def _finite(x) -> bool:
@@ -131,6 +203,7 @@ class RequestOutput:
     finish_reason: Optional[FinishReason] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids' shown tokens, when asked for
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -274,19 +274,25 @@ class ModelRunner:
         token = sample_rows(logits, [self.samplers[work.request_id]])
         return Forward([[token]], token)  # every layer's KV write is in its graph (attention reads it)
 
-    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None) -> "Forward":
+    def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None,
+               defer_sampling: bool = False) -> "Forward":
         """Build (only: nothing runs) one batched decode forward of `work`'s rows; `launch` runs it.
         `tokens` ([B], possibly the lazy output of the previous decode) replaces the rows' `token_id`s
-        as inputs, so the engine can build the next step while the device computes the current one."""
+        as inputs, so the engine can build the next step while the device computes the current one.
+        `defer_sampling`: the sampling is built by `launch`, once the forward runs (a grammar's mask
+        needs the previous token, which the engine reads back just before launching)."""
         view = ForwardView(self.pool, [self.rows[w.request_id] for w in work], 1)
         if tokens is None:
             tokens = mx.array([w.token_id for w in work])
         hidden = self._decode_forward(tokens[:, None], view)  # [B, 1, D]
         logits = self._head(hidden)[:, 0, :]  # [B, V]
-        sampled = sample_rows(logits, [self.samplers[w.request_id] for w in work])
+        samplers = [self.samplers[w.request_id] for w in work]
         view.advance()
         # The hidden states are their own batch, so the last layer's gathered KV is freed before the
         # logits exist.
+        if defer_sampling:
+            return Forward([[hidden]], None, sample=lambda: sample_rows(logits, samplers))
+        sampled = sample_rows(logits, samplers)
         return Forward([[hidden], [sampled]], sampled)
 
     def mixed_forward(self, work: PrefillWork, decodes: list[DecodeWork]) -> "Forward":
@@ -313,9 +319,14 @@ class ModelRunner:
     @staticmethod
     def launch(forward: "Forward") -> None:
         """Start a built forward on the device without waiting. The caller must `finish` it (and drop
-        it) before launching another forward: see `finish`."""
+        it) before launching another forward: see `finish`. A deferred sampling is built while the
+        forward's first stages run (a grammar's mask is computed on the host meanwhile)."""
         for stage in forward.stages:
             mx.async_eval(*stage)
+        if forward.sample is not None:
+            forward.tokens, forward.sample = forward.sample(), None
+            forward.stages.append([forward.tokens])
+            mx.async_eval(forward.tokens)
 
 
 @dataclass
@@ -325,6 +336,7 @@ class Forward:
 
     stages: list
     tokens: Optional[mx.array]
+    sample: Optional[Callable[[], mx.array]] = None  # builds `tokens` at launch (ModelRunner.decode)
 
     def finish(self) -> None:
         """Wait for it, then let go of its arrays: a prompt chunk's are the pool's arrays as it left

@@ -1,25 +1,143 @@
-"""Per-request token sampling: greedy, temperature, top-k, top-p, with per-request seeded streams."""
+"""Per-request token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeded streams;
+logit bias, presence / frequency / repetition penalties, a grammar's token mask, and logprobs.
+
+Everything is per row, inside the batched forward: rows that ask for nothing special share one argmax,
+the others are processed together in the same graph (sample_rows). Penalties are computed on the device from
+each row's token counts, which the sampler updates lazily from its own sampled token, so a pipelined
+decode built before the previous tokens are read back still penalizes them. A grammar's mask needs the
+previous token on the host: a decode holding a constrained row builds its sampling at launch (runner
+`defer_sampling`), after the engine gave the previous tokens to the grammars, and the masks are computed
+while the forward runs; the pipeline goes on.
+
+Order (vLLM's): logit bias, penalties, grammar mask -> logprobs -> temperature -> min-p, top-k, top-p.
+Logprobs are the log-softmax of the logits after bias, penalties and the grammar mask, before temperature
+and truncation: the distribution the sampler draws from at temperature 1, so a token the grammar
+forbids never appears in top_logprobs and a forced token has logprob 0. (OpenAI's are the model's own.)
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
-from engine.core.types import SamplingParams
+from engine.core.types import SamplingParams, TokenLogprob, TopLogprob
+from engine.model.grammar import GrammarMatcher, allowed_words
+
+
+@dataclass(frozen=True)
+class _PendingLogprobs:
+    """A sampled token's logprob arrays, computed with its forward and read back when it is committed."""
+
+    chosen: mx.array  # []
+    top_ids: Optional[mx.array]  # [k]
+    top_logprobs: Optional[mx.array]  # [k]
 
 
 class RequestSampler:
-    """Sampling state of one request: its params and its own PRNG key stream (reproducible by seed)."""
+    """Sampling state of one request: its params, its own PRNG key stream (reproducible by seed), its
+    token counts (penalties), its grammar matcher and its logprobs not yet read back."""
 
-    def __init__(self, params: SamplingParams, default_seed: int):
+    def __init__(self, params: SamplingParams, default_seed: int, prompt_token_ids: Sequence[int] = (),
+                 matcher: Optional[GrammarMatcher] = None):
         self.params = params
         seed = params.seed if params.seed is not None else default_seed
         self._key: Optional[mx.array] = None if params.greedy else mx.random.key(seed)
+        self.matcher = matcher
+        self._prompt_ids = list(prompt_token_ids) if params.repetition_penalty != 1.0 else []
+        self._counts: Optional[mx.array] = None  # [V] float32: occurrences of each token in the output
+        self._seen: Optional[mx.array] = None  # [V] bool: in the prompt (repetition penalty)
+        self._bias: Optional[mx.array] = None  # [V] float32
+        self._pending: deque[_PendingLogprobs] = deque()
+        self.num_sampled = 0  # tokens sampled into a graph
+        self.num_accepted = 0  # of those, read back and given to the matcher
+        self._refused: Optional[RuntimeError] = None  # the grammar refused a token (a bug: the mask forbids it)
 
     def next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
         return sub
+
+    # --- host side: the engine calls these as it commits a token ---------------------------------
+    def accept(self, token_id: int, index: int) -> bool:
+        """Give the output's token `index` to the grammar, once (a pipelined decode gives it before its
+        commit does); True if the grammar is now complete. RuntimeError if the grammar refused it."""
+        if index == self.num_accepted:
+            self.num_accepted += 1
+            if self.matcher is not None:
+                try:
+                    self.matcher.accept(token_id)
+                except RuntimeError as exc:
+                    self._refused = exc
+        if self._refused is not None:
+            raise self._refused
+        return self.matcher is not None and self.matcher.done
+
+    def pop_logprobs(self, token_id: int) -> Optional[TokenLogprob]:
+        """The logprobs of the oldest sampled token not yet read back, `token_id` (None: not asked for)."""
+        if not self._pending:
+            return None
+        p = self._pending.popleft()
+        if p.top_ids is None:
+            return TokenLogprob(token_id, p.chosen.item())
+        top = [TopLogprob(t, lp) for t, lp in zip(p.top_ids.tolist(), p.top_logprobs.tolist())
+               if lp != -math.inf]
+        top.sort(key=lambda t: -t.logprob)
+        return TokenLogprob(token_id, p.chosen.item(), tuple(top))
+
+    # --- graph side: sample_rows calls these -----------------------------------------------------
+    def processed(self, row: mx.array) -> mx.array:
+        """row [V] float32 -> the logits after the request's bias and penalties."""
+        p, vocab = self.params, row.shape[-1]
+        if p.logit_bias:
+            if self._bias is None:
+                ids = mx.array([b.token_id for b in p.logit_bias])
+                self._bias = mx.zeros((vocab,), mx.float32).at[ids].add(mx.array([b.bias for b in p.logit_bias]))
+            row = row + self._bias
+        if p.has_penalties:
+            counts = self._counts if self._counts is not None else mx.zeros((vocab,), mx.float32)
+            if p.repetition_penalty != 1.0:
+                if self._seen is None:
+                    self._seen = mx.zeros((vocab,), mx.bool_)
+                    if self._prompt_ids:
+                        self._seen = mx.zeros((vocab,), mx.float32).at[mx.array(self._prompt_ids)].add(1.0) > 0
+                seen = self._seen | (counts > 0)
+                penalized = mx.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = mx.where(seen, penalized, row)
+            if p.frequency_penalty:
+                row = row - p.frequency_penalty * counts
+            if p.presence_penalty:
+                row = row - p.presence_penalty * (counts > 0).astype(mx.float32)
+        return row
+
+    def draw(self, row: mx.array) -> mx.array:
+        """A processed row [V] -> a token sampled at the request's temperature, min-p, top-k, top-p ([])."""
+        p = self.params
+        scaled = row / p.temperature
+        scaled = scaled - mx.logsumexp(scaled)
+        if p.min_p > 0:  # the most likely token has log-prob max(scaled)
+            scaled = mx.where(scaled >= scaled.max() + math.log(p.min_p), scaled, -mx.inf)
+        scaled = apply_top_k_top_p(scaled, p.top_k, p.top_p)
+        return mx.random.categorical(scaled, key=self.next_key()).astype(mx.int32)
+
+    def sampled(self, token: mx.array, logprobs: Optional[mx.array], vocab: int) -> list[mx.array]:
+        """Note the row's sampled token ([], lazy): its counts (penalties) and its logprobs (from
+        `logprobs` [V]). Returns the arrays to compute with the token (the logprobs read back later)."""
+        p = self.params
+        if p.has_penalties:  # lazy: the next forward of this row reads it, even before token is read back
+            counts = self._counts if self._counts is not None else mx.zeros((vocab,), mx.float32)
+            self._counts = counts.at[token].add(1.0)
+        if logprobs is None:
+            return []
+        pending = _PendingLogprobs(logprobs[token], None, None)
+        if p.logprobs:
+            top_ids = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs]
+            pending = _PendingLogprobs(pending.chosen, top_ids, logprobs[top_ids])
+        self._pending.append(pending)
+        return [a for a in (pending.chosen, pending.top_ids, pending.top_logprobs) if a is not None]
 
 
 def apply_top_k_top_p(logprobs: mx.array, top_k: int, top_p: float) -> mx.array:
@@ -43,21 +161,57 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> mx.array:
     """logits: [B, V] (one row per request, same order as samplers) -> token ids [B], lazy.
 
     Nothing is evaluated here, so the engine can dispatch a step and build the next one while the
-    device runs it. Greedy rows share one argmax; sampling rows are built one after another (their
-    sort / cumsum temporaries may coexist: the memory model counts one set per row)."""
-    greedy_rows = [i for i, s in enumerate(samplers) if s.params.greedy]
-    if len(greedy_rows) == len(samplers):
+    device runs it (the grammars' masks are computed here, on the host, from the matchers' state).
+    The rows are processed as one batch (bias and penalties row by row, the grammars' masks and
+    logprobs for all at once); the greedy ones share an argmax and the sampled ones are drawn one after
+    another (their sort / cumsum temporaries may coexist: the memory model counts one set per row)."""
+    words = _grammar_words(samplers)
+    for s in samplers:
+        s.num_sampled += 1
+    if all(s.params.greedy and s.params.plain for s in samplers):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
-    tokens: list[Optional[mx.array]] = [None] * len(samplers)
-    if greedy_rows:
-        picked = mx.argmax(logits[mx.array(greedy_rows)], axis=-1).astype(mx.int32)
-        for j, i in enumerate(greedy_rows):
-            tokens[i] = picked[j]
+    # every row in one batch: plain greedy rows go through unchanged (no bias, an all-allowed mask), and
+    # the greedy rows share one argmax without gathering them apart
+    params = [s.params for s in samplers]
+    x = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)  # [B, V]
+    if any(p.logit_bias or p.has_penalties for p in params):
+        x = mx.stack([s.processed(x[i]) for i, s in enumerate(samplers)])
+    if words is not None:  # bit t of a row's words: token t allowed (all set for rows without a grammar)
+        allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : x.shape[-1]]
+        x = mx.where(mx.array(allowed.view(np.bool_)), x, -mx.inf)
+    want = [p.logprobs is not None for p in params]
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True) if any(want) else None  # [B, V]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    groups: list[tuple[list[int], mx.array]] = []  # (rows, their tokens)
+    if greedy:
+        picked = x if len(greedy) == len(params) else x[mx.array(greedy)]
+        groups.append((greedy, mx.argmax(picked, axis=-1)))
+    groups += [([i], s.draw(x[i])[None]) for i, s in enumerate(samplers) if not s.params.greedy]
+    order = [i for g, _ in groups for i in g]
+    tokens = (groups[0][1] if len(groups) == 1 else mx.concatenate([t for _, t in groups])).astype(mx.int32)
+    if order != list(range(len(samplers))):  # back to the rows' order
+        position = {i: k for k, i in enumerate(order)}
+        tokens = tokens[mx.array([position[i] for i in range(len(samplers))])]
+    deps = []
     for i, s in enumerate(samplers):
-        if s.params.greedy:
-            continue
-        row = logits[i].astype(mx.float32) / s.params.temperature
-        row = row - mx.logsumexp(row)
-        row = apply_top_k_top_p(row, s.params.top_k, s.params.top_p)
-        tokens[i] = mx.random.categorical(row, key=s.next_key()).astype(mx.int32)
-    return mx.stack(tokens)
+        if want[i] or s.params.has_penalties:
+            deps += s.sampled(tokens[i], logprobs[i] if want[i] else None, x.shape[-1])
+    # computed with the tokens: the forward evaluates them, the engine reads them when it commits
+    return mx.depends(tokens, deps) if deps else tokens
+
+
+def _grammar_words(samplers: list[RequestSampler]) -> Optional[np.ndarray]:
+    """[B, ceil(V / 32)] uint32: the tokens each row's grammar allows, one bit each (all bits set for
+    rows without one), or None if no row has a grammar. Computed at once by llguidance's threads."""
+    rows = [i for i, s in enumerate(samplers) if s.matcher is not None]
+    if not rows:
+        return None
+    for i in rows:
+        if samplers[i].num_accepted != samplers[i].num_sampled:  # the engine defers such rows' sampling
+            raise RuntimeError("a grammar's mask needs the previous token: it was not read back")
+    grammar_words = allowed_words([samplers[i].matcher for i in rows])
+    if len(rows) == len(samplers):
+        return grammar_words
+    words = np.full((len(samplers), grammar_words.shape[1]), 0xFFFFFFFF, dtype=np.uint32)
+    words[rows] = grammar_words
+    return words

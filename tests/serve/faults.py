@@ -56,14 +56,14 @@ class FaultyEngineFactory:
                 marked[work.request_id] = 0
             return prefill(work)
 
-        def faulty_decode(works: list, *args: Any) -> Any:
+        def faulty_decode(works: list, *args: Any, **kwargs: Any) -> Any:
             for w in works:
                 if w.request_id in marked:
                     marked[w.request_id] += 1
                     if marked[w.request_id] > self.decodes_before_fault:
                         del marked[w.request_id]
                         raise InjectedFault(f"injected decode fault for {w.request_id}")
-            return decode(works, *args)
+            return decode(works, *args, **kwargs)
 
         def faulty_mixed(work: Any, works: list) -> Any:
             # a chunk with decode rows (engine/model/layers/mixed.py): a fault in either makes the engine run them

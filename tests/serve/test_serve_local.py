@@ -128,7 +128,11 @@ def test_n_choices(setup):
     ({**CHAT, "n": 3}, "n"),
     ({**CHAT, "max_tokens": 500}, "max_tokens"),
     ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, "messages"),
-    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "logit_bias": {"a": 1.0}}, "logit_bias"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
     ({**CHAT, "stop": ["x"] * 17}, "stop"),
 ])
 def test_bad_chat_requests(setup, payload, param):
