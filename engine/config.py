@@ -105,6 +105,11 @@ class EngineConfig(BaseModel):
     memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Fraction of device memory used when memory_limit_bytes is auto."
     )
+    memory_margin_fraction: float = Field(
+        0.02, ge=0.0, le=0.5,
+        description="Share of the memory left after the weights that neither KV nor a step's predicted "
+        "transient may use: a safety margin beside the memory model's upper bound (docs/memory.md).",
+    )
     seed: int = Field(0, ge=0, description="Seed of the engine's sampler (requests may override).")
     prefix_cache_fraction: float = Field(
         0.25, ge=0.0, le=1.0,

@@ -129,14 +129,17 @@ class Engine:
             int(config.memory_utilization * device_memory_bytes())
             if config.memory_limit_bytes == "auto" else config.memory_limit_bytes
         )
-        bound = self.memory.transient_bound_bytes(
-            config.max_num_seqs, config.prefill_chunk_size, self.max_model_len
-        )
-        kv_budget = self.memory.kv_budget_bytes(self.memory_limit_bytes - weights_bytes, bound)
+        # KV is reserved against what is left after the weights, a margin and the floor step (the
+        # smallest step that makes progress); each step is then sized to the memory KV leaves free.
+        available = self.memory_limit_bytes - weights_bytes
+        max_memory = available - int(config.memory_margin_fraction * max(available, 0))
+        floor = self.memory.floor_transient_bytes(config.prefill_chunk_size, self.max_model_len)
+        kv_budget = self.memory.kv_budget_bytes(max_memory, floor)
         if kv_budget < self.memory.kv_bytes(1):
             raise ValueError(
                 f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
-                f"{weights_bytes} + transient bound {bound} bytes"
+                f"{weights_bytes} + memory_margin_fraction={config.memory_margin_fraction} of the rest + "
+                f"floor step transient {floor} bytes"
                 + (f" (the weights include max_num_seqs={config.max_num_seqs} sliding-window rings of "
                    f"{pool.ring_bytes} bytes)" if pool.ring_rows else "")
             )
@@ -148,8 +151,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,
-                            mix_beyond_bound=step_options.mix_beyond_bound),
-            self.memory, self.kv)
+                            mix_beyond_bound=step_options.mix_beyond_bound, max_memory_bytes=max_memory),
+            self.memory, self.kv, view_reads=self.runner.pool.read_slices)
         # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
         # next step: what measured best (StepOptions' defaults).
         overlap = step_options.overlap_steps

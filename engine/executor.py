@@ -117,9 +117,10 @@ class StepExecutor:
         if plan.is_empty:
             return StepRun(plan)
         slices = self._slice_reads(plan)
-        if slices:  # predicted before the rows had blocks (every read a gather); views copy nothing
-            plan = dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
-                plan.decodes, plan.prefills, slices, mixed=plan.mixed))
+        # predicted again with the chunks the runner reads as views (a request's chunks all views, or
+        # all counted as gathers): the record's prediction is of what runs
+        plan = dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
+            plan.decodes, plan.prefills, slices, mixed=plan.mixed))
         self.num_steps += 1
         if self._can_pipeline(plan):
             try:
@@ -309,7 +310,7 @@ class StepExecutor:
 
     # --- pipelined decode ---------------------------------------------------------------------------
     def _can_pipeline(self, plan: SchedulerOutput) -> bool:
-        return (self.async_decode and bool(plan.decodes) and not plan.prefills
+        return (self.async_decode and bool(plan.decodes) and not plan.prefills and not plan.memory_limited
                 and not plan.new_rows and self.scheduler.num_waiting == 0)
 
     def _build_decode(self, plan: SchedulerOutput, inputs: Optional[mx.array]) -> _Inflight:
@@ -356,7 +357,10 @@ class StepExecutor:
             return None
         tokens = prev.forward.tokens
         inputs = tokens if len(rows) == len(index) else tokens[mx.array([index[r] for r in rows])]
-        return self._build_decode(s.plan_decodes(rows, ahead=1), inputs)
+        plan = s.plan_decodes(rows, ahead=1)
+        if not s.fits(plan):  # the rows' contexts grew past the free memory: schedule() takes fewer
+            return None
+        return self._build_decode(plan, inputs)
 
     def advance(self) -> StepRun:
         """A step of the decode pipeline (`pipelining`): see `_advance`."""

@@ -59,6 +59,11 @@ VARIANTS = {
 TEST_VARIANTS = {
     "test-2layers": dict(LLAMA_TEST, num_hidden_layers=2),
     "test-wide-mlp": dict(LLAMA_TEST, num_hidden_layers=2, intermediate_size=2048, vocab_size=32000),
+    # the shapes of scripts/calibrate_memory.py and tests/engine/test_memory_measured.py (head_dim 64)
+    "d256-h4-i512-v32k": dict(LLAMA_TEST, num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=32000),
+    "d1024-h16-i2816-v16k": dict(LLAMA_TEST, num_hidden_layers=2, hidden_size=1024, num_attention_heads=16,
+                                 num_key_value_heads=4, head_dim=64, intermediate_size=2816, vocab_size=16000),
 }
 
 

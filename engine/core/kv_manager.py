@@ -80,12 +80,27 @@ class KVManager:
         return self.kv_budget_bytes - self.reserved_bytes - self.cached_bytes
 
     @property
+    def pool_bytes(self) -> int:
+        """KV the pool holds once this step's blocks are placed (the runner's arrays: KV allocated)."""
+        return self.allocator.num_blocks * self.block_bytes
+
+    @property
     def num_pool_blocks(self) -> int:
         """Blocks the pool must hold for every block handed out so far."""
         return self.allocator.num_blocks
 
     def blocks_of(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._blocks.get(request_id, ()))
+
+    def consecutive(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's first `num_tokens` positions lie in consecutive placed blocks (the
+        runner then reads them as a view of the pool, engine/model/kv_pool.py)."""
+        blocks = self._blocks.get(request_id)
+        if not blocks:
+            return False
+        num = num_blocks_for(num_tokens, self.block_size)
+        return num <= len(blocks) and blocks[num - 1] - blocks[0] == num - 1 and all(
+            b == blocks[0] + i for i, b in enumerate(blocks[:num]))
 
     # --- requests ---------------------------------------------------------------------------------
     def lookup_prefix(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:

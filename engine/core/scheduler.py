@@ -9,6 +9,14 @@ Every step:
    prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
    chunk is its own forward, evaluated after the previous one: the memory bound is per chunk).
 
+Memory policy (docs/memory.md): each step is sized to the memory free now. With
+`SchedulerConfig.max_memory_bytes` (memory limit - weights - a safety margin), a step's predicted
+transient must fit in that less the KV pool as it will be after the step's growth
+(`SchedulerOutput.free_transient_bytes`): the decode takes the rows that fit (those with the fewest
+output tokens first, so rows left out catch up), each prompt chunk is cut to the largest size that fits,
+and the decode rows ride in a chunk's forward only if that fits too. The KV budget leaves the floor step
+(MemoryModel.floor_transient_bytes) beside a full pool, so some step always fits.
+
 KV policy: refuse at add time, wait for room, never preempt. A request is admitted to the running
 set only when the KV manager (kv_manager.py) can reserve KV for its whole life (prompt + max_tokens
 - 1, rounded up to the cache step) beside the requests already running; the plan hands the runner the
@@ -37,13 +45,19 @@ class SchedulerConfig:
     prefill_chunk_size: int
     max_model_len: int
     mix_beyond_bound: bool = False  # StepOptions.mix_beyond_bound
+    # Memory for the KV pool and one step's transient (memory limit - weights - margin); None: steps
+    # are not sized to free memory (the transient bound alone).
+    max_memory_bytes: Optional[int] = None
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, memory: MemoryModel, kv: KVManager):
+    def __init__(self, config: SchedulerConfig, memory: MemoryModel, kv: KVManager, view_reads: bool = False):
+        """`view_reads`: the runner reads a prompt chunk of 2 tokens or more of a row in consecutive
+        blocks as a view of the pool (no gathered copy), so the plan predicts such chunks without it."""
         self.config = config
         self.memory = memory
         self.kv = kv
+        self.view_reads = view_reads
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
@@ -53,6 +67,8 @@ class Scheduler:
                                          config.max_model_len),
             memory.kv_growth_bound_bytes(kv.kv_budget_bytes),
         )
+        self.floor_transient_bytes = memory.floor_transient_bytes(config.prefill_chunk_size,
+                                                                  config.max_model_len)
 
     # --- requests in and out ----------------------------------------------------------------------
     def reservation_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -113,44 +129,102 @@ class Scheduler:
         return len(self.running)
 
     # --- one step ---------------------------------------------------------------------------------
+    @property
+    def free_transient_bytes(self) -> Optional[int]:
+        """Memory a step's transient may use with the pool as it is now (None: no memory limit)."""
+        if self.config.max_memory_bytes is None:
+            return None
+        return self.config.max_memory_bytes - self.kv.pool_bytes
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        decodes = tuple(r.request_id for r in self.running if not r.is_prefilling)
-        budget -= len(decodes)
+        cfg = self.config
+        decoding = [r for r in self.running if not r.is_prefilling]
+        prefilling = [r for r in self.running if r.is_prefilling]
+        admitted = self._admit(cfg.max_num_batched_tokens - len(decoding) - sum(
+            min(r.num_prompt_tokens - r.num_computed_tokens, cfg.prefill_chunk_size) for r in prefilling))
+        new_rows = self.kv.place_admitted()  # the pool grows before the forwards: they get what is left
+        room = self.free_transient_bytes
+        decodes = self._fit_decodes(decoding, room)
+        limited = len(decodes) < len(decoding)
+        budget = cfg.max_num_batched_tokens - len(decodes)
         prefills: list[ScheduledChunk] = []
-        for request in self.running:
+        for request in prefilling + admitted:
             if budget <= 0:
                 break
-            if request.is_prefilling:
-                budget -= self._add_chunk(request, budget, prefills)
-        while budget > 0 and self.waiting and self._try_admit(self.waiting[0]):
-            budget -= self._add_chunk(self.waiting.popleft(), budget, prefills)
-        new_rows = self.kv.place_admitted()
+            n, cut = self._add_chunk(request, budget, prefills, room)
+            budget, limited = budget - n, limited or cut
         # What is left goes to further chunks of the same prompts, oldest first, each its own forward
         # after the others: fewer, fuller steps (each step costs the host its scheduling and its first
         # forward's graph before the device has work, docs/benchmarks.md). Not for
         # a sliver: a chunk of at least half `prefill_chunk_size`, or the prompt's end.
-        least = max(1, self.config.prefill_chunk_size // 2)
+        least = max(1, cfg.prefill_chunk_size // 2)
         for request in self.running:
             while budget > 0 and 0 < (left := request.num_prompt_tokens - self._scheduled_end(request, prefills)):
-                if min(budget, left, self.config.prefill_chunk_size) < min(least, left):
+                if min(budget, left, cfg.prefill_chunk_size) < min(least, left):
                     break
-                budget -= self._add_chunk(request, budget, prefills)
-        # the decode rows ride with the first chunk where the runner can (memory.mixed) and that forward
-        # stays within the bound of separate ones
+                n, cut = self._add_chunk(request, budget, prefills, room, at_least=min(least, left))
+                budget, limited = budget - n, limited or cut
+                if not n:
+                    break
+        return self._output(tuple(decodes), prefills, new_rows, room, limited)
+
+    def _output(self, decodes: tuple[str, ...], prefills: list[ScheduledChunk], new_rows, room: Optional[int],
+                limited: bool) -> SchedulerOutput:
+        """The plan, with the decode rows riding in the first chunk's forward where the runner can
+        (memory.mixed) and that forward stays within the bound of separate ones and the free memory."""
         mixed = self.memory.mixed and bool(decodes) and bool(prefills)
         predicted = self.predict(decodes, prefills, mixed=mixed)
-        if mixed and predicted > self.transient_bound_bytes and not self.config.mix_beyond_bound:
+        beyond = predicted > self.transient_bound_bytes and not self.config.mix_beyond_bound
+        if mixed and (beyond or not self._fits(predicted, room)):
+            limited = limited or not beyond
             mixed, predicted = False, self.predict(decodes, prefills)
+        tokens = len(decodes) + sum(c.num_tokens for c in prefills)
         return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=new_rows,
                                predicted_transient_bytes=predicted, mixed=mixed,
-                               num_pool_blocks=self.kv.num_pool_blocks)
+                               num_pool_blocks=self.kv.num_pool_blocks, free_transient_bytes=room,
+                               step_budget_tokens=tokens if limited else self.config.max_num_batched_tokens,
+                               memory_limited=limited)
+
+    @staticmethod
+    def _fits(predicted: int, room: Optional[int]) -> bool:
+        return room is None or predicted <= room
+
+    def fits(self, plan: SchedulerOutput) -> bool:
+        """Whether a plan's predicted transient fits the memory free now (the pipelined decode's next)."""
+        return self._fits(plan.predicted_transient_bytes, self.free_transient_bytes)
+
+    def _admit(self, budget: int) -> list[Request]:
+        """Admit waiting requests, first come first served, while the token budget leaves each a chunk
+        and the KV manager can reserve their KV."""
+        admitted = []
+        while budget > 0 and self.waiting and self._try_admit(self.waiting[0]):
+            request = self.waiting.popleft()
+            admitted.append(request)
+            budget -= min(request.num_prompt_tokens - request.num_computed_tokens, self.config.prefill_chunk_size)
+        return admitted
+
+    def _fit_decodes(self, decoding: list[Request], room: Optional[int]) -> list[str]:
+        """The decode rows of this step: all of them when their forward fits `room`, else the most that
+        do, rows with the fewest output tokens first (a row left out is first the next time)."""
+        ids = [r.request_id for r in decoding]
+        if not ids or self._fits(self.predict(ids, ()), room):
+            return ids
+        order = [r.request_id for r in sorted(decoding, key=lambda r: r.num_output_tokens)]
+        lo, hi = 0, len(order) - 1  # the longest prefix that fits: more rows never need less memory
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(self.predict(order[:mid], ()), room):
+                lo = mid
+            else:
+                hi = mid - 1
+        chosen = set(order[:lo])
+        return [i for i in ids if i in chosen]  # arrival order, as the runner's rows
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
-                slice_reads: Collection[str] = (), ahead: int = 0, mixed: bool = False) -> int:
-        """The memory model's transient of a step. `slice_reads`: requests whose prompt chunk the runner
-        reads as a view of the pool (no gathered copy; the engine knows once their blocks are
-        allocated, `schedule` assumes none); `ahead`: tokens each decoding row has beyond what
+                slice_reads: Optional[Collection[str]] = None, ahead: int = 0, mixed: bool = False) -> int:
+        """The memory model's transient of a step. `slice_reads`: requests whose prompt chunks the runner
+        reads as views of the pool (the executor asks the runner); None: the chunks the scheduler
+        expects to be read so (`_reads_view`); `ahead`: tokens each decoding row has beyond what
         `update` committed; `mixed`: the decode rows run in the first chunk's forward."""
         requests = self.requests
         plan = StepPlan(
@@ -159,16 +233,23 @@ class Scheduler:
             prefill_chunks=tuple(
                 PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
                                  c.completes_prompt and not requests[c.request_id].sampling.greedy,
-                                 gathers=c.request_id not in slice_reads)
+                                 gathers=(c.request_id not in slice_reads) if slice_reads is not None
+                                 else not self._reads_view(c.request_id, c.start + c.num_tokens, c.num_tokens))
                 for c in prefills),
         )
         return self.memory.step_transient_bytes(plan, mixed=mixed)
+
+    def _reads_view(self, request_id: str, end: int, num_tokens: int) -> bool:
+        """Whether the runner reads this prompt chunk's KV as a view (engine/model/kv_pool.py
+        `slice_start`): views on, 2 tokens or more, positions [0, end) in consecutive blocks."""
+        return self.view_reads and num_tokens >= 2 and self.kv.consecutive(request_id, end)
 
     def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0) -> SchedulerOutput:
         """A decode-only step of these running requests (the engine's pipelined decode)."""
         return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
                                predicted_transient_bytes=self.predict(request_ids, (), ahead=ahead),
-                               num_pool_blocks=self.kv.num_pool_blocks)
+                               num_pool_blocks=self.kv.num_pool_blocks, free_transient_bytes=self.free_transient_bytes,
+                               step_budget_tokens=self.config.max_num_batched_tokens)
 
     @staticmethod
     def _scheduled_end(request: Request, chunks: list[ScheduledChunk]) -> int:
@@ -176,12 +257,43 @@ class Scheduler:
         ends = [c.start + c.num_tokens for c in chunks if c.request_id == request.request_id]
         return max(ends, default=request.num_computed_tokens)
 
-    def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk]) -> int:
+    def _add_chunk(self, request: Request, budget: int, out: list[ScheduledChunk], room: Optional[int],
+                   at_least: int = 1) -> tuple[int, bool]:
+        """Schedule the request's next prompt chunk: as long as the chunk size, the budget and the free
+        memory `room` allow, and at least `at_least` tokens (else none). Returns (its tokens, whether the
+        free memory cut it)."""
         start = self._scheduled_end(request, out)
         remaining = request.num_prompt_tokens - start
         n = min(remaining, self.config.prefill_chunk_size, budget)
-        out.append(ScheduledChunk(request.request_id, start, n, n == remaining))
-        return n
+        fitted = self._fit_chunk(request, start, n, room)
+        if fitted < at_least:
+            return 0, fitted < n
+        out.append(ScheduledChunk(request.request_id, start, fitted, fitted == remaining))
+        return fitted, fitted < n
+
+    def _chunk_bytes(self, request: Request, start: int, num_tokens: int) -> int:
+        """A prompt chunk's predicted transient (read as a view where `_reads_view`)."""
+        end = start + num_tokens
+        ends = end == request.num_prompt_tokens
+        return self.memory.prefill_chunk_bytes(num_tokens, end, ends, ends and not request.sampling.greedy,
+                                               gathers=not self._reads_view(request.request_id, end, num_tokens))
+
+    def _fit_chunk(self, request: Request, start: int, num_tokens: int, room: Optional[int]) -> int:
+        """The largest chunk of at most `num_tokens` tokens from `start` whose transient fits `room` (0:
+        none). Chunks of 2 tokens or more grow with their size (so a binary search); one token is a
+        forward of another kind, tried last."""
+        if room is None or self._chunk_bytes(request, start, num_tokens) <= room:
+            return num_tokens
+        lo, hi = 1, num_tokens - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._chunk_bytes(request, start, mid) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= 2:
+            return lo
+        return 1 if self._chunk_bytes(request, start, 1) <= room else 0
 
     def _try_admit(self, request: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:

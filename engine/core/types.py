@@ -256,6 +256,13 @@ class SchedulerOutput:
     predicted_transient_bytes: int
     mixed: bool = False  # the decode rows run in the first prompt chunk's forward (engine/model/layers/mixed.py)
     num_pool_blocks: int = 0  # blocks the KV pool must hold before this step's forwards
+    # Memory the step's transient may use: limit - weights - margin - the KV pool after this step's
+    # growth (None: no memory limit given to the scheduler). Every step is predicted within it.
+    free_transient_bytes: Optional[int] = None
+    # The step's token budget: max_num_batched_tokens, or, when the free memory cut a chunk, a
+    # decode row or a mixed forward (`memory_limited`), the tokens it scheduled.
+    step_budget_tokens: int = 0
+    memory_limited: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

@@ -51,6 +51,9 @@ FLOAT32_BYTES = 4
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
 # tokens gives kv_step / PAGED_PARTIAL_KEYS partials per row and query head
 PAGED_PARTIAL_KEYS = 64
+# The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
+# costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
+FLOOR_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,18 @@ class MemoryModel:
             first = self.mixed_bytes(plan.prefill_chunks[0], plan.decode_context_lens, plan.decode_samples)
             return max([first] + chunks[1:])
         return max([self.decode_bytes(plan.decode_context_lens, plan.decode_samples)] + chunks)
+
+    def floor_transient_bytes(self, prefill_chunk_size: int, max_model_len: int) -> int:
+        """The smallest step that still makes progress, whatever the state: one row's decode, or one
+        prompt chunk of at most FLOOR_CHUNK_TOKENS tokens (sampled, ending its prompt), at max_model_len
+        keys. The KV budget leaves this much beside a full pool (`kv_budget_bytes`), so every step the
+        scheduler sizes to the free memory (Scheduler.schedule) has at least this room. A one-token
+        chunk is a forward of another kind (its scores are decode's), so both sizes are taken."""
+        n = max_model_len
+        chunk = max(1, min(prefill_chunk_size, FLOOR_CHUNK_TOKENS, n))
+        return max(self.decode_bytes([n], samples=1),
+                   self.prefill_chunk_bytes(chunk, n, samples=True),
+                   self.prefill_chunk_bytes(1, n, samples=True))
 
     def transient_bound_bytes(self, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int) -> int:
         """Largest transient of any step the scheduler can produce under this configuration.

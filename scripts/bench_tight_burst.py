@@ -1,0 +1,203 @@
+"""A burst of requests of random lengths under a memory limit a little above the weights: peak memory
+against the limit, KV's share of the headroom, wall time and refusals, this engine beside mlx-lm.
+
+    python scripts/bench_tight_burst.py --model tiny --headroom-mb 300 --json          # CPU
+    python scripts/bench_tight_burst.py --model llama-8b --dtype bfloat16 --headroom-gb 3,6,12 \
+        --max-num-seqs 64 --max-model-len 8448 --json                                  # a GPU
+
+Every request arrives at once (`--num-requests`, prompts of `--min-prompt`..`--max-prompt` random
+tokens, `--min-new`..`--max-new` new tokens each, EOS ignored, greedy). Ways, one after another in this
+process:
+- engine: this engine with `memory_limit_bytes` = what is alive before it (the weights) + the headroom;
+  run until every request finished. Per step its record: the plan's free memory for the transient
+  (`free_transient_bytes`), the step's token budget, predicted and measured transient; the run's
+  peak (MLX's, across the engine's own peak resets) against the limit.
+- mlx_lm: mlx-lm's BatchGenerator with mlx_lm.server's defaults on the same burst (no memory limit:
+  its peak is what the burst needs there).
+
+headroom = limit - weights; kv_share_of_headroom = the engine's KV budget / headroom (what admission
+may reserve); kv_peak_share_of_headroom = the largest KV pool it allocated / headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, environment, free_memory, load_bench_model, random_prompts  # noqa: E402
+from bench_prefill_memory import MLX_LM_SERVER_DEFAULTS, PeakTracker  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+
+def burst(args, vocab_size: int, max_len: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts and max_tokens of the burst (lengths clipped so prompt + new tokens fit `max_len`)."""
+    rng = random.Random(args.seed)
+    new = [rng.randint(args.min_new, args.max_new) for _ in range(args.num_requests)]
+    lengths = [min(rng.randint(args.min_prompt, args.max_prompt), max_len - m) for m in new]
+    return random_prompts(lengths, vocab_size, args.seed), new
+
+
+def run_engine(lm, prompts, new_tokens, headroom: int, args) -> dict:
+    from engine.config import EngineConfig
+    from engine.core.types import SamplingParams
+    from engine.engine import Engine
+
+    free_memory()
+    baseline = mx.get_active_memory()  # the weights (and nothing else of this process's)
+    limit = baseline + headroom
+    fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, **json.loads(args.engine_config or "{}"))
+    try:
+        engine = Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
+    except ValueError as exc:  # the limit leaves no KV at all: every request is refused
+        return dict(memory_limit_bytes=limit, weights_bytes=baseline, headroom_bytes=headroom,
+                    engine_error=str(exc), num_requests=len(prompts), num_refused=len(prompts),
+                    kv_share_of_headroom=0.0)
+    stats0 = engine.stats()
+    refused, steps, failed = [], [], 0
+    with PeakTracker() as tracker:
+        tracker.start()
+        t0 = time.perf_counter()
+        for i, (prompt, m) in enumerate(zip(prompts, new_tokens)):
+            try:
+                engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=m, ignore_eos=True))
+            except ValueError as exc:
+                refused.append(f"b{i}: {exc}")
+        num_done = 0
+        max_kv = 0
+        while engine.has_unfinished():
+            record = engine.step()
+            num_done += sum(o.finished for o in record.outputs)
+            failed += sum(o.error is not None for o in record.outputs)
+            max_kv = max(max_kv, engine.runner.kv_allocated_bytes)
+            if record.plan is None or record.memory is None:
+                continue
+            plan, memory = record.plan, record.memory
+            steps.append(dict(
+                predicted=memory.predicted_bytes, measured=memory.measured_bytes,
+                free_transient_bytes=getattr(plan, "free_transient_bytes", None),
+                step_budget_tokens=getattr(plan, "step_budget_tokens", None),
+                memory_limited=getattr(plan, "memory_limited", False),
+                tokens=plan.num_batched_tokens, decodes=len(plan.decodes), chunks=len(plan.prefills),
+                kv_allocated_bytes=engine.runner.kv_allocated_bytes, pipelined=memory.pipelined))
+        wall_s = time.perf_counter() - t0
+        peak = tracker.read()
+    ratios = sorted(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
+    over_room = [s for s in steps if s["free_transient_bytes"] is not None and s["predicted"] > s["free_transient_bytes"]]
+    result = dict(
+        memory_limit_bytes=limit, weights_bytes=baseline, headroom_bytes=headroom,
+        peak_bytes=peak, peak_over_limit=peak / limit, peak_le_limit=peak <= limit,
+        peak_over_weights_bytes=peak - baseline,
+        kv_budget_bytes=stats0.kv_budget_bytes, kv_share_of_headroom=stats0.kv_budget_bytes / headroom,
+        kv_peak_bytes=max_kv, kv_peak_share_of_headroom=max_kv / headroom,
+        transient_bound_bytes=stats0.transient_bound_bytes,
+        floor_transient_bytes=getattr(engine.scheduler, "floor_transient_bytes", None),
+        wall_s=wall_s, num_requests=len(prompts), num_refused=len(refused), refused=refused[:5],
+        num_failed=failed, num_finished=num_done, num_steps=len(steps),
+        num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
+        max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
+        max_measured_bytes=max((s["measured"] for s in steps), default=0),
+        num_underpredicted_steps=sum(s["measured"] > s["predicted"] for s in steps),
+        num_steps_predicted_over_free=len(over_room),
+        step_ratio_min=ratios[0] if ratios else None,
+        step_ratio_median=ratios[len(ratios) // 2] if ratios else None,
+        output_tokens=sum(new_tokens), prompt_tokens=sum(len(p) for p in prompts),
+        config=engine.config.model_dump(), steps=steps if args.steps else None,
+    )
+    del engine
+    free_memory()
+    return result
+
+
+def run_mlx_lm(lm, prompts, new_tokens) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    free_memory()
+    baseline = mx.get_active_memory()
+    with PeakTracker() as tracker:
+        tracker.start()
+        t0 = time.perf_counter()
+        gen = BatchGenerator(lm.model, max_tokens=max(new_tokens), stream=mx.default_stream(mx.default_device()),
+                             **MLX_LM_SERVER_DEFAULTS)
+        gen.insert(prompts, max_tokens=list(new_tokens))
+        finished = 0
+        while finished < len(prompts):
+            _, generated = gen.next()
+            finished += sum(r.finish_reason is not None for r in generated)
+        wall_s = time.perf_counter() - t0
+        peak = tracker.read()
+    gen.close()
+    del gen
+    free_memory()
+    return dict(peak_over_weights_bytes=peak - baseline, wall_s=wall_s, settings=MLX_LM_SERVER_DEFAULTS)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny | default | llama-8b | llama-test | PATH")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--layers", type=int, default=None, help="truncate a random llama shape's layers")
+    p.add_argument("--headroom-mb", default=None, help="memory limits above the weights, MB (comma-separated)")
+    p.add_argument("--headroom-gb", default=None, help="the same in GB")
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--min-prompt", type=int, default=50)
+    p.add_argument("--max-prompt", type=int, default=8000)
+    p.add_argument("--min-new", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=200)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's max_model_len (default: the model's); prompts are clipped to fit it")
+    p.add_argument("--engine-config", default=None, help="JSON of further EngineConfig fields")
+    p.add_argument("--ways", default="engine,mlx_lm", help="some of engine,mlx_lm")
+    p.add_argument("--steps", action="store_true", help="keep every step's record in the JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.headroom_gb:
+        headrooms = [int(float(x) * 1e9) for x in args.headroom_gb.split(",")]
+    else:
+        headrooms = [int(float(x) * 1e6) for x in (args.headroom_mb or "300").split(",")]
+    lm = load_bench_model(args.model, args.dtype, args.layers)
+    model_max = lm.config.get("max_position_embeddings") or 4096
+    max_len = min(args.max_model_len or model_max, model_max)
+    prompts, new_tokens = burst(args, lm.config["vocab_size"], max_len)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    result = dict(bench="tight_burst", argv=sys.argv[1:] if argv is None else argv, model=args.model,
+                  dtype=lm.dtype, weights_bytes=lm.weights_bytes, environment=environment(),
+                  prompt_lengths=[len(p) for p in prompts], new_tokens=new_tokens, engine={}, mlx_lm=None)
+    ways = set(args.ways.split(","))
+    for headroom in headrooms:
+        if "engine" in ways:
+            r = run_engine(lm, prompts, new_tokens, headroom, args)
+            result["engine"][str(headroom)] = r
+            if "engine_error" in r:
+                log(f"engine, headroom {headroom / 1e6:.0f} MB: {r['engine_error']}")
+                continue
+            log(f"engine, headroom {headroom / 1e6:.0f} MB: peak {r['peak_over_limit']:.3f} of the limit, KV "
+                f"{r['kv_share_of_headroom']:.3f} of the headroom (pool peak {r['kv_peak_share_of_headroom']:.3f}), "
+                f"{r['wall_s']:.2f} s, {r['num_refused']} refused, {r['num_finished']} finished, "
+                f"{r['num_underpredicted_steps']} steps under-predicted, {r['num_memory_limited_steps']} of "
+                f"{r['num_steps']} steps cut by memory")
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if "mlx_lm" in ways:
+        result["mlx_lm"] = run_mlx_lm(lm, prompts, new_tokens)
+        log(f"mlx_lm: peak over weights {result['mlx_lm']['peak_over_weights_bytes'] / 1e6:.0f} MB, "
+            f"{result['mlx_lm']['wall_s']:.2f} s")
+    emit(result, args.json, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
