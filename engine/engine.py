@@ -148,6 +148,9 @@ class Engine:
             logger.info("no prefix cache: the sliding-window layers' rings keep no prompt's KV")
         self.kv = KVManager(KV_BLOCK_TOKENS, self.memory.kv_bytes_per_token, kv_budget,
                             int(prefix_fraction * kv_budget), num_rings=pool.ring_rows)
+        logger.info("memory: limit %d bytes, weights %d, KV budget %d (%.1f%% of the rest), floor step %d, "
+                    "margin %d", self.memory_limit_bytes, weights_bytes, kv_budget,
+                    100.0 * kv_budget / max(available, 1), floor, available - max_memory)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,
@@ -272,6 +275,12 @@ class Engine:
             schedule_s = time.perf_counter() - started
             run = self.executor.run(plan)
         outputs = self._commit_run(run)
+        if run.memory is not None and logger.isEnabledFor(logging.DEBUG):
+            plan = run.plan
+            logger.debug("step: %d tokens (budget %d%s), transient predicted %d measured %d bytes, %s bytes "
+                         "free beside the KV pool", plan.num_batched_tokens, plan.step_budget_tokens,
+                         ", cut by memory" if plan.memory_limited else "", run.memory.predicted_bytes,
+                         run.memory.measured_bytes, plan.free_transient_bytes)
         return StepRecord(tuple(outputs), start_ns, time.perf_counter() - started, plan=run.plan,
                           memory=run.memory, slice_reads=run.slice_reads, forwards=run.forwards,
                           schedule_s=schedule_s)
@@ -366,4 +375,7 @@ class Engine:
             prefix_cache_evictions=kv.prefix_cache.stats.num_evictions,
             mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
             kv_allocated_bytes=self.runner.kv_allocated_bytes,
+            floor_transient_bytes=s.floor_transient_bytes,
+            free_transient_bytes=s.free_transient_bytes,
+            planned_transient_bytes=ex.last_predicted_bytes,
         )

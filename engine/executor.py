@@ -91,6 +91,7 @@ class StepExecutor:
         self.num_steps = 0
         self.max_predicted_bytes = 0
         self.max_measured_bytes = 0
+        self.last_predicted_bytes = 0
 
     @property
     def pipelining(self) -> bool:
@@ -306,6 +307,7 @@ class StepExecutor:
             measured = max(measured, carried.measured_bytes)
         self.max_measured_bytes = max(self.max_measured_bytes, measured)
         self.max_predicted_bytes = max(self.max_predicted_bytes, predicted)
+        self.last_predicted_bytes = predicted
         return StepMemory(predicted, measured, pipelined)
 
     # --- pipelined decode ---------------------------------------------------------------------------

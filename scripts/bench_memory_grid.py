@@ -122,14 +122,17 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
     return out
 
 
-def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, label: str) -> list[dict]:
+def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, label: str,
+                 read_slices: bool = True) -> list[dict]:
+    """`read_slices`: False reads every chunk's KV as a gather (RunnerOptions.read_slices)."""
     from engine.core.types import SamplingParams
 
     points = []
     for c in chunks:
         prompt = random_prompts([length], lm.config["vocab_size"], seed=c)[0]
         # a budget of one chunk: every step is one chunk's forward (a larger one takes further chunks)
-        engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=c, max_num_seqs=min(16, c))
+        engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=c, max_num_seqs=min(16, c),
+                             read_slices=read_slices)
         recorder = StepRecorder(engine)
         meter = Meter()
         engine.add_request("g", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -290,8 +293,8 @@ def measure(args) -> dict:
     rows = [int(x) for x in args.decode_rows.split(",")]
     contexts = [int(x) for x in args.decode_contexts.split(",")]
     grids = set(args.grids.split(","))
-    if grids - {"prefill", "decode", "mixed"}:
-        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,decode,mixed")
+    if grids - {"prefill", "prefill-gathers", "decode", "mixed"}:
+        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,prefill-gathers,decode,mixed")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     result = dict(bench="memory_grid", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
                   environment=environment(), points=[], shapes={})
@@ -317,6 +320,8 @@ def measure(args) -> dict:
         for _ in range(args.repeat - 1 if "prefill" in grids else 0):  # earlier passes build each shape's kernels: time the last
             prefill_grid(m, chunks, args.prefill_length, sh, label)
         pts = prefill_grid(m, chunks, args.prefill_length, sh, label) if "prefill" in grids else []
+        if "prefill-gathers" in grids:  # the same chunks, each reading its KV as a gathered copy
+            pts += prefill_grid(m, chunks, args.prefill_length, sh, label, read_slices=False)
         if "decode" in grids:
             pts += decode_grid(m, rows, contexts, sh, label)
         if "mixed" in grids:
@@ -336,6 +341,15 @@ def measure(args) -> dict:
 
 
 # --------------------------------------------------------------------------- fit
+def base_coefficients():
+    """The CPU set without its per-forward constants (step_overhead_bytes, prefill_overhead_bytes,
+    prefill_layer_rows): what sets fitted elsewhere, and recorded runs' overrides, complete."""
+    from engine.core.memory import coefficients as coefs
+
+    return dataclasses.replace(coefs.CPU_COEFFICIENTS, step_overhead_bytes=0, prefill_overhead_bytes=0,
+                               prefill_layer_rows=0.0)
+
+
 def nnls(a, b, iters: int = 5000):
     """Non-negative least squares (projected gradient on the column-scaled problem; numpy only)."""
     import numpy as np
@@ -551,7 +565,7 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     a = np.array(rows, dtype=float)
     b = np.array([p["measured"] for p in pts], dtype=float)
     seen = np.abs(a).max(axis=0) > 0
-    for i, (name, *_rest) in enumerate(BACKEND_COLUMNS):
+    for i, name in enumerate([c[0] for c in BACKEND_COLUMNS] + ["prefill_overhead_bytes", "step_overhead_bytes"]):
         if name in exclude:
             a[:, i] = 0
     fit_cols = np.abs(a).max(axis=0) > 0
@@ -632,7 +646,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
     if layers_in_flight:
         candidates = [layers_in_flight]
-    base = coefs.coefficients_for_backend("cpu")  # sampling: the CPU value (no sampled rows in the grid)
+    base = base_coefficients()  # sampling: the CPU value (no sampled rows in the grid)
     best = None
     scan = {}
     for k in candidates:
@@ -719,7 +733,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     if not on_gpu:
         recorded = coefs.coefficients_for_backend("cpu")
     elif config.get("memory_coefficients"):
-        recorded = coefs.with_overrides(coefs.CPU_COEFFICIENTS, config["memory_coefficients"])
+        recorded = coefs.with_overrides(base_coefficients(), config["memory_coefficients"])
     wanted = [st["predicted"] for st in steps]
     reproduced = None
     if recorded is not None:
@@ -732,7 +746,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
         cpu = mem.MemoryModel(shape, coefficients=coefs.coefficients_for_backend("cpu"))
         if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
             reproduced = True
-    coef = (coefs.with_overrides(coefs.CPU_COEFFICIENTS, coefficients) if coefficients
+    coef = (coefs.with_overrides(base_coefficients(), coefficients) if coefficients
             else coefs.coefficients_for(backend, 8, shape)[0])  # the 8B's shape calibration where it ships
     model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged)
     pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
@@ -805,8 +819,9 @@ def main(argv=None):
     p.add_argument("--decode-rows", default="16,8,4,2,1")
     p.add_argument("--decode-contexts", default="1024,4096,8192")
     p.add_argument("--grids", default="prefill,decode",
-                   help="which grids to measure: some of prefill,decode,mixed (mixed: a chunk's forward "
-                        "with decoding rows, engine/model/layers/mixed.py, beside the same step apart)")
+                   help="which grids to measure: some of prefill,prefill-gathers,decode,mixed (prefill-gathers: "
+                        "the prefill grid with every chunk's KV gathered; mixed: a chunk's forward with decoding "
+                        "rows, engine/model/layers/mixed.py, beside the same step apart)")
     p.add_argument("--mixed-chunks", default="16,128,512,2048")
     p.add_argument("--mixed-rows", default="32,8,2")
     p.add_argument("--mixed-contexts", default="1024,8192")

@@ -379,3 +379,8 @@ class EngineStats:
     mlx_active_bytes: int = 0  # MLX's allocated arrays (weights, KV, prefix cache, a step's transients)
     mlx_cache_bytes: int = 0  # freed buffers MLX keeps for reuse (part of the process's RSS)
     kv_allocated_bytes: int = 0  # the KV pool's arrays (running rows, prefix cache, free blocks)
+    # the smallest step that makes progress (what admission keeps beside a full KV budget)
+    floor_transient_bytes: int = 0
+    # memory a step's transient may use now: limit - weights - margin - KV pool (None: no limit)
+    free_transient_bytes: Optional[int] = None
+    planned_transient_bytes: int = 0  # the last step's predicted transient

@@ -60,6 +60,10 @@ import pytest  # noqa: E402
 from engine.core.memory.coefficients import (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS, CUDA_COEFFICIENTS,  # noqa: E402
                            CUDA_OPS8_COEFFICIENTS, TransientCoefficients, coefficients_for_backend)
 
+# the CPU set without its fitted per-forward constants: the CUDA terms' tests add them one at a time
+NEUTRAL = dataclasses.replace(CPU_COEFFICIENTS, step_overhead_bytes=0, prefill_overhead_bytes=0,
+                              prefill_layer_rows=0.0)
+
 
 def test_cpu_predictions_unchanged_by_the_cuda_terms():
     # prefill values of the formulas before layers_in_flight / step_overhead_bytes existed (commit
@@ -67,8 +71,9 @@ def test_cpu_predictions_unchanged_by_the_cuda_terms():
     # layers run) and decode_logits was refitted to 1.3; with the CPU set of MLX's attention (the CPU
     # set before engine/model/layers/cpu_math.py)
     m = MemoryModel(LLAMA3_8B, coefficients=CPU_MLX_ATTENTION_COEFFICIENTS)
-    for cpu in (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS):
-        assert cpu.layers_in_flight == 1 and cpu.step_overhead_bytes == 0
+    # (the default CPU set carries its fitted per-forward constants, docs/memory.md)
+    assert CPU_MLX_ATTENTION_COEFFICIENTS.layers_in_flight == CPU_COEFFICIENTS.layers_in_flight == 1
+    assert CPU_MLX_ATTENTION_COEFFICIENTS.step_overhead_bytes == 0
     assert m.prefill_chunk_bytes(512, 8192, samples=True) == 800573153
     assert m.prefill_chunk_bytes(1, 100) == 1852563
     assert m.prefill_chunk_bytes(128, 300, computes_logits=False) == 30732354
@@ -133,8 +138,8 @@ def test_cuda_set_predicts_at_least_the_cpu_set():
 
 
 def test_layers_in_flight_counts_the_per_layer_terms_up_to_the_depth():
-    k = dataclasses.replace(CPU_COEFFICIENTS, layers_in_flight=4)
-    one, four = MemoryModel(LLAMA3_8B), MemoryModel(LLAMA3_8B, coefficients=k)
+    k = dataclasses.replace(NEUTRAL, layers_in_flight=4)
+    one, four = MemoryModel(LLAMA3_8B, coefficients=NEUTRAL), MemoryModel(LLAMA3_8B, coefficients=k)
     no_head = dict(computes_logits=False)
     assert four.prefill_chunk_bytes(512, 4096, **no_head) == pytest.approx(
         4 * one.prefill_chunk_bytes(512, 4096, **no_head), abs=4)
@@ -147,8 +152,8 @@ def test_layers_in_flight_counts_the_per_layer_terms_up_to_the_depth():
 
 
 def test_step_overhead_is_added_to_every_forward():
-    k = dataclasses.replace(CPU_COEFFICIENTS, step_overhead_bytes=1 << 20)
-    base, over = MemoryModel(LLAMA3_8B), MemoryModel(LLAMA3_8B, coefficients=k)
+    k = dataclasses.replace(NEUTRAL, step_overhead_bytes=1 << 20)
+    base, over = MemoryModel(LLAMA3_8B, coefficients=NEUTRAL), MemoryModel(LLAMA3_8B, coefficients=k)
     assert over.prefill_chunk_bytes(256, 1024) == base.prefill_chunk_bytes(256, 1024) + (1 << 20)
     assert over.decode_bytes([100, 200]) == base.decode_bytes([100, 200]) + (1 << 20)
     assert over.step_transient_bytes(StepPlan()) == 0  # no forward, no overhead
@@ -238,8 +243,8 @@ def test_a_set_not_fitted_on_paged_decodes_predicts_them_as_gathering():
 def test_prefill_overhead_is_added_to_prompt_chunks_only():
     from engine.core.memory.coefficients import TransientCoefficients, with_overrides, CPU_COEFFICIENTS
 
-    base = MemoryModel(LLAMA3_8B)
-    over = MemoryModel(LLAMA3_8B, coefficients=with_overrides(CPU_COEFFICIENTS, {"prefill_overhead_bytes": 5e6}))
+    base = MemoryModel(LLAMA3_8B, coefficients=NEUTRAL)
+    over = MemoryModel(LLAMA3_8B, coefficients=with_overrides(NEUTRAL, {"prefill_overhead_bytes": 5e6}))
     assert over.coefficients.prefill_overhead_bytes == 5_000_000
     assert over.prefill_chunk_bytes(512, 4096) == base.prefill_chunk_bytes(512, 4096) + 5_000_000
     assert over.prefill_chunk_bytes(1, 4096) == base.prefill_chunk_bytes(1, 4096)
@@ -250,8 +255,8 @@ def test_prefill_overhead_is_added_to_prompt_chunks_only():
 def test_prefill_layer_rows_is_per_layer_in_flight_and_chunk_independent():
     from engine.core.memory.coefficients import CPU_COEFFICIENTS, with_overrides
 
-    k = with_overrides(CPU_COEFFICIENTS, {"prefill_layer_rows": 100.0, "layers_in_flight": 4})
-    base = MemoryModel(LLAMA3_8B, coefficients=with_overrides(CPU_COEFFICIENTS, {"layers_in_flight": 4}))
+    k = with_overrides(NEUTRAL, {"prefill_layer_rows": 100.0, "layers_in_flight": 4})
+    base = MemoryModel(LLAMA3_8B, coefficients=with_overrides(NEUTRAL, {"layers_in_flight": 4}))
     m = MemoryModel(LLAMA3_8B, coefficients=k)
     extra = 4 * 100.0 * 14336 * 2  # layers in flight x rows x I*s
     for c, n in ((16, 16), (512, 4096), (2048, 8192)):

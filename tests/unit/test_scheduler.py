@@ -212,3 +212,81 @@ def test_mix_beyond_bound_mixes_a_step_the_bound_would_split():
         assert out.decodes == ("a",) and [c.request_id for c in out.prefills] == ["b"]
         assert out.mixed == beyond
         assert (out.predicted_transient_bytes > s.transient_bound_bytes) == beyond
+
+
+def make_tight(free_bytes: int, max_num_seqs=8, budget=64, chunk=32, max_model_len=256, view_reads=False):
+    """A scheduler whose memory beside the KV pool is the floor step + `free_bytes`: the KV budget
+    is what the engine gives it (MemoryModel.kv_budget_bytes against the floor)."""
+    memory = MemoryModel(SHAPE, kv_step=STEP)
+    floor = memory.floor_transient_bytes(chunk, max_model_len)
+    max_memory = 64 * max_model_len * memory.kv_bytes_per_token // 8 + floor + free_bytes
+    kv = KVManager(STEP, memory.kv_bytes_per_token, memory.kv_budget_bytes(max_memory, floor))
+    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, max_memory_bytes=max_memory)
+    return Scheduler(cfg, memory, kv, view_reads=view_reads)
+
+
+def test_floor_step_fits_beside_a_full_pool():
+    s = make_tight(0)
+    assert s.config.max_memory_bytes - s.kv.kv_budget_bytes >= s.floor_transient_bytes
+    assert s.floor_transient_bytes < s.transient_bound_bytes
+
+
+def test_chunks_cut_to_the_free_memory_and_the_record_says_so():
+    s = make_tight(0, max_model_len=256, chunk=32, budget=64)
+    s.add(req("a", 250, max_tokens=2))
+    out = s.schedule()
+    free = out.free_transient_bytes
+    assert free is not None and out.predicted_transient_bytes <= free
+    whole = s.memory.prefill_chunk_bytes(32, 32, False)
+    if whole > free:  # the chunk was cut, and the record says so
+        assert out.memory_limited and out.prefills[0].num_tokens < 32
+        assert out.step_budget_tokens == out.num_batched_tokens
+    else:
+        assert not out.memory_limited and out.step_budget_tokens == 64
+
+
+def test_decode_rows_that_do_not_fit_wait_and_catch_up():
+    s = make_tight(0, max_num_seqs=8, budget=64, chunk=32, max_model_len=256)
+    for i in range(8):
+        s.add(req(i, 200, max_tokens=30))
+    decoded: dict[str, int] = {}
+    num_cut = 0
+    for _ in range(400):
+        if not s.has_unfinished():
+            break
+        decoding = [r for r in s.running if not r.is_prefilling]
+        out = run_step(s)
+        assert out.predicted_transient_bytes <= out.free_transient_bytes
+        num_cut += 0 < len(out.decodes) < len(decoding)
+        for rid in out.decodes:
+            decoded[rid] = decoded.get(rid, 0) + 1
+    assert not s.has_unfinished() and len(decoded) == 8
+    assert num_cut > 0  # the decode of all eight rows did not fit beside the full pool
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 240), st.integers(1, 12)),
+                      min_size=1, max_size=20),
+    free=st.integers(0, 200_000), budget=st.integers(8, 64), chunk=st.integers(1, 32),
+    max_num_seqs=st.integers(1, 8), view_reads=st.booleans(),
+)
+def test_property_tight_memory_every_step_fits_and_every_request_finishes(arrivals, free, budget, chunk,
+                                                                           max_num_seqs, view_reads):
+    chunk = min(chunk, budget)
+    max_num_seqs = min(max_num_seqs, budget)
+    s = make_tight(free, max_num_seqs=max_num_seqs, budget=budget, chunk=chunk, view_reads=view_reads)
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    for step in range(5000):
+        for i, (t, n, m) in [p for p in pending if p[1][0] <= step]:
+            s.add(req(i, min(n, 256 - m), m))
+        pending = [p for p in pending if p[1][0] > step]
+        out = run_step(s)
+        # the pool after this step's growth + the step's transient (+ a growth copy) within the memory
+        assert s.kv.pool_bytes + out.predicted_transient_bytes <= s.config.max_memory_bytes
+        assert s.kv.pool_bytes + s.memory.kv_growth_bound_bytes(s.kv.kv_budget_bytes) <= s.config.max_memory_bytes
+        assert out.predicted_transient_bytes <= s.transient_bound_bytes
+        assert out.num_batched_tokens <= budget
+        if not pending and not s.has_unfinished():
+            break
+    assert not s.has_unfinished() and not pending

@@ -66,15 +66,26 @@ class TransientCoefficients:
 
 
 # MLX's CPU backend with the engine's attention and SwiGLU of engine/model/layers/cpu_math.py (what the
-# engine's layer loops run there): its prompt chunks score 1/16 of their queries at a time, so the scores
-# term is small beside the hidden-size ones. The prefill terms fitted on prompt chunks of four 2-layer
-# shapes; the decode terms kept at the earlier set's, which bound the engine's decode loop from above on
-# the same run's decode steps (docs/memory.md):
-#     python scripts/calibrate_memory.py --iterations 600
+# engine's layer loops run there), fitted from above (`bench_memory_grid.py --fit`) on single prompt chunks
+# (16-512 tokens, contexts up to 2040, each read as a view and again as a gather) and synchronous decodes
+# (1-16 rows, 256-1800 keys) of five 2-layer shapes: the tiny model's (head_dim 16, hidden 64) and head_dim
+# 32-64 ones up to hidden 1024. A causal chunk's attention holds about 0.4 x 4*H*c*n bytes (scores by
+# blocks of queries, with their mask and exponentials), which shapes of wide hidden sizes alone hid under
+# the hidden-size term. prefill_logits is raised to what a prompt of a few tokens measures (its logits
+# row, 4*V bytes, and their argmax; the grid has few prompt ends, where the other terms dominate). The
+# decode terms are the larger of the fit's and the earlier set's: the grid's decodes run one at a time,
+# the engine's are pipelined (measured from launch to finish while the next one is built), which the
+# earlier set bounded:
+#     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
+#         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 --variants --out grid.json
+#     python scripts/bench_memory_grid.py --model tiny --grids prefill-gathers --chunks 16,64,128,256,512 \
+#         --prefill-length 2040 --variants --out gathers.json   # both in scripts/data/cpu_i24_grid.json
+#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu \
+#         --layers-in-flight 1                                                # scripts/data/cpu_i24_fit.json
 CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.1, prefill_mask=0.4, prefill_mlp=0.25, prefill_hidden=19.2, prefill_logits=1.6,
-    decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
-    prefill_gather=1.13,
+    prefill_scores=0.2266, prefill_mask=4.022, prefill_mlp=2.982, prefill_hidden=10.24, prefill_logits=1.05,
+    decode_gather=1.038, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
+    prefill_gather=1.011, step_overhead_bytes=185, prefill_overhead_bytes=930, prefill_layer_rows=17.85,
 )
 # The CPU backend with MLX's attention (forwards through mlx-lm's modules), and Metal, which has no data
 # of its own: the set chosen by hand before cpu_math.py (docs/memory.md).
