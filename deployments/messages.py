@@ -90,6 +90,14 @@ class ReplicaCapacity:
     transient_bound_bytes: int
     kv_budget_bytes: int
     max_model_len: int
+    # the smallest step that makes progress (the engine sizes every step to the memory KV leaves free, so
+    # admission keeps only this beside the KV); 0: an engine that reserves the bound instead
+    floor_transient_bytes: int = 0
+
+    @property
+    def reserved_transient_bytes(self) -> int:
+        """The transient admission keeps beside the KV: the floor step, else the bound."""
+        return self.floor_transient_bytes or self.transient_bound_bytes
 
     def reservation_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The engine scheduler's reservation: prompt + max_tokens - 1 tokens, rounded up to the cache step."""
@@ -116,6 +124,8 @@ class ReplicaReport:
     engine_kv_reserved_bytes: int = 0
     engine_kv_used_bytes: int = 0
     max_measured_transient_bytes: int = 0
+    kv_allocated_bytes: int = 0  # the engine's KV pool now
+    planned_transient_bytes: int = 0  # its last step's predicted transient
     healthy: bool = True  # False: the engine is dead or hung; the replica is dropped, nothing goes there
     prefix_hashes: tuple[int, ...] = ()  # its prefix cache, summarised (engine/core/prefix_hash.py)
 

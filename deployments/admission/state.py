@@ -2,14 +2,17 @@
 
 Each engine replica is modelled as
 
-    weights + sum(reserved KV) + transient prefill bound  <=  memory_limit x headroom - excess
+    weights + sum(reserved KV) + floor transient  <=  memory_limit x headroom - excess
 
 where a request reserves KV for prompt + max_tokens - 1 tokens rounded up to the cache step (exactly what
-engine/core/scheduler.py reserves), the transient bound is the memory model's bound of the replica's
-configuration, and `excess` is how far the replica's measured transient peak has gone over that bound
-(a replica whose model under-predicts is given less). The reserved KV is also kept within the engine's
-own KV budget (memory_limit - weights - bound), so the controller never admits what the engine would
-make wait.
+engine/core/scheduler.py reserves), the floor transient is the memory model's smallest step that makes
+progress (the engine sizes every step to the memory its KV leaves free, docs/memory.md; an engine that
+reports no floor is modelled with its transient bound), and `excess` is how far the replica's measured
+transient peak has gone over the bound (a replica whose model under-predicts is given less). The
+reserved KV is also kept within the engine's own KV budget, so the controller never admits what the
+engine would make wait. Among replicas with room, the one with the most live headroom wins: memory
+limit x headroom - weights - its KV (the larger of its pool and the ledger's reservations) - the
+transient of its last step, as reported by heartbeat.
 
 Replicas report (`ReplicaReport`) every heartbeat: their capacity and the requests they hold. A report is
 also a registration, so a restarted controller rebuilds its state from the next round of reports:
@@ -102,6 +105,8 @@ class _Replica:
     max_measured_transient_bytes: int = 0
     engine_kv_reserved_bytes: int = 0
     engine_kv_used_bytes: int = 0
+    kv_allocated_bytes: int = 0
+    planned_transient_bytes: int = 0
     num_peak_exceeded: int = 0
     prefix_hashes: frozenset[int] = frozenset()
 
@@ -117,8 +122,16 @@ class _Replica:
         """KV this replica may hold in all: the modelled room, never more than the engine's budget."""
         c = self.capacity
         modelled = int(c.memory_limit_bytes * headroom) - self.excess_bytes - c.weights_bytes \
-            - c.transient_bound_bytes
+            - c.reserved_transient_bytes
         return min(modelled, c.kv_budget_bytes)
+
+    def live_headroom_bytes(self, headroom: float, extra_kv_bytes: int = 0) -> int:
+        """Memory free beside the KV (the engine's pool, or the ledger's reservations plus
+        `extra_kv_bytes` where larger) and the transient of the replica's last step."""
+        c = self.capacity
+        kv = max(self.kv_allocated_bytes, self.reserved_bytes + extra_kv_bytes)
+        return int(c.memory_limit_bytes * headroom) - self.excess_bytes - c.weights_bytes - kv \
+            - max(self.planned_transient_bytes, c.reserved_transient_bytes)
 
 
 @dataclass(frozen=True)
@@ -135,6 +148,7 @@ class ReplicaView:
     transient_bound_bytes: int
     max_measured_transient_bytes: int
     excess_bytes: int
+    live_headroom_bytes: int
     peak_exceeded: bool
     num_peak_exceeded: int
     engine_kv_reserved_bytes: int
@@ -198,7 +212,7 @@ class AdmissionLedger:
             room = replica.kv_limit_bytes(self.config.headroom) - replica.reserved_bytes - need
             if room >= 0:
                 blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
-                candidates.append((replica_id, room, blocks))
+                candidates.append((replica_id, replica.live_headroom_bytes(self.config.headroom, need), blocks))
         if not candidates:
             return None
         # Affinity only among replicas not busier than the least busy by more than prefix_max_imbalance
@@ -207,7 +221,7 @@ class AdmissionLedger:
         limit = least + self.config.prefix_max_imbalance
         best_id, _, best_blocks = min(candidates, key=lambda c: (
             -c[2] if len(self._replicas[c[0]].entries) <= limit else 0,  # longest cached prefix
-            -c[1], self._replicas[c[0]].queued_tokens, c[0]))  # then most room, fewest queued tokens
+            -c[1], self._replicas[c[0]].queued_tokens, c[0]))  # then most live headroom, fewest queued tokens
         if len(self._replicas[best_id].entries) > limit:
             best_blocks = 0
         replica = self._replicas[best_id]
@@ -241,6 +255,8 @@ class AdmissionLedger:
         replica.capacity, replica.last_seen = capacity, now
         replica.engine_kv_reserved_bytes = report.engine_kv_reserved_bytes
         replica.engine_kv_used_bytes = report.engine_kv_used_bytes
+        replica.kv_allocated_bytes = report.kv_allocated_bytes
+        replica.planned_transient_bytes = report.planned_transient_bytes
         replica.prefix_hashes = frozenset(report.prefix_hashes[: self.config.max_prefix_hashes])
         adopted = self._adopt(replica, report.live, now)
         dropped = self._drop_gone(replica, {r.request_id for r in report.live}, now)
@@ -322,6 +338,7 @@ class AdmissionLedger:
             memory_limit_bytes=r.capacity.memory_limit_bytes, weights_bytes=r.capacity.weights_bytes,
             transient_bound_bytes=r.capacity.transient_bound_bytes,
             max_measured_transient_bytes=r.max_measured_transient_bytes, excess_bytes=r.excess_bytes,
+            live_headroom_bytes=r.live_headroom_bytes(headroom),
             peak_exceeded=r.excess_bytes > 0, num_peak_exceeded=r.num_peak_exceeded,
             engine_kv_reserved_bytes=r.engine_kv_reserved_bytes, engine_kv_used_bytes=r.engine_kv_used_bytes,
             seconds_since_report=now - r.last_seen, request_ids=tuple(sorted(r.entries)),

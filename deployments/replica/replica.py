@@ -207,7 +207,7 @@ def build_report(replica_id: str, stats: EngineStats, live: Mapping[str, Generat
         replica_id, memory_limit_bytes=stats.memory_limit_bytes, weights_bytes=stats.weights_bytes,
         kv_bytes_per_token=stats.kv_bytes_per_token, kv_cache_step=stats.kv_cache_step,
         transient_bound_bytes=stats.transient_bound_bytes, kv_budget_bytes=stats.kv_budget_bytes,
-        max_model_len=stats.max_model_len)
+        max_model_len=stats.max_model_len, floor_transient_bytes=stats.floor_transient_bytes)
     requests = []
     for request_id, request in live.items():
         num_prompt, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
@@ -215,7 +215,9 @@ def build_report(replica_id: str, stats: EngineStats, live: Mapping[str, Generat
                                     num_prompt + max_tokens))
     return ReplicaReport(capacity, tuple(requests), engine_kv_reserved_bytes=stats.kv_reserved_bytes,
                          engine_kv_used_bytes=stats.kv_used_bytes,
-                         max_measured_transient_bytes=stats.max_measured_transient_bytes, healthy=healthy,
+                         max_measured_transient_bytes=stats.max_measured_transient_bytes,
+                         kv_allocated_bytes=stats.kv_allocated_bytes,
+                         planned_transient_bytes=stats.planned_transient_bytes, healthy=healthy,
                          prefix_hashes=tuple(prefix_hashes))
 
 

@@ -90,8 +90,10 @@ class ReplicaObserver:
 
     def on_step(self, step: StepRecord) -> None:
         """AsyncEngine.on_step: called on the engine thread, before the step's outputs are delivered."""
+        plan = step.plan
         self.telemetry.record_step(self.replica_id, step.num_prefill_tokens, step.num_decode_tokens,
-                                   step.duration_s)
+                                   step.duration_s, None if plan is None else plan.step_budget_tokens,
+                                   None if plan is None else plan.free_transient_bytes)
         for chunk in step.prefill_chunks:
             events = self._chunks.get(chunk.request_id)
             if events is not None:

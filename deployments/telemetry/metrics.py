@@ -14,7 +14,7 @@ underscores, unit "s" appends `_seconds` ("By" and `{token}`-style units append 
   gauges      mlx_serve_requests_waiting, mlx_serve_requests_running, mlx_serve_kv_cache_reserved_bytes,
               mlx_serve_kv_cache_used_bytes, mlx_serve_prefill_predicted_peak_bytes,
               mlx_serve_prefill_measured_peak_bytes, mlx_serve_memory_limit_bytes,
-              mlx_serve_prefix_cache_bytes
+              mlx_serve_prefix_cache_bytes, mlx_serve_step_budget_tokens, mlx_serve_step_free_transient_bytes
   counters    mlx_serve_admission_decisions_total, mlx_serve_prefix_cache_queries_total,
               mlx_serve_prefix_cache_hits_total, mlx_serve_prefix_cache_hit_tokens_total,
               mlx_serve_prefix_cache_evictions_total, mlx_serve_replica_peak_exceeded_total
@@ -50,7 +50,7 @@ from deployments.telemetry.names import (  # noqa: F401  (re-exported: callers i
     GEN_AI_REQUEST_TEMPERATURE, GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_TOKEN_TYPE,
     GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS, InstrumentSpec, KV_RESERVED_BYTES,
     KV_USED_BYTES, MEASURED_PEAK_BYTES, MEMORY_LIMIT_BYTES, Operation, PEAK_EXCEEDED,
-    PREDICTED_PEAK_BYTES, PREFIX_CACHE_BYTES, PREFIX_CACHE_EVICTIONS, PREFIX_CACHE_HITS,
+    PREDICTED_PEAK_BYTES, PREFIX_CACHE_BYTES, STEP_BUDGET_TOKENS, STEP_FREE_BYTES, PREFIX_CACHE_EVICTIONS, PREFIX_CACHE_HITS,
     PREFIX_CACHE_HIT_TOKENS, PREFIX_CACHE_QUERIES, PROVIDER, QUEUE_BUCKETS_S, QUEUE_TIME, REPLICA,
     REQUESTS_RUNNING, REQUESTS_WAITING, REQUEST_DURATION, STEP_BUCKETS_S, STEP_DECODE_TOKENS,
     STEP_DURATION, STEP_PREFILL_TOKENS, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN, TOKEN_BUCKETS,
@@ -280,12 +280,18 @@ class Telemetry:
 
     @_never_raises
     def record_step(self, replica: str, num_prefill_tokens: int, num_decode_tokens: int,
-                    duration_s: Optional[float] = None) -> None:
+                    duration_s: Optional[float] = None, budget_tokens: Optional[int] = None,
+                    free_transient_bytes: Optional[int] = None) -> None:
+        """One engine step; `budget_tokens` / `free_transient_bytes`: what the scheduler sized it to."""
         attributes = {REPLICA: replica}
         self._instruments[STEP_PREFILL_TOKENS].record(num_prefill_tokens, attributes)
         self._instruments[STEP_DECODE_TOKENS].record(num_decode_tokens, attributes)
         if duration_s is not None:
             self._instruments[STEP_DURATION].record(duration_s, attributes)
+        if budget_tokens is not None:
+            self._instruments[STEP_BUDGET_TOKENS].set(budget_tokens, attributes)
+        if free_transient_bytes is not None:
+            self._instruments[STEP_FREE_BYTES].set(free_transient_bytes, attributes)
 
     @_never_raises
     def set_engine_gauges(self, replica: str, gauges: EngineGauges) -> None:

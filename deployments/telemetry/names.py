@@ -83,10 +83,16 @@ PREFIX_CACHE_HIT_TOKENS = InstrumentSpec("mlx_serve.prefix_cache.hit_tokens", "c
                                          "Prompt tokens served from the prefix cache.")
 PREFIX_CACHE_EVICTIONS = InstrumentSpec("mlx_serve.prefix_cache.evictions", "counter", "{entry}", "Evicted.")
 PREFIX_CACHE_BYTES = InstrumentSpec("mlx_serve.prefix_cache.bytes", "gauge", "By", "Prefix cache bytes.")
+STEP_BUDGET_TOKENS = InstrumentSpec("mlx_serve.step.budget_tokens", "gauge", _TOK,
+                                    "Token budget of the last step: max_num_batched_tokens, or what "
+                                    "it scheduled when the free memory cut it.")
+STEP_FREE_BYTES = InstrumentSpec("mlx_serve.step.free_transient_bytes", "gauge", "By",
+                                 "Memory the last step's transient could use: limit - weights - margin "
+                                 "- the KV pool.")
 PEAK_EXCEEDED = InstrumentSpec("mlx_serve.replica.peak_exceeded", "counter", "{event}",
                                "Steps whose measured peak exceeded the prediction.")
 _SPECS = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, REQUEST_DURATION, TOKEN_USAGE, QUEUE_TIME,
           STEP_PREFILL_TOKENS, STEP_DECODE_TOKENS, STEP_DURATION, REQUESTS_WAITING, REQUESTS_RUNNING,
           KV_RESERVED_BYTES, KV_USED_BYTES, PREDICTED_PEAK_BYTES, MEASURED_PEAK_BYTES, MEMORY_LIMIT_BYTES,
           ADMISSION_DECISIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_HIT_TOKENS,
-          PREFIX_CACHE_EVICTIONS, PREFIX_CACHE_BYTES, PEAK_EXCEEDED)
+          PREFIX_CACHE_EVICTIONS, PREFIX_CACHE_BYTES, PEAK_EXCEEDED, STEP_BUDGET_TOKENS, STEP_FREE_BYTES)

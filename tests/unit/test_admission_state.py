@@ -281,3 +281,32 @@ def test_config_bounds():
         AdmissionConfig(headroom=1.5)
     with pytest.raises(ValueError):
         AdmissionConfig(reject_status=500)
+
+
+def test_admission_keeps_the_floor_step_not_the_bound_beside_the_kv():
+    """A replica whose engine reports its floor step: KV may take what the weights and the floor leave
+    (capped at the engine's budget), not what the bound leaves."""
+    floor = BOUND // 4
+    limit = WEIGHTS + BOUND + 4 * STEP_BYTES
+    cap = ReplicaCapacity("r", limit, WEIGHTS, KV_TOKEN, STEP, BOUND, kv_budget_bytes=1 << 30,
+                          max_model_len=4096, floor_transient_bytes=floor)
+    book = ledger(cap)
+    assert book.views(0.0)[0].kv_limit_bytes == limit - WEIGHTS - floor
+    without = ledger(capacity("b"))
+    assert without.views(0.0)[0].kv_limit_bytes == 4 * STEP_BYTES  # no floor reported: the bound
+
+
+def test_routes_by_live_headroom():
+    """Two replicas with the same room in the ledger: the one whose engine reports less KV allocated and a
+    smaller last step gets the request; a report that changes that changes the choice."""
+    book = ledger(capacity("a", steps=8), capacity("b", steps=8))
+    book.report(ReplicaReport(capacity("a", steps=8), kv_allocated_bytes=6 * STEP_BYTES,
+                              planned_transient_bytes=BOUND), now=0.0)
+    book.report(ReplicaReport(capacity("b", steps=8), kv_allocated_bytes=STEP_BYTES), now=0.0)
+    views = {v.replica_id: v for v in book.views(0.0)}
+    assert views["b"].live_headroom_bytes > views["a"].live_headroom_bytes
+    assert book.try_reserve("x", 10, 10, now=0.0).replica_id == "b"
+    book.report(ReplicaReport(capacity("b", steps=8), kv_allocated_bytes=8 * STEP_BYTES,
+                              planned_transient_bytes=BOUND), now=0.0)
+    book.report(ReplicaReport(capacity("a", steps=8)), now=0.0)
+    assert book.try_reserve("y", 10, 10, now=0.0).replica_id == "a"

@@ -34,7 +34,8 @@ def _request(i: int = 0, **overrides) -> RequestMetrics:
 def _record_everything(telemetry: Telemetry) -> None:
     telemetry.record_request(_request())
     telemetry.record_request(_request(error_type="cancelled"))
-    telemetry.record_step("r0", num_prefill_tokens=512, num_decode_tokens=3, duration_s=0.05)
+    telemetry.record_step("r0", num_prefill_tokens=512, num_decode_tokens=3, duration_s=0.05,
+                          budget_tokens=2048, free_transient_bytes=300 << 20)
     telemetry.set_engine_gauges("r0", EngineGauges(2, 3, 4 << 20, 1 << 20, 3 << 30, 2 << 30, 64 << 30))
     telemetry.record_admission("admitted", "fits")
     telemetry.record_admission("rejected", "kv_budget")
