@@ -111,8 +111,8 @@ class AppArgs(BaseModel):
         "taken port falls back to a free one; scripts/serve prints the URLs).")
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Cluster-wide admission: one controller actor models "
-        "every replica as weights + reserved KV + transient prefill bound <= memory limit x headroom, "
-        "picks the replica with room and queues or rejects (503/429 + Retry-After) the rest.")
+        "every replica as weights + reserved KV + floor step transient <= memory limit x headroom, "
+        "picks the replica with room (then the most live headroom) and queues or rejects (503/429 + Retry-After) the rest.")
 
     @model_validator(mode="after")
     def _scaling(self) -> "AppArgs":

@@ -154,8 +154,9 @@ class StepExecutor:
         views, gathers = set(), set()
         for c in plan.prefills:
             done = before.get(c.request_id, 0)
-            reads_view = c.num_tokens > 1 and self.runner.reads_slice(c.request_id, done + c.num_tokens)
-            (views if reads_view else gathers).add(c.request_id)
+            if c.num_tokens > 1:  # a one-token chunk always gathers (Scheduler.predict counts it so)
+                reads_view = self.runner.reads_slice(c.request_id, done + c.num_tokens)
+                (views if reads_view else gathers).add(c.request_id)
             before[c.request_id] = done + c.num_tokens
         return frozenset(views - gathers)
 

@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, environment, free_memory, load_bench_model, random_prompts  # noqa: E402
@@ -43,7 +44,7 @@ def burst(args, vocab_size: int, max_len: int) -> tuple[list[list[int]], list[in
     return random_prompts(lengths, vocab_size, args.seed), new
 
 
-def run_engine(lm, prompts, new_tokens, headroom: int, args) -> dict:
+def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None) -> dict:
     from engine.config import EngineConfig
     from engine.core.types import SamplingParams
     from engine.engine import Engine
@@ -53,6 +54,8 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args) -> dict:
     limit = baseline + headroom
     fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, **json.loads(args.engine_config or "{}"))
+    if budget:
+        fields["max_num_batched_tokens"] = budget
     try:
         engine = Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
     except ValueError as exc:  # the limit leaves no KV at all: every request is refused
@@ -71,8 +74,12 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args) -> dict:
                 refused.append(f"b{i}: {exc}")
         num_done = 0
         max_kv = 0
+        first: dict[str, float] = {}
         while engine.has_unfinished():
             record = engine.step()
+            now = time.perf_counter() - t0
+            for o in record.outputs:
+                first.setdefault(o.request_id, now)
             num_done += sum(o.finished for o in record.outputs)
             failed += sum(o.error is not None for o in record.outputs)
             max_kv = max(max_kv, engine.runner.kv_allocated_bytes)
@@ -98,7 +105,8 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args) -> dict:
         kv_peak_bytes=max_kv, kv_peak_share_of_headroom=max_kv / headroom,
         transient_bound_bytes=stats0.transient_bound_bytes,
         floor_transient_bytes=getattr(engine.scheduler, "floor_transient_bytes", None),
-        wall_s=wall_s, num_requests=len(prompts), num_refused=len(refused), refused=refused[:5],
+        wall_s=wall_s, mean_ttft_s=sum(first.values()) / max(len(first), 1),
+        max_num_batched_tokens=engine.config.max_num_batched_tokens, num_requests=len(prompts), num_refused=len(refused), refused=refused[:5],
         num_failed=failed, num_finished=num_done, num_steps=len(steps),
         num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
         max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
@@ -154,6 +162,11 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's max_model_len (default: the model's); prompts are clipped to fit it")
     p.add_argument("--engine-config", default=None, help="JSON of further EngineConfig fields")
+    p.add_argument("--budgets", default="",
+                   help="max_num_batched_tokens values to run each headroom with (comma-separated; default: "
+                        "the engine's)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the unmeasured small burst first (kernels compile on their first use)")
     p.add_argument("--ways", default="engine,mlx_lm", help="some of engine,mlx_lm")
     p.add_argument("--steps", action="store_true", help="keep every step's record in the JSON")
     p.add_argument("--seed", type=int, default=0)
@@ -177,14 +190,21 @@ def main(argv=None) -> dict:
                   dtype=lm.dtype, weights_bytes=lm.weights_bytes, environment=environment(),
                   prompt_lengths=[len(p) for p in prompts], new_tokens=new_tokens, engine={}, mlx_lm=None)
     ways = set(args.ways.split(","))
-    for headroom in headrooms:
+    budgets = [int(b) for b in args.budgets.split(",") if b] or [None]
+    if "engine" in ways and not args.no_warmup:
+        t = time.perf_counter()
+        small = [p[: max(8, len(p) // 8)] for p in prompts[:6]]
+        run_engine(lm, small, [min(8, m) for m in new_tokens[:6]], max(headrooms), args)
+        log(f"warm-up: {time.perf_counter() - t:.1f} s")
+    for headroom, budget in [(h, b) for h in headrooms for b in budgets]:
         if "engine" in ways:
-            r = run_engine(lm, prompts, new_tokens, headroom, args)
-            result["engine"][str(headroom)] = r
+            r = run_engine(lm, prompts, new_tokens, headroom, args, budget)
+            result["engine"][str(headroom) if budget is None else f"{headroom}/{budget}"] = r
             if "engine_error" in r:
                 log(f"engine, headroom {headroom / 1e6:.0f} MB: {r['engine_error']}")
                 continue
-            log(f"engine, headroom {headroom / 1e6:.0f} MB: peak {r['peak_over_limit']:.3f} of the limit, KV "
+            log(f"engine, headroom {headroom / 1e6:.0f} MB, budget {r['max_num_batched_tokens']}: mean TTFT "
+                f"{r['mean_ttft_s']:.2f} s, peak {r['peak_over_limit']:.3f} of the limit, KV "
                 f"{r['kv_share_of_headroom']:.3f} of the headroom (pool peak {r['kv_peak_share_of_headroom']:.3f}), "
                 f"{r['wall_s']:.2f} s, {r['num_refused']} refused, {r['num_finished']} finished, "
                 f"{r['num_underpredicted_steps']} steps under-predicted, {r['num_memory_limited_steps']} of "

@@ -7,6 +7,7 @@
 #   greedy.json    scripts/check_greedy.py  the engine's greedy tokens vs mlx-lm's (default reads and all gathers)
 #   grid.json      scripts/bench_memory_grid.py  per-chunk / per-decode transients for CUDA coefficients
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
+#   tight.json     scripts/bench_tight_burst.py  (TIGHT=1) a burst of random lengths a few GB above the weights
 #   log.txt, env.txt
 # SERVING_BACKENDS (engine_sync,engine,mlx_lm): the variants of serving.json (scripts/bench_serving.py --backends);
 # SERVING_REPEAT (2) timed passes, SERVING_CAP (200) the serving step's seconds.
@@ -122,6 +123,12 @@ fi
   --out "$OUT/serving.json"
 [[ -n "${SKIP_NAIVE:-}" ]] || step naive 120 0 python3 scripts/bench_prefill_memory.py "${COMMON[@]}" --lengths $LENGTHS --ways naive_padded \
   --peak-tflops 790 --json --out "$OUT/naive.json"
+# TIGHT=1: scripts/bench_tight_burst.py, a burst of 40 random requests (50-8000 prompt tokens, 8-200 new)
+# under limits TIGHT_GB (3,6,12) GB above the weights, each with max_num_batched_tokens TIGHT_BUDGETS
+# (default the engine's), TIGHT_WAYS (engine; add mlx_lm for its BatchGenerator on the same burst)
+[[ -z "${TIGHT:-}" ]] || step tight ${TIGHT_CAP:-400} 0 python3 scripts/bench_tight_burst.py "${COMMON[@]}" \
+  --headroom-gb ${TIGHT_GB:-3,6,12} --budgets "${TIGHT_BUDGETS:-}" --max-num-seqs 64 --max-model-len 8448 \
+  --ways ${TIGHT_WAYS:-engine} --json --out "$OUT/tight.json"
 # EXTRA_CMD: one more command (e.g. a variant of a benchmark), run last with the same environment
 [[ -z "${EXTRA_CMD:-}" ]] || step extra "${EXTRA_CAP:-200}" 0 bash -c "$EXTRA_CMD"
 env | grep '^MLX_' >>"$OUT/env.txt"

@@ -233,7 +233,8 @@ class Scheduler:
             prefill_chunks=tuple(
                 PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
                                  c.completes_prompt and not requests[c.request_id].sampling.greedy,
-                                 gathers=(c.request_id not in slice_reads) if slice_reads is not None
+                                 gathers=(c.request_id not in slice_reads or c.num_tokens < 2)
+                                 if slice_reads is not None
                                  else not self._reads_view(c.request_id, c.start + c.num_tokens, c.num_tokens))
                 for c in prefills),
         )

@@ -310,7 +310,7 @@ class StepRecord:
     duration_s: float
     plan: Optional[SchedulerOutput] = None  # None: nothing was scheduled
     memory: Optional[StepMemory] = None
-    slice_reads: frozenset[str] = frozenset()  # requests whose prompt chunks read the pool as a view
+    slice_reads: frozenset[str] = frozenset()  # requests whose chunks of 2+ tokens read the pool as views
     forwards: tuple[ForwardTiming, ...] = ()
     schedule_s: float = 0.0  # host seconds in the scheduler's plan (0: a pipelined decode, planned before)
 

@@ -1,7 +1,7 @@
 """Cluster-level admission on a real two-node Ray cluster (ray.cluster_utils.Cluster), tiny model.
 
 Each node has one `engine_slot`, so one engine replica lands per node. The replicas' memory limit is set
-so that each holds KV for ROOM_STEPS cache steps beside its weights and transient bound: a handful of
+so that each holds KV for ROOM_STEPS cache steps beside its weights and floor step: a handful of
 requests. The session's plain `ray.init` cluster (conftest) is stopped first and restarted by the next
 module that needs it. The module takes about a minute on 2 cores; the tests run in order and share it.
 """
@@ -45,18 +45,15 @@ def free_port() -> int:
 
 
 def memory_limit_bytes() -> tuple[int, int]:
-    """A limit giving ROOM_STEPS steps of KV room after weights and the transient bound; and a step's bytes."""
+    """A limit giving ROOM_STEPS steps of KV room after weights and the floor step the controller keeps
+    beside the KV; and a step's bytes."""
     from engine.config import EngineConfig
     from engine.engine import Engine
 
     engine = Engine.from_config(EngineConfig(**ENGINE, memory_limit_bytes=1 << 30))
     stats = engine.stats()
     step_bytes = stats.kv_cache_step * stats.kv_bytes_per_token
-    # The forwards' bound: the engine's also covers a KV pool growth copy, which scales with the KV
-    # budget (so with this probe's 1 GiB limit); with ROOM_STEPS of KV it is far smaller.
-    forward_bound = engine.memory.transient_bound_bytes(ENGINE["max_num_seqs"], ENGINE["prefill_chunk_size"],
-                                                        ENGINE["max_model_len"])
-    need = stats.weights_bytes + forward_bound + ROOM_STEPS * step_bytes
+    need = stats.weights_bytes + stats.floor_transient_bytes + ROOM_STEPS * step_bytes
     return math.ceil(need / HEADROOM), step_bytes
 
 
