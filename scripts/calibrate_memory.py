@@ -5,7 +5,9 @@ Runs random workloads of several small random llamas through the real Engine, re
 (the batched decode forward, each prefill chunk) with the engine's own measurement (MLX peak over the
 memory live before, less the KV it allocated), reports how the current coefficients (engine/core/memory/model.py CPU_COEFFICIENTS) do
 (predicted / measured, min and max), and random-searches coefficients that bound every sample from
-above with the smallest worst overestimate. The current ones were chosen from its runs. Usage:
+above with the smallest worst overestimate. The shipped CPU set is fitted on a grid instead
+(scripts/bench_memory_grid.py --fit, engine/core/memory/coefficients.py); this checks it on random
+workloads. Usage:
     python scripts/calibrate_memory.py [--quick] > coefficients.json
 """
 
