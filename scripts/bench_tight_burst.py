@@ -82,7 +82,8 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
                 first.setdefault(o.request_id, now)
             num_done += sum(o.finished for o in record.outputs)
             failed += sum(o.error is not None for o in record.outputs)
-            max_kv = max(max_kv, engine.runner.kv_allocated_bytes)
+            kv_allocated = engine.stats().kv_allocated_bytes
+            max_kv = max(max_kv, kv_allocated)
             if record.plan is None or record.memory is None:
                 continue
             plan, memory = record.plan, record.memory
@@ -92,7 +93,7 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
                 step_budget_tokens=getattr(plan, "step_budget_tokens", None),
                 memory_limited=getattr(plan, "memory_limited", False),
                 tokens=plan.num_batched_tokens, decodes=len(plan.decodes), chunks=len(plan.prefills),
-                kv_allocated_bytes=engine.runner.kv_allocated_bytes, pipelined=memory.pipelined))
+                kv_allocated_bytes=kv_allocated, pipelined=memory.pipelined))
         wall_s = time.perf_counter() - t0
         peak = tracker.read()
     ratios = sorted(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
@@ -104,9 +105,10 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
         kv_budget_bytes=stats0.kv_budget_bytes, kv_share_of_headroom=stats0.kv_budget_bytes / headroom,
         kv_peak_bytes=max_kv, kv_peak_share_of_headroom=max_kv / headroom,
         transient_bound_bytes=stats0.transient_bound_bytes,
-        floor_transient_bytes=getattr(engine.scheduler, "floor_transient_bytes", None),
+        floor_transient_bytes=getattr(stats0, "floor_transient_bytes", None),
         wall_s=wall_s, mean_ttft_s=sum(first.values()) / max(len(first), 1),
-        max_num_batched_tokens=engine.config.max_num_batched_tokens, num_requests=len(prompts), num_refused=len(refused), refused=refused[:5],
+        max_num_batched_tokens=engine.config.max_num_batched_tokens, num_requests=len(prompts),
+        num_refused=len(refused), refused=refused[:5],
         num_failed=failed, num_finished=num_done, num_steps=len(steps),
         num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
         max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
