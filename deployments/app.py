@@ -112,7 +112,7 @@ class AppArgs(BaseModel):
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig, description="Cluster-wide admission: one controller actor models "
         "every replica as weights + reserved KV + floor step transient <= memory limit x headroom, "
-        "picks the replica with room (then the most live headroom) and queues or rejects (503/429 + Retry-After) the rest.")
+        "picks the replica with room (most room, then most live headroom) and queues or rejects (503/429 + Retry-After) the rest.")
 
     @model_validator(mode="after")
     def _scaling(self) -> "AppArgs":

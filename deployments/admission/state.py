@@ -10,9 +10,11 @@ progress (the engine sizes every step to the memory its KV leaves free, docs/mem
 reports no floor is modelled with its transient bound), and `excess` is how far the replica's measured
 transient peak has gone over the bound (a replica whose model under-predicts is given less). The
 reserved KV is also kept within the engine's own KV budget, so the controller never admits what the
-engine would make wait. Among replicas with room, the one with the most live headroom wins: memory
-limit x headroom - weights - its KV (the larger of its pool and the ledger's reservations) - the
-transient of its last step, as reported by heartbeat.
+engine would make wait. Among replicas with the same room, the one with the most live headroom wins:
+memory limit x headroom - weights - its KV (the larger of its pool and the ledger's reservations) - the
+transient of its last step, as reported by heartbeat (a replica whose pool has grown takes smaller
+steps). The room decides first: a pool never shrinks, so its size says more about the past than about
+the KV free in it.
 
 Replicas report (`ReplicaReport`) every heartbeat: their capacity and the requests they hold. A report is
 also a registration, so a restarted controller rebuilds its state from the next round of reports:
@@ -212,7 +214,7 @@ class AdmissionLedger:
             room = replica.kv_limit_bytes(self.config.headroom) - replica.reserved_bytes - need
             if room >= 0:
                 blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
-                candidates.append((replica_id, replica.live_headroom_bytes(self.config.headroom, need), blocks))
+                candidates.append((replica_id, room, blocks))
         if not candidates:
             return None
         # Affinity only among replicas not busier than the least busy by more than prefix_max_imbalance
@@ -221,7 +223,8 @@ class AdmissionLedger:
         limit = least + self.config.prefix_max_imbalance
         best_id, _, best_blocks = min(candidates, key=lambda c: (
             -c[2] if len(self._replicas[c[0]].entries) <= limit else 0,  # longest cached prefix
-            -c[1], self._replicas[c[0]].queued_tokens, c[0]))  # then most live headroom, fewest queued tokens
+            -c[1], -self._replicas[c[0]].live_headroom_bytes(self.config.headroom, need),  # then most room,
+            self._replicas[c[0]].queued_tokens, c[0]))  # most live headroom, fewest queued tokens
         if len(self._replicas[best_id].entries) > limit:
             best_blocks = 0
         replica = self._replicas[best_id]

@@ -296,7 +296,7 @@ def test_admission_keeps_the_floor_step_not_the_bound_beside_the_kv():
     assert without.views(0.0)[0].kv_limit_bytes == 4 * STEP_BYTES  # no floor reported: the bound
 
 
-def test_routes_by_live_headroom():
+def test_routes_by_live_headroom_between_replicas_of_equal_room():
     """Two replicas with the same room in the ledger: the one whose engine reports less KV allocated and a
     smaller last step gets the request; a report that changes that changes the choice."""
     book = ledger(capacity("a", steps=8), capacity("b", steps=8))
@@ -306,6 +306,7 @@ def test_routes_by_live_headroom():
     views = {v.replica_id: v for v in book.views(0.0)}
     assert views["b"].live_headroom_bytes > views["a"].live_headroom_bytes
     assert book.try_reserve("x", 10, 10, now=0.0).replica_id == "b"
+    book.release("x", now=0.0)
     book.report(ReplicaReport(capacity("b", steps=8), kv_allocated_bytes=8 * STEP_BYTES,
                               planned_transient_bytes=BOUND), now=0.0)
     book.report(ReplicaReport(capacity("a", steps=8)), now=0.0)
