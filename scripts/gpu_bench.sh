@@ -9,6 +9,7 @@
 #   naive.json     naive_padded alone, last (it may exhaust the card: MLX then aborts the process)
 #   tight.json     scripts/bench_tight_burst.py  (TIGHT=1) a burst of random lengths a few GB above the weights
 #   log.txt, env.txt
+# BENCH_CONC (4,8) the serving streams, BENCH_LENGTHS (8192,6144,4096,2048) the prefill prompts;
 # SERVING_BACKENDS (engine_sync,engine,mlx_lm): the variants of serving.json (scripts/bench_serving.py --backends);
 # SERVING_REPEAT (2) timed passes, SERVING_CAP (200) the serving step's seconds.
 # SKIP_CHECK / SKIP_GRID / SKIP_PREFILL / SKIP_SERVING / SKIP_NAIVE=1 leave a step out; FIT=1 fits
@@ -91,7 +92,8 @@ if [[ -n "${BENCH_SMALL:-}" ]]; then  # CPU rehearsal sizes
   LENGTHS=1024,768,512,256; CONC=2,4; PT=64; NT=8; CHECK_LENGTHS=30,70,150,210
   GRID=(--chunks 128,256 --prefill-length 1024 --decode-rows 4,1 --decode-contexts 256,1024)
 else
-  LENGTHS=8192,6144,4096,2048; CONC=4,8; PT=512; NT=128; CHECK_LENGTHS=300,700,1500,2100
+  LENGTHS=${BENCH_LENGTHS:-8192,6144,4096,2048}; CONC=${BENCH_CONC:-4,8}; PT=512; NT=128
+  CHECK_LENGTHS=${CHECK_LENGTHS:-300,700,1500,2100}
   GRID=(--chunks 128,256,512,1024,2048 --prefill-length 8192 --decode-rows 16,8,4,2,1 --decode-contexts 1024,4096,8192)
 fi
 COMMON=(--model "$MODEL" --dtype "$DTYPE")
