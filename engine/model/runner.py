@@ -49,11 +49,6 @@ class RunnerOptions:
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
 
 
-# Families whose mixed forwards (engine/model/layers/mixed.py) were checked against mlx-lm's greedy tokens
-# with the CUDA paged decode kernel (scripts/check_greedy.py on an H200).
-PAGED_MIXED_FAMILIES = frozenset({"llama", "mistral"})
-
-
 @dataclass(frozen=True)
 class PrefillWork:
     """Compute `token_ids` of one row at positions [start, start + len); sample if it ends the prompt."""
@@ -128,11 +123,6 @@ class ModelRunner:
                 logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
         if paged_attention:  # only the engine's decode loop reads it, so never a sliding-window model
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
-        if self.mixed is not None and self.pool.paged is not None and lay.family not in PAGED_MIXED_FAMILIES:
-            # On an H200 a Qwen3 chunk that rode with paged decode rows sampled from NaN logits (alone,
-            # gathered or unpaged it matched mlx-lm): only the families checked there mix with the kernel.
-            logger.info("%s: prompt chunks and paged decodes run as separate forwards", lay.family)
-            self.mixed = None
         self.seed = seed
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
