@@ -175,6 +175,7 @@ class ReplicaView:
     device: str = HOST_DEVICE
     num_on_device: int = 1  # engine replicas on its device (node, GPU) sharing its memory
     memory_share_bytes: int = 0  # its share of the device: memory_limit_bytes / num_on_device
+    reserved_transient_bytes: int = 0  # the transient kept beside the KV (the floor step, else the bound)
 
 
 def _device_of(replica: _Replica) -> DeviceKey:
@@ -381,4 +382,5 @@ class AdmissionLedger:
             seconds_since_report=now - r.last_seen, request_ids=tuple(sorted(r.entries)),
             num_prefix_hashes=len(r.prefix_hashes), node_id=r.capacity.node_id, device=r.capacity.device,
             num_on_device=shared[i], memory_share_bytes=memory_share_bytes(r.capacity.memory_limit_bytes, shared[i]),
+            reserved_transient_bytes=r.capacity.reserved_transient_bytes,
         ) for i, r in sorted(self._replicas.items())]
