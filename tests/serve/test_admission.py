@@ -33,7 +33,7 @@ ROOM_STEPS = 6.5  # KV room per replica, in cache steps (256 tokens)
 ENGINE = {"model": MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 256, "prefill_chunk_size": 128,
           "max_model_len": 2048}
 ADMISSION = {"headroom": HEADROOM, "heartbeat_interval_s": 0.25, "replica_timeout_s": 3.0, "max_queue_len": 2,
-             "queue_timeout_s": 90.0, "retry_after_s": 2.0, "drain_window_s": 600.0}
+             "queue_timeout_s": 90.0, "retry_after_s": 30.0, "drain_window_s": 600.0}  # 30 s: before any release
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
