@@ -50,7 +50,8 @@ class AutoscalingArgs(BaseModel):
                                                            "before Serve adds one (from zero: at once).")
     downscale_delay_s: float = Field(600.0, ge=0, description="Demand must call for fewer replicas this long "
                                                               "before Serve removes one.")
-    look_back_period_s: float = Field(10.0, gt=0, description="Demand is averaged over this window.")
+    look_back_period_s: float = Field(30.0, gt=10.0, description="Demand is averaged over this window (more "
+                                      "than Serve's metrics_interval_s, 10 s: Serve requires it).")
     metrics_push_interval_s: float = Field(2.0, gt=0, le=60, description="How often each engine replica "
                                            "pushes its admission demand to Serve's controller (Serve's "
                                            "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, default 10).")

@@ -601,7 +601,7 @@ def test_autoscaling_on_admission_demand_from_zero_up_and_down(cluster):
     limit = memory_limit_bytes()[0]
     args = {"engine": {**ENGINE, "memory_limit_bytes": limit}, "num_replicas": None,
             "autoscaling": {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 0,
-                            "downscale_delay_s": 3, "look_back_period_s": 2, "metrics_push_interval_s": 0.5},
+                            "downscale_delay_s": 3, "look_back_period_s": 12, "metrics_push_interval_s": 0.5},
             "admission": {**ADMISSION, "queue_timeout_s": 120.0, "max_queue_len": 8},
             "replica": {"num_cpus": 0.25, "health_check_period_s": 2.0}, "telemetry": {"exporter": "none"},
             "ingress": {"num_cpus": 0.1}, "max_tokens_cap": 2000}
