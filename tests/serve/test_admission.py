@@ -223,6 +223,60 @@ async def test_replica_reports_admission_demand_to_serve():
     replica.shutdown()
 
 
+async def test_admission_is_traced_under_the_request_span():
+    """No cluster: the real ingress, controller class and replica in one process, one in-memory Telemetry;
+    the controller's "mlx_serve.admission" span is a child of the ingress's server span (the carrier travels
+    with reserve, as through Ray), with the decision, the replica chosen and the wait."""
+    from deployments.admission.actor import AdmissionClient, AdmissionController, AdmittedReplicaClient, \
+        ReplicaReporter
+    from deployments.admission.state import AdmissionConfig
+    from deployments.ingress.ingress import IngressSettings, OpenAIIngress
+    from deployments.replica.replica import EngineReplica
+    from deployments.telemetry.metrics import Telemetry
+    from engine.config import EngineConfig
+    from serve_fakes import FakeEngine, LocalReplicaClient
+
+    telemetry = Telemetry.for_testing()
+    config = AdmissionConfig(heartbeat_interval_s=0.1, replica_timeout_s=1.0, idle_shutdown_s=0)
+    actor = AdmissionController(config, telemetry_factory=lambda: telemetry)
+
+    class Remote:  # a controller method as a Ray actor handle's, awaitable
+        def __init__(self, method) -> None:
+            self._method = method
+
+        def remote(self, *args):
+            try:
+                return asyncio.get_running_loop().create_task(self._method(*args))
+            except RuntimeError:  # the replica's __del__, after the test's loop: nothing to tell
+                return None
+
+    class Controller:
+        reserve, release, report = Remote(actor.reserve), Remote(actor.release), Remote(actor.report)
+        replica_failed = Remote(actor.replica_failed)
+
+    engine = FakeEngine(EngineConfig(model=MODEL, max_model_len=128))
+    reporters = []
+    replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0",
+                            telemetry_factory=lambda cfg, role: telemetry, reporter_factory=lambda report_fn:
+                            reporters.append(ReplicaReporter(config, report_fn, controller_factory=Controller))
+                            or reporters[-1])
+    ingress = OpenAIIngress(replica, IngressSettings(engine=engine.config), telemetry_factory=lambda cfg, role: telemetry,
+                            client_factory=lambda r: AdmittedReplicaClient(LocalReplicaClient(r), AdmissionClient(
+                                config, controller_factory=Controller, client_id="ingress-0")))
+    assert await reporters[0].send_once()  # the replica registers
+    response = await ingress.completions({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
+    replica.shutdown()
+    spans = telemetry.span_exporters[0].get_finished_spans()
+    [server] = [s for s in spans if s.attributes.get("gen_ai.response.id") == response.id]
+    [admission] = [s for s in spans if s.name == "mlx_serve.admission"]
+    assert admission.parent.span_id == server.context.span_id
+    assert admission.context.trace_id == server.context.trace_id
+    assert dict(admission.attributes) == {"mlx_serve.admission.outcome": "admitted",
+                                          "mlx_serve.admission.reason": "room", "replica": "r0",
+                                          "mlx_serve.admission.wait_s": 0.0}
+    assert server.start_time <= admission.start_time <= admission.end_time <= server.end_time
+
+
 def test_registered_replicas_and_never_fits(cluster):
     import ray
 
