@@ -256,13 +256,19 @@ async def test_admission_is_traced_under_the_request_span():
 
     engine = FakeEngine(EngineConfig(model=MODEL, max_model_len=128))
     reporters = []
+
+    def reporter_factory(report_fn):
+        reporters.append(ReplicaReporter(config, report_fn, controller_factory=Controller))
+        return reporters[-1]
+
+    def client_factory(replica_):
+        admission = AdmissionClient(config, controller_factory=Controller, client_id="ingress-0")
+        return AdmittedReplicaClient(LocalReplicaClient(replica_), admission)
+
     replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0",
-                            telemetry_factory=lambda cfg, role: telemetry, reporter_factory=lambda report_fn:
-                            reporters.append(ReplicaReporter(config, report_fn, controller_factory=Controller))
-                            or reporters[-1])
-    ingress = OpenAIIngress(replica, IngressSettings(engine=engine.config), telemetry_factory=lambda cfg, role: telemetry,
-                            client_factory=lambda r: AdmittedReplicaClient(LocalReplicaClient(r), AdmissionClient(
-                                config, controller_factory=Controller, client_id="ingress-0")))
+                            telemetry_factory=lambda cfg, role: telemetry, reporter_factory=reporter_factory)
+    ingress = OpenAIIngress(replica, IngressSettings(engine=engine.config), client_factory=client_factory,
+                            telemetry_factory=lambda cfg, role: telemetry)
     assert await reporters[0].send_once()  # the replica registers
     response = await ingress.completions({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
     replica.shutdown()
