@@ -35,6 +35,7 @@ REPLICA_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 API_KEY_ENV = "MLX_SERVE_API_KEY"  # the API key when serve.yaml's api_key is null
 ADMISSION_ROUTER = "deployments.admission.routing:AdmissionRequestRouter"  # honours the admission controller's choice
+AUTOSCALING_POLICY = "deployments.admission.autoscaling:admission_demand_policy"  # scales on admission demand
 
 
 class AutoscalingArgs(BaseModel):
@@ -42,13 +43,31 @@ class AutoscalingArgs(BaseModel):
 
     min_replicas: int = Field(1, ge=0, description="Fewest engine replicas.")
     max_replicas: int = Field(1, ge=1, description="Most engine replicas (one per host / accelerator).")
-    target_ongoing_requests: float = Field(8.0, gt=0, description="Requests per replica to aim for.")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="Requests per replica to aim for. With "
+                                           "admission on, requests running plus those queued in the admission "
+                                           "controller count (deployments/admission/autoscaling.py).")
+    upscale_delay_s: float = Field(30.0, ge=0, description="Demand must call for more replicas this long "
+                                                           "before Serve adds one (from zero: at once).")
+    downscale_delay_s: float = Field(600.0, ge=0, description="Demand must call for fewer replicas this long "
+                                                              "before Serve removes one.")
+    look_back_period_s: float = Field(30.0, gt=10.0, description="Demand is averaged over this window (more "
+                                      "than Serve's metrics_interval_s, 10 s: Serve requires it).")
+    metrics_push_interval_s: float = Field(2.0, gt=0, le=60, description="How often each engine replica "
+                                           "pushes its admission demand to Serve's controller (Serve's "
+                                           "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, default 10).")
 
     @model_validator(mode="after")
     def _order(self) -> "AutoscalingArgs":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas} must be <= max_replicas={self.max_replicas}")
         return self
+
+    def serve_config(self, admission: bool) -> dict[str, Any]:
+        """Serve's autoscaling_config; with admission, scaled on its demand (running + queued)."""
+        config: dict[str, Any] = self.model_dump(exclude={"metrics_push_interval_s"})
+        if admission:
+            config["policy"] = {"policy_function": AUTOSCALING_POLICY}
+        return config
 
 
 class ReplicaArgs(BaseModel):
@@ -62,6 +81,10 @@ class ReplicaArgs(BaseModel):
     num_gpus: float = Field(0, ge=0, description="GPUs per replica (1 on an NVIDIA host with mlx[cuda]).")
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="Custom Ray resources per replica, e.g. {'mlx_host': 1}.")
+    max_replicas_per_node: Optional[int] = Field(
+        None, ge=1, description="Engine replicas Serve may place on one node. None: 1 without GPUs (each "
+        "replica claims memory_utilization of the host's memory), unbounded with num_gpus > 0 (one per GPU). "
+        "Replicas sharing a device split its memory in admission (deployments/admission/placement.py).")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests in flight per replica before the "
                                                             "router queues them.")
     max_queued_requests: int = Field(-1, ge=-1, description="Requests queued at the router per replica "
@@ -131,11 +154,21 @@ class AppArgs(BaseModel):
             health_timeout_s=self.health_timeout_s, created=int(time.time()), telemetry=self.telemetry,
         )
 
+    def max_replicas_per_node(self) -> Optional[int]:
+        """One engine replica per node on CPU and Metal hosts (each claims the host's memory); on GPUs
+        num_gpus places them, one per GPU. An explicit replica.max_replicas_per_node wins."""
+        r = self.replica
+        if r.max_replicas_per_node is not None:
+            return r.max_replicas_per_node
+        return 1 if r.num_gpus == 0 else None
+
     def replica_deployment_options(self) -> dict[str, Any]:
         r = self.replica
         threads = str(r.cpu_threads or os.cpu_count() or 1)
-        actor: dict[str, Any] = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "runtime_env": {
-            "env_vars": {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}}}
+        env = {"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+        if self.autoscaling is not None:
+            env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(self.autoscaling.metrics_push_interval_s)
+        actor: dict[str, Any] = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "runtime_env": {"env_vars": env}}
         if r.resources:
             actor["resources"] = dict(r.resources)
         options: dict[str, Any] = dict(
@@ -144,6 +177,8 @@ class AppArgs(BaseModel):
             health_check_timeout_s=r.health_check_timeout_s,
             graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         )
+        if self.max_replicas_per_node() is not None:
+            options["max_replicas_per_node"] = self.max_replicas_per_node()
         if self.admission.enabled:
             options["request_router_config"] = {
                 "request_router_class": ADMISSION_ROUTER,
@@ -151,7 +186,7 @@ class AppArgs(BaseModel):
                                           "admission": self.admission.model_dump()},
             }
         if self.autoscaling is not None:
-            options["autoscaling_config"] = self.autoscaling.model_dump()
+            options["autoscaling_config"] = self.autoscaling.serve_config(self.admission.enabled)
         else:
             options["num_replicas"] = self.num_replicas or 1
         return options

@@ -73,6 +73,8 @@ class ReplicaStats:
     prometheus_url: Optional[str] = None
     cpu_threads: Optional[str] = None  # OPENBLAS_NUM_THREADS of its process (ReplicaArgs.cpu_threads)
     niceness: int = 0  # Ray's worker niceness, as deployments/cluster_env.py sets it
+    node_id: str = ""  # the Ray node it runs on ("": outside Ray)
+    device: str = "host"  # "host" (CPU, Metal: the host's memory) or "gpu:<ids>"
 
 
 # ----------------------------------------------------------------------------- admission
@@ -90,6 +92,8 @@ class ReplicaCapacity:
     transient_bound_bytes: int
     kv_budget_bytes: int
     max_model_len: int
+    node_id: str = ""  # Ray node id ("": unknown, alone on its device)
+    device: str = "host"  # "host" (CPU, Metal) or "gpu:<ids>" (deployments/admission/placement.py)
     # the smallest step that makes progress (the engine sizes every step to the memory KV leaves free, so
     # admission keeps only this beside the KV); 0: an engine that reserves the bound instead
     floor_transient_bytes: int = 0
@@ -151,3 +155,4 @@ class AdmissionDecision:
     reservation: Optional[Reservation] = None
     status_code: int = 200
     retry_after_s: float = 0.0
+    waited_s: float = 0.0  # time in the controller's queue

@@ -83,7 +83,9 @@ def start_app(args: argparse.Namespace) -> str:
     engine = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": 256,
               "prefill_chunk_size": 128, "max_model_len": 2048}
     app_args = {"engine": engine, "num_replicas": args.replicas, "max_tokens_cap": 512,
-                "replica": {"num_cpus": 0.5, "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 2.0},
+                # All replicas on this host (the default is one per node): admission splits its memory.
+                "replica": {"num_cpus": 0.5, "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 2.0,
+                            "max_replicas_per_node": args.replicas},
                 "ingress": {"num_cpus": 0.1},
                 "admission": {"heartbeat_interval_s": 0.5, "replica_timeout_s": 3.0, "queue_timeout_s": 10.0}}
     serve.run(build_app(app_args), name=APP, route_prefix="/")

@@ -12,6 +12,8 @@ empty and rebuilds from the replicas' next heartbeats (deployments/admission/sta
     ingress:  AdmittedReplicaClient.generate(request)
                   reserve(prompt's block hashes: prefix affinity) -> Reservation(replica_id)
                                                     | 400 never fits | 503/429 + Retry-After
+                                                    | no replica registered: wake one (a call waiting at
+                                                      the deployment handle: Serve's cold start), reserve again
                   stream from exactly that replica (target_replica_id, deployments/admission/routing.py)
                   finally: release (idempotent, fire and forget)
     replica:  ReplicaReporter: every heartbeat_interval_s, report(capacity, live requests, peaks,
@@ -41,6 +43,7 @@ from deployments.messages import AdmissionDecision, GenerateOutput, GenerateRequ
     ReplicaStats, Reservation
 from deployments.replica.client import HandleReplicaClient, ReplicaClient
 from deployments.telemetry.metrics import Telemetry
+from deployments.telemetry.observability import admission_span
 
 ControllerTelemetryFactory = Callable[[], Telemetry]  # the controller's own Telemetry, built in its process
 
@@ -48,6 +51,16 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "mlx-serve"
 CALL_TIMEOUT_S = 30.0  # a controller call (besides the wait in the queue) that takes longer is a failure
+
+
+def current_replica_id() -> str:
+    """This Serve replica's id ("" outside Serve)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica
+        return ""
 
 
 def current_app_name() -> str:
@@ -90,9 +103,17 @@ class AdmissionController:
         self._reaper: Optional[asyncio.Task] = None
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      prefix_hashes: tuple[int, ...] = ()) -> AdmissionDecision:
+                      prefix_hashes: tuple[int, ...] = (), client_id: str = "", wait_for_replicas: bool = True,
+                      trace_context: Optional[dict[str, str]] = None) -> AdmissionDecision:
+        """Admit (Admitter.reserve), traced as a "mlx_serve.admission" span under the request's span
+        (`trace_context`): the decision, its reason, the chosen replica and the wait in the queue."""
         self._touch()
-        return await self._admitter.reserve(request_id, num_prompt_tokens, max_tokens, prefix_hashes)
+        with admission_span(self._telemetry, trace_context) as record:
+            decision = await self._admitter.reserve(request_id, num_prompt_tokens, max_tokens, prefix_hashes,
+                                                    client_id, wait_for_replicas)
+            replica_id = decision.reservation.replica_id if decision.reservation is not None else None
+            record(decision.outcome, decision.reason, replica_id, decision.waited_s, decision.message)
+        return decision
 
     async def release(self, request_id: str) -> bool:
         self._touch()
@@ -136,10 +157,12 @@ class AdmissionClient:
     """What the ingress calls; maps decisions to the typed API errors."""
 
     def __init__(self, config: AdmissionConfig, controller_factory: Optional[ControllerTelemetryFactory] = None,
-                 telemetry_factory: Optional[ControllerTelemetryFactory] = None) -> None:
+                 telemetry_factory: Optional[ControllerTelemetryFactory] = None,
+                 client_id: Optional[str] = None) -> None:
         self.config = config
         self._factory = controller_factory or (lambda: get_or_create_controller(config, None, telemetry_factory))
         self._handle: Any = None
+        self.client_id = current_replica_id() if client_id is None else client_id  # this ingress replica
 
     def _controller(self) -> Any:
         if self._handle is None:
@@ -147,9 +170,11 @@ class AdmissionClient:
         return self._handle
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      prefix_hashes: tuple[int, ...] = ()) -> Reservation:
+                      prefix_hashes: tuple[int, ...] = (), trace_context: Optional[dict[str, str]] = None,
+                      wait_for_replicas: bool = True) -> Reservation:
         timeout_s = self.config.queue_timeout_s + CALL_TIMEOUT_S
-        ref = self._controller().reserve.remote(request_id, num_prompt_tokens, max_tokens, prefix_hashes)
+        ref = self._controller().reserve.remote(request_id, num_prompt_tokens, max_tokens, prefix_hashes,
+                                                self.client_id, wait_for_replicas, trace_context)
         try:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands as the result
             # arrives, and the abandoned request then runs to its end.
@@ -218,12 +243,8 @@ class AdmittedReplicaClient:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """Reserve, stream from the chosen replica, release exactly once whatever happens. A replica that
         is gone before the first output is reported and the request admitted again."""
-        num_prompt = len(request.prompt_token_ids)
-        # For prefix affinity: the controller prefers the replica whose cache holds most of these blocks.
-        hashes = block_hashes(request.prompt_token_ids) if self._admission.config.max_prefix_hashes else ()
         for attempt in range(1, self._max_attempts + 1):
-            reservation = await self._admission.reserve(request.request_id, num_prompt,
-                                                        request.sampling.max_tokens, hashes)
+            reservation = await self._reserve(request)
             started = False
             try:
                 targeted = dataclasses.replace(request, target_replica_id=reservation.replica_id)
@@ -240,6 +261,31 @@ class AdmittedReplicaClient:
                                reservation.replica_id, attempt, request.request_id)
             finally:
                 self._admission.release(request.request_id)
+
+    async def _reserve(self, request: GenerateRequest) -> Reservation:
+        """Reserve. With no engine replica registered (scaled to zero, or all starting), make Serve start
+        one first: a call waiting at the deployment handle is the demand Serve's autoscaler sees (a request
+        waiting in the controller is not), and it returns once a replica runs."""
+        # For prefix affinity: the controller prefers the replica whose cache holds most of these blocks.
+        hashes = block_hashes(request.prompt_token_ids) if self._admission.config.max_prefix_hashes else ()
+        args = (request.request_id, len(request.prompt_token_ids), request.sampling.max_tokens, hashes,
+                request.trace_context)
+        try:
+            return await self._admission.reserve(*args, wait_for_replicas=False)
+        except ServiceUnavailableError as e:
+            if e.code != "no_replicas":
+                raise
+        await self.wake()
+        return await self._admission.reserve(*args, wait_for_replicas=True)
+
+    async def wake(self) -> None:
+        """Wait (at most queue_timeout_s) for an engine replica to run; Serve starts one if none does."""
+        timeout_s = self._admission.config.queue_timeout_s
+        try:
+            await self._inner.info(timeout_s)
+        except ServiceUnavailableError:
+            raise ServiceUnavailableError(f"no engine replica started within {timeout_s:g} s", code="no_replicas",
+                                          retry_after_s=self._admission.config.retry_after_s) from None
 
     async def info(self, timeout_s: float) -> ReplicaInfo:
         return await self._inner.info(timeout_s)
@@ -277,6 +323,7 @@ class ReplicaReporter:
         self._handle: Any = None
         self._task: Optional[asyncio.Task] = None
         self.num_reports = 0
+        self.num_waiting = 0  # the controller's queue at the last report (an autoscaling metric)
 
     def ensure_started(self) -> None:
         """Start the loop if it is not running (needs a running event loop; Serve runs `__init__` in one)."""
@@ -300,8 +347,9 @@ class ReplicaReporter:
                 report = dataclasses.replace(report, prefix_hashes=report.prefix_hashes[:bound])
             if self._handle is None:
                 self._handle = self._factory()
-            await asyncio.wait_for(_awaitable(self._handle.report.remote(report)), CALL_TIMEOUT_S)
+            result = await asyncio.wait_for(_awaitable(self._handle.report.remote(report)), CALL_TIMEOUT_S)
             self.num_reports += 1
+            self.num_waiting = int(getattr(result, "num_waiting", 0) or 0)
             return True
         except asyncio.CancelledError:
             raise

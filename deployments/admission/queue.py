@@ -3,9 +3,12 @@
 `reserve` answers at once when a replica has room and nobody waits; otherwise the request waits (FIFO:
 a request never overtakes an older one, as in the engine's scheduler) until a release, a report or a
 reclaim makes room, or until `queue_timeout_s`. Past `max_queue_len` waiters, or on timeout, it is
-rejected with the configured status and Retry-After; a request no replica could ever hold is invalid
-(400) at once. Every state change drains the queue head first. The Ray actor in deployments/admission/actor.py
-is a thin shell around this class, so all of it is unit-tested without Ray.
+rejected with the configured status and a Retry-After computed from the observed drain rate
+(deployments/admission/drain.py); a request no replica could ever hold is invalid (400) at once. With no
+replica registered at all, a caller that asks (`wait_for_replicas=False`) is told so at once
+("no_replicas"), so it can make Serve start one (scale from zero) instead of waiting unseen. Every state
+change drains the queue head first. The Ray actor in deployments/admission/actor.py is a thin shell around
+this class, so all of it is unit-tested without Ray.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
+from deployments.admission.drain import DrainRate, retry_after_s
 from deployments.admission.state import AdmissionConfig, AdmissionLedger, ReplicaView, ReportResult
 from deployments.messages import AdmissionDecision, ReplicaReport, Reservation
 from deployments.telemetry.metrics import Telemetry
@@ -33,6 +37,7 @@ class _Waiter:
     max_tokens: int
     future: asyncio.Future
     prefix_hashes: tuple[int, ...] = ()
+    enqueued_at: float = 0.0
 
 
 @dataclass
@@ -50,6 +55,8 @@ class AdmissionCounters:
     num_peak_exceeded: int = 0
     num_admitted_by_prefix: int = 0  # sent to a replica that reported caching a prefix of the prompt
     num_prefix_blocks_matched: int = 0  # over those, prompt blocks (engine/core/prefix_hash.py) it held
+    num_no_replicas: int = 0  # told "no replica registered" (the caller starts one: scale from zero)
+    num_reserved_by_client: dict[str, int] = field(default_factory=dict)  # ingress replica id -> reserve calls
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class AdmissionStats:
     replicas: tuple[ReplicaView, ...]
     config: AdmissionConfig
     prometheus_url: Optional[str] = None  # where the controller's process serves /metrics (None: nowhere)
+    drain_rate_per_s: Optional[float] = None  # releases per second over drain_window_s (None: none)
 
 
 class Admitter:
@@ -75,12 +83,23 @@ class Admitter:
         self._clock = clock
         self._telemetry = telemetry
         self._waiters: deque[_Waiter] = deque()
+        self._drain = DrainRate(config.drain_window_s, clock())
 
     # --- requests ---------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      prefix_hashes: Sequence[int] = ()) -> AdmissionDecision:
-        """`prefix_hashes`: the prompt's block hashes, for prefix affinity (AdmissionLedger.try_reserve)."""
+                      prefix_hashes: Sequence[int] = (), client_id: str = "",
+                      wait_for_replicas: bool = True) -> AdmissionDecision:
+        """`prefix_hashes`: the prompt's block hashes, for prefix affinity (AdmissionLedger.try_reserve);
+        `client_id`: the calling ingress replica (counted); `wait_for_replicas=False`: with no replica
+        registered, answer "no_replicas" at once instead of queueing."""
         prefix_hashes = tuple(prefix_hashes)
+        by_client = self.counters.num_reserved_by_client
+        by_client[client_id] = by_client.get(client_id, 0) + 1
+        if not wait_for_replicas and self.ledger.num_replicas == 0:
+            self.counters.num_no_replicas += 1
+            self._record("rejected", "no_replicas")
+            return AdmissionDecision("rejected", "no_replicas", "no engine replica is running",
+                                     status_code=503, retry_after_s=self.config.retry_after_s)
         why = self.ledger.never_fits(num_prompt_tokens, max_tokens)
         if why is not None:
             self.counters.num_invalid += 1
@@ -92,9 +111,11 @@ class Admitter:
             if reservation is not None:
                 return self._admitted(reservation, waited=False)
         if len(self._waiters) >= self.config.max_queue_len:
-            return self._rejected("queue_full", f"{len(self._waiters)} requests already wait for room")
+            return self._rejected("queue_full", f"{len(self._waiters)} requests already wait for room",
+                                  num_ahead=len(self._waiters) + 1)
         return await self._wait(_Waiter(request_id, num_prompt_tokens, max_tokens,
-                                        asyncio.get_running_loop().create_future(), prefix_hashes))
+                                        asyncio.get_running_loop().create_future(), prefix_hashes,
+                                        enqueued_at=self._clock()))
 
     async def _wait(self, waiter: _Waiter) -> AdmissionDecision:
         self._waiters.append(waiter)
@@ -104,11 +125,13 @@ class Admitter:
             reservation = await asyncio.wait_for(asyncio.shield(waiter.future), self.config.queue_timeout_s)
         except asyncio.TimeoutError:
             if not waiter.future.done():
+                position = self._position(waiter)
                 waiter.future.cancel()
                 self._remove(waiter)
                 self.drain()  # the head may have changed
                 return self._rejected("queue_timeout", f"no replica had room within "
-                                                       f"{self.config.queue_timeout_s:g} s")
+                                                       f"{self.config.queue_timeout_s:g} s", num_ahead=position,
+                                      waited_s=self._clock() - waiter.enqueued_at)
             reservation = waiter.future.result()
         except asyncio.CancelledError:  # the caller went away: give back what it may have been granted
             if waiter.future.done() and not waiter.future.cancelled():
@@ -120,13 +143,15 @@ class Admitter:
             raise
         if isinstance(reservation, AdmissionDecision):  # the request became impossible while waiting
             return reservation
-        return self._admitted(reservation, waited=True)
+        return self._admitted(reservation, waited=True, waited_s=self._clock() - waiter.enqueued_at)
 
     def release(self, request_id: str) -> bool:
         """Idempotent: True if a reservation was held."""
-        released = self.ledger.release(request_id, self._clock()) is not None
+        now = self._clock()
+        released = self.ledger.release(request_id, now) is not None
         if released:
             self.counters.num_released += 1
+            self._drain.record(now)
             self.drain()
         return released
 
@@ -145,7 +170,7 @@ class Admitter:
             if self._telemetry is not None:
                 self._telemetry.record_peak_exceeded(result.replica_id)
         self.drain()
-        return result
+        return replace(result, num_waiting=self.num_waiting)
 
     def replica_failed(self, replica_id: str) -> int:
         """A caller saw the replica die, or Serve's router dropped it: reclaim now instead of waiting for
@@ -187,6 +212,11 @@ class Admitter:
             self._waiters.popleft()
             head.future.set_result(reservation)
 
+    def _position(self, waiter: _Waiter) -> int:
+        """1 for the head of the queue, counting only live waiters."""
+        live = [w for w in self._waiters if not w.future.done()]
+        return live.index(waiter) + 1 if waiter in live else len(live) + 1
+
     def _remove(self, waiter: _Waiter) -> None:
         try:
             self._waiters.remove(waiter)
@@ -198,7 +228,7 @@ class Admitter:
         return sum(1 for w in self._waiters if not w.future.done())
 
     # --- decisions --------------------------------------------------------------------------------
-    def _admitted(self, reservation: Reservation, waited: bool) -> AdmissionDecision:
+    def _admitted(self, reservation: Reservation, waited: bool, waited_s: float = 0.0) -> AdmissionDecision:
         self.counters.num_admitted += 1
         self.counters.num_admitted_after_wait += waited
         if reservation.num_prefix_blocks:
@@ -206,23 +236,33 @@ class Admitter:
             self.counters.num_prefix_blocks_matched += reservation.num_prefix_blocks
         reason = "after_wait" if waited else "prefix_affinity" if reservation.num_prefix_blocks else "room"
         self._record("admitted", reason)
-        return AdmissionDecision("admitted", reason, reservation=reservation)
+        return AdmissionDecision("admitted", reason, reservation=reservation, waited_s=waited_s)
 
-    def _rejected(self, reason: str, message: str) -> AdmissionDecision:
+    def _rejected(self, reason: str, message: str, num_ahead: int, waited_s: float = 0.0) -> AdmissionDecision:
         self.counters.num_rejected[reason] = self.counters.num_rejected.get(reason, 0) + 1
         self._record("rejected", reason)
         return AdmissionDecision("rejected", reason, f"no engine replica has room: {message}",
-                                 status_code=self.config.reject_status, retry_after_s=self.config.retry_after_s)
+                                 status_code=self.config.reject_status, retry_after_s=self.retry_after_s(num_ahead),
+                                 waited_s=waited_s)
+
+    def retry_after_s(self, num_ahead: int) -> float:
+        """When `num_ahead` requests (the queue ahead, and this one) will have drained at the observed rate."""
+        config = self.config
+        return retry_after_s(num_ahead, self._drain.per_s(self._clock()), config.retry_after_s,
+                             config.max_retry_after_s)
 
     def _record(self, outcome: str, reason: str) -> None:
         if self._telemetry is not None:
             self._telemetry.record_admission(outcome, reason)
 
     def stats(self, prometheus_url: Optional[str] = None) -> AdmissionStats:
-        """A snapshot: counters, queue, and each replica as the model sees it."""
-        replicas = tuple(self.ledger.views(self._clock()))
+        """A snapshot: counters, queue, the drain rate, and each replica as the model sees it."""
+        now = self._clock()
+        replicas = tuple(self.ledger.views(now))
+        counters = replace(self.counters, num_rejected=dict(self.counters.num_rejected),
+                           num_reserved_by_client=dict(self.counters.num_reserved_by_client))
         return AdmissionStats(
             num_replicas=self.ledger.num_replicas, num_reservations=self.ledger.num_reservations,
             num_waiting=self.num_waiting, reserved_kv_bytes=sum(r.reserved_kv_bytes for r in replicas),
-            counters=replace(self.counters, num_rejected=dict(self.counters.num_rejected)),
-            replicas=replicas, config=self.config, prometheus_url=prometheus_url)
+            counters=counters, replicas=replicas, config=self.config, prometheus_url=prometheus_url,
+            drain_rate_per_s=self._drain.per_s(now))

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.core.prefix_hash import MAX_SUMMARY_HASHES, matched_blocks
 
+from deployments.admission.placement import HOST_DEVICE, DeviceKey, device_key, memory_share_bytes
 from deployments.messages import LiveRequest, ReplicaCapacity, ReplicaReport, Reservation
 
 
@@ -56,7 +57,13 @@ class AdmissionConfig(BaseModel):
                                                                         "request is rejected.")
     reject_status: Literal[503, 429] = Field(503, description="HTTP status of a request rejected for lack "
                                                               "of room (with Retry-After).")
-    retry_after_s: float = Field(1.0, gt=0.0, le=3600.0, description="Retry-After of a rejected request.")
+    retry_after_s: float = Field(1.0, gt=0.0, le=3600.0, description="Retry-After of a rejected request "
+                                 "while no request has finished within drain_window_s (no drain rate to go by).")
+    max_retry_after_s: float = Field(60.0, gt=0.0, le=3600.0, description="Largest Retry-After: the one "
+                                     "computed from the drain rate (requests ahead / releases per second) is "
+                                     "capped here.")
+    drain_window_s: float = Field(30.0, gt=0.0, le=3600.0, description="Releases of the last this many "
+                                  "seconds give the drain rate behind Retry-After.")
     heartbeat_interval_s: float = Field(1.0, gt=0.0, le=60.0, description="Seconds between the replicas' "
                                                                           "reports to the controller.")
     replica_timeout_s: float = Field(10.0, gt=0.0, le=600.0, description="A replica silent this long is "
@@ -77,6 +84,9 @@ class AdmissionConfig(BaseModel):
         if self.replica_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ValueError(f"replica_timeout_s={self.replica_timeout_s} must be > 2 x "
                              f"heartbeat_interval_s={self.heartbeat_interval_s}")
+        if self.retry_after_s > self.max_retry_after_s:
+            raise ValueError(f"retry_after_s={self.retry_after_s} must be <= "
+                             f"max_retry_after_s={self.max_retry_after_s}")
         return self
 
 
@@ -89,6 +99,7 @@ class ReportResult:
     peak_exceeded: bool  # the measured transient went over the modelled bound further than before
     excess_bytes: int
     ignored: bool = False  # an unhealthy replica, or one reported gone (dropped, not registered)
+    num_waiting: int = 0  # requests in the controller's queue (the replica's autoscaling metric)
 
 
 @dataclass
@@ -120,19 +131,21 @@ class _Replica:
     def queued_tokens(self) -> int:
         return sum(e.reservation.num_tokens for e in self.entries.values())
 
-    def kv_limit_bytes(self, headroom: float) -> int:
-        """KV this replica may hold in all: the modelled room, never more than the engine's budget."""
+    def kv_limit_bytes(self, headroom: float, num_on_device: int = 1) -> int:
+        """KV this replica may hold in all: the modelled room within its share of the device, never more
+        than the engine's budget."""
         c = self.capacity
-        modelled = int(c.memory_limit_bytes * headroom) - self.excess_bytes - c.weights_bytes \
-            - c.reserved_transient_bytes
+        share = memory_share_bytes(c.memory_limit_bytes, num_on_device)
+        modelled = int(share * headroom) - self.excess_bytes - c.weights_bytes - c.reserved_transient_bytes
         return min(modelled, c.kv_budget_bytes)
 
-    def live_headroom_bytes(self, headroom: float, extra_kv_bytes: int = 0) -> int:
+    def live_headroom_bytes(self, headroom: float, extra_kv_bytes: int = 0, num_on_device: int = 1) -> int:
         """Memory free beside the KV (the engine's pool, or the ledger's reservations plus
-        `extra_kv_bytes` where larger) and the transient of the replica's last step."""
+        `extra_kv_bytes` where larger) and the transient of the replica's last step, within its share."""
         c = self.capacity
         kv = max(self.kv_allocated_bytes, self.reserved_bytes + extra_kv_bytes)
-        return int(c.memory_limit_bytes * headroom) - self.excess_bytes - c.weights_bytes - kv \
+        share = memory_share_bytes(c.memory_limit_bytes, num_on_device)
+        return int(share * headroom) - self.excess_bytes - c.weights_bytes - kv \
             - max(self.planned_transient_bytes, c.reserved_transient_bytes)
 
 
@@ -158,6 +171,16 @@ class ReplicaView:
     seconds_since_report: float
     request_ids: tuple[str, ...]
     num_prefix_hashes: int = 0
+    node_id: str = ""
+    device: str = HOST_DEVICE
+    num_on_device: int = 1  # engine replicas on its device (node, GPU) sharing its memory
+    memory_share_bytes: int = 0  # its share of the device: memory_limit_bytes / num_on_device
+    reserved_transient_bytes: int = 0  # the transient kept beside the KV (the floor step, else the bound)
+
+
+def _device_of(replica: _Replica) -> DeviceKey:
+    c = replica.capacity
+    return device_key(c.replica_id, c.node_id, c.device)
 
 
 class AdmissionLedger:
@@ -183,13 +206,24 @@ class AdmissionLedger:
                     f"max_model_len={max(lens)}")
         fits = [r for r in self._replicas.values() if total <= r.capacity.max_model_len
                 and r.capacity.reservation_bytes(num_prompt_tokens, max_tokens)
-                <= r.kv_limit_bytes(self.config.headroom)]
+                <= self._kv_limit(r)]
         if not fits:
             need = max(r.capacity.reservation_bytes(num_prompt_tokens, max_tokens)
                        for r in self._replicas.values())
-            room = max(r.kv_limit_bytes(self.config.headroom) for r in self._replicas.values())
+            room = max(self._kv_limit(r) for r in self._replicas.values())
             return f"request needs {need} bytes of KV, more than any replica can hold ({room} bytes)"
         return None
+
+    def num_on_device(self, key: DeviceKey) -> int:
+        """Replicas registered on one device (node and GPU): they split its memory."""
+        return sum(1 for r in self._replicas.values() if _device_of(r) == key)
+
+    def _kv_limit(self, replica: _Replica) -> int:
+        return replica.kv_limit_bytes(self.config.headroom, self.num_on_device(_device_of(replica)))
+
+    def _live_headroom(self, replica: _Replica, extra_kv_bytes: int) -> int:
+        return replica.live_headroom_bytes(self.config.headroom, extra_kv_bytes,
+                                           self.num_on_device(_device_of(replica)))
 
     def get(self, request_id: str) -> Optional[Reservation]:
         replica_id = self._owner.get(request_id)
@@ -211,7 +245,7 @@ class AdmissionLedger:
             if num_prompt_tokens + max_tokens > capacity.max_model_len:
                 continue
             need = capacity.reservation_bytes(num_prompt_tokens, max_tokens)
-            room = replica.kv_limit_bytes(self.config.headroom) - replica.reserved_bytes - need
+            room = self._kv_limit(replica) - replica.reserved_bytes - need
             if room >= 0:
                 blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
                 candidates.append((replica_id, room, blocks))
@@ -223,7 +257,7 @@ class AdmissionLedger:
         limit = least + self.config.prefix_max_imbalance
         best_id, _, best_blocks = min(candidates, key=lambda c: (
             -c[2] if len(self._replicas[c[0]].entries) <= limit else 0,  # longest cached prefix
-            -c[1], -self._replicas[c[0]].live_headroom_bytes(self.config.headroom, need),  # then most room,
+            -c[1], -self._live_headroom(self._replicas[c[0]], need),  # then most room,
             self._replicas[c[0]].queued_tokens, c[0]))  # most live headroom, fewest queued tokens
         if len(self._replicas[best_id].entries) > limit:
             best_blocks = 0
@@ -334,16 +368,19 @@ class AdmissionLedger:
         return len(self._owner)
 
     def views(self, now: float) -> list[ReplicaView]:
+        shared = {i: self.num_on_device(_device_of(r)) for i, r in self._replicas.items()}
         headroom = self.config.headroom
         return [ReplicaView(
             replica_id=i, num_reservations=len(r.entries), reserved_kv_bytes=r.reserved_bytes,
-            kv_limit_bytes=r.kv_limit_bytes(headroom), queued_tokens=r.queued_tokens,
+            kv_limit_bytes=self._kv_limit(r), queued_tokens=r.queued_tokens,
             memory_limit_bytes=r.capacity.memory_limit_bytes, weights_bytes=r.capacity.weights_bytes,
             transient_bound_bytes=r.capacity.transient_bound_bytes,
             max_measured_transient_bytes=r.max_measured_transient_bytes, excess_bytes=r.excess_bytes,
-            live_headroom_bytes=r.live_headroom_bytes(headroom),
+            live_headroom_bytes=r.live_headroom_bytes(headroom, num_on_device=shared[i]),
             peak_exceeded=r.excess_bytes > 0, num_peak_exceeded=r.num_peak_exceeded,
             engine_kv_reserved_bytes=r.engine_kv_reserved_bytes, engine_kv_used_bytes=r.engine_kv_used_bytes,
             seconds_since_report=now - r.last_seen, request_ids=tuple(sorted(r.entries)),
-            num_prefix_hashes=len(r.prefix_hashes),
+            num_prefix_hashes=len(r.prefix_hashes), node_id=r.capacity.node_id, device=r.capacity.device,
+            num_on_device=shared[i], memory_share_bytes=memory_share_bytes(r.capacity.memory_limit_bytes, shared[i]),
+            reserved_transient_bytes=r.capacity.reserved_transient_bytes,
         ) for i, r in sorted(self._replicas.items())]

@@ -25,6 +25,8 @@ from typing import Optional, Protocol, Union
 from engine import EngineConfig, EngineStats, RequestOutput
 from engine.core.prefix_hash import MAX_SUMMARY_HASHES, summarize
 
+from deployments.admission.autoscaling import QUEUED_METRIC, RUNNING_METRIC
+from deployments.admission.placement import HOST_DEVICE, device_label
 from deployments.engine_client import EngineClient, EngineFactory, default_engine_factory
 from deployments.errors import BadRequestError, EngineError, ServiceUnavailableError
 from deployments.messages import (AbortRequest, GenerateOutput, GenerateRequest, LiveRequest, ReplicaCapacity,
@@ -46,8 +48,25 @@ class Reporter(Protocol):
 
     def stop(self, replica_id: Optional[str] = None) -> None: ...
 
+    @property
+    def num_waiting(self) -> int: ...  # the controller's queue at the last heartbeat (autoscaling)
+
 
 ReporterFactory = Callable[[Callable[[], ReplicaReport]], Reporter]  # report_fn -> started reporter
+
+
+def current_placement() -> tuple[str, str]:
+    """(Ray node id, device) of this process: `gpu:<ids>` with GPUs assigned by Ray, else `host`;
+    ("", "host") outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return "", HOST_DEVICE
+        context = ray.get_runtime_context()
+        return context.get_node_id(), device_label(context.get_accelerator_ids().get("GPU", []))
+    except Exception:  # not in a Ray worker
+        return "", HOST_DEVICE
 
 
 def default_replica_id() -> str:
@@ -74,6 +93,7 @@ class EngineReplica:
     ) -> None:
         config = EngineConfig.model_validate(engine_config)
         self._replica_id = replica_id or default_replica_id()
+        self._node_id, self._device = current_placement()  # reported: admission splits a shared device
         self._engine: EngineClient = (engine_factory or default_engine_factory)(config)
         telemetry_config = TelemetryConfig.model_validate(telemetry or {"exporter": "none"})
         self._telemetry = (telemetry_factory or process_telemetry)(telemetry_config, "replica")
@@ -164,6 +184,7 @@ class EngineReplica:
     def stats(self) -> ReplicaStats:
         return ReplicaStats(
             replica_id=self._replica_id, engine=self._engine.stats(), prometheus_url=self._telemetry.prometheus_url,
+            node_id=self._node_id, device=self._device,
             cpu_threads=os.environ.get("OPENBLAS_NUM_THREADS"),  # ReplicaArgs.cpu_threads, as set
             niceness=os.nice(0))  # Ray's worker niceness (deployments/cluster_env.py)
 
@@ -172,7 +193,13 @@ class EngineReplica:
         reporter keeps the first max_prefix_hashes) for the admission controller."""
         prefix_hashes = summarize(self._engine.prefix_block_hash_chains(), MAX_SUMMARY_HASHES)
         return build_report(self._replica_id, self._engine.stats(), self._live, self._engine.is_healthy(),
-                            prefix_hashes)
+                            prefix_hashes, self._node_id, self._device)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's replica-reported autoscaling metrics: the admission demand this replica sees
+        (deployments/admission/autoscaling.py): requests it holds, and the controller's queue."""
+        queued = self._reporter.num_waiting if self._reporter is not None else 0
+        return {RUNNING_METRIC: float(len(self._live)), QUEUED_METRIC: float(queued)}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""
@@ -201,13 +228,15 @@ class EngineReplica:
 
 
 def build_report(replica_id: str, stats: EngineStats, live: Mapping[str, GenerateRequest], healthy: bool,
-                 prefix_hashes: tuple[int, ...]) -> ReplicaReport:
-    """A replica's report: its engine's capacity, the requests it holds and its prefix-cache summary."""
+                 prefix_hashes: tuple[int, ...], node_id: str = "", device: str = HOST_DEVICE) -> ReplicaReport:
+    """A replica's report: its engine's capacity, where it runs (node, device: admission splits a device's
+    memory between the replicas on it), the requests it holds and its prefix-cache summary."""
     capacity = ReplicaCapacity(
         replica_id, memory_limit_bytes=stats.memory_limit_bytes, weights_bytes=stats.weights_bytes,
         kv_bytes_per_token=stats.kv_bytes_per_token, kv_cache_step=stats.kv_cache_step,
         transient_bound_bytes=stats.transient_bound_bytes, kv_budget_bytes=stats.kv_budget_bytes,
-        max_model_len=stats.max_model_len, floor_transient_bytes=stats.floor_transient_bytes)
+        max_model_len=stats.max_model_len, floor_transient_bytes=stats.floor_transient_bytes, node_id=node_id,
+        device=device)
     requests = []
     for request_id, request in live.items():
         num_prompt, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens

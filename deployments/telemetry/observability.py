@@ -29,6 +29,7 @@ from typing import Optional
 from opentelemetry.trace import Status, StatusCode
 
 from deployments.telemetry.metrics import Telemetry, TelemetryConfig
+from deployments.telemetry.names import REPLICA
 
 logger = logging.getLogger(__name__)
 serve_logger = logging.getLogger("ray.serve")  # Serve shows this logger's records in `serve run` and replica logs
@@ -112,23 +113,31 @@ def admission_telemetry_factory(config: TelemetryConfig) -> Callable[[], Telemet
 
 @contextlib.contextmanager
 def admission_span(telemetry: Optional[Telemetry], trace_context: Optional[dict[str, str]],
-                   count: bool = False) -> Iterator[Callable[[str, str], None]]:
-    """Hook for admission: a "mlx_serve.admission" span, child of the request's server span (from the
-    GenerateRequest's carrier), around `reserve`; call the yielded `record(outcome, reason)` with the
-    decision. count=True also counts it (mlx_serve.admission.decisions), for a caller whose Admitter has
-    no telemetry of its own.
+                   count: bool = False) -> Iterator[Callable[..., None]]:
+    """A "mlx_serve.admission" span, child of the request's server span (from the GenerateRequest's
+    carrier), around a reserve (reserve, wait in the queue, admit or refuse); call the yielded
+    `record(outcome, reason, replica_id=None, waited_s=None, message=None)` with the decision. The
+    admission controller does (deployments/admission/actor.py). count=True also counts it
+    (mlx_serve.admission.decisions), for a caller whose Admitter has no telemetry of its own.
 
-        with admission_span(telemetry, request.trace_context) as record:
-            decision = await controller.reserve(...)
-            record(decision.outcome, decision.reason)
+        with admission_span(telemetry, trace_context) as record:
+            decision = await admitter.reserve(...)
+            record(decision.outcome, decision.reason, replica_id, decision.waited_s, decision.message)
     """
     if telemetry is None:
-        yield lambda outcome, reason: None
+        yield lambda *args, **kwargs: None
         return
     span = telemetry.tracer.start_span("mlx_serve.admission", context=telemetry.extract(trace_context))
 
-    def record(outcome: str, reason: str) -> None:
+    def record(outcome: str, reason: str, replica_id: Optional[str] = None, waited_s: Optional[float] = None,
+               message: Optional[str] = None) -> None:
         span.set_attributes({"mlx_serve.admission.outcome": outcome, "mlx_serve.admission.reason": reason})
+        if replica_id is not None:
+            span.set_attribute(REPLICA, replica_id)
+        if waited_s is not None:
+            span.set_attribute("mlx_serve.admission.wait_s", waited_s)
+        if outcome != "admitted":
+            span.set_status(Status(StatusCode.ERROR, f"{reason}: {message}" if message else reason))
         if count:
             telemetry.record_admission(outcome, reason)  # type: ignore[arg-type]
 

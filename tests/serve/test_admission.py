@@ -1,6 +1,7 @@
 """Cluster-level admission on a real two-node Ray cluster (ray.cluster_utils.Cluster), tiny model.
 
-Each node has one `engine_slot`, so one engine replica lands per node. The replicas' memory limit is set
+Two ingress replicas share the one admission controller; the two engine replicas land one per node by
+build_app's default placement (`max_replicas_per_node: 1` without GPUs). The replicas' memory limit is set
 so that each holds KV for ROOM_STEPS cache steps beside its weights and floor step: a handful of
 requests. The session's plain `ray.init` cluster (conftest) is stopped first and restarted by the next
 module that needs it. The module takes about a minute on 2 cores; the tests run in order and share it.
@@ -32,10 +33,11 @@ ROOM_STEPS = 6.5  # KV room per replica, in cache steps (256 tokens)
 ENGINE = {"model": MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 256, "prefill_chunk_size": 128,
           "max_model_len": 2048}
 ADMISSION = {"headroom": HEADROOM, "heartbeat_interval_s": 0.25, "replica_timeout_s": 3.0, "max_queue_len": 2,
-             "queue_timeout_s": 90.0, "retry_after_s": 2.0}
+             "queue_timeout_s": 90.0, "retry_after_s": 30.0, "drain_window_s": 600.0}  # 30 s: before any release
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+LOCAL_ROUTING_ENV = "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"
 
 
 def free_port() -> int:
@@ -68,7 +70,11 @@ def cluster(local_ray):
     local_ray.stop()  # one Ray per process: the shared cluster goes, the next module restarts it
     limit, step_bytes = memory_limit_bytes()
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
-    node = {"num_cpus": 1, "resources": {"engine_slot": 1}, "object_store_memory": 100 << 20}
+    # The proxy (head node only) would send every HTTP request to the ingress replica on its own node;
+    # this module sends its bursts through both ingress replicas.
+    saved_env = os.environ.get(LOCAL_ROUTING_ENV)
+    os.environ[LOCAL_ROUTING_ENV] = "0"
+    node = {"num_cpus": 1, "object_store_memory": 100 << 20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     cluster.add_node(**node)
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
@@ -76,8 +82,8 @@ def cluster(local_ray):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
     args = {"engine": {**ENGINE, "memory_limit_bytes": limit}, "num_replicas": 2, "admission": ADMISSION,
-            "replica": {"num_cpus": 0.25, "resources": {"engine_slot": 1}, "health_check_period_s": 2.0},
-            "ingress": {"num_cpus": 0.1}, "max_tokens_cap": 2000}
+            "replica": {"num_cpus": 0.25, "health_check_period_s": 2.0},
+            "ingress": {"num_cpus": 0.1, "num_replicas": 2}, "max_tokens_cap": 2000}
     serve.run(build_app(args), name=APP, route_prefix="/")
     try:
         yield {"url": f"http://127.0.0.1:{port}", "step_bytes": step_bytes}
@@ -86,20 +92,24 @@ def cluster(local_ray):
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        if saved_env is None:
+            os.environ.pop(LOCAL_ROUTING_ENV, None)
+        else:
+            os.environ[LOCAL_ROUTING_ENV] = saved_env
 
 
-def controller():
+def controller(app: str = APP):
     import ray
 
     [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{APP}.")]
+               if a["namespace"] == NAMESPACE and a["name"].startswith(f"mlx-admission.{app}.")]
     return named_actor(actor["name"], NAMESPACE)
 
 
-def stats() -> AdmissionStats:
+def stats(app: str = APP) -> AdmissionStats:
     import ray
 
-    return ray.get(controller().stats.remote(), timeout=30)
+    return ray.get(controller(app).stats.remote(), timeout=30)
 
 
 def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
@@ -169,10 +179,119 @@ def test_replica_reports_its_cache_most_recent_first_within_the_bound():
     assert sent[0].prefix_hashes == (newest + oldest)[:5]
 
 
+async def test_replica_reports_admission_demand_to_serve():
+    """No cluster: EngineReplica.record_autoscaling_stats (Serve's replica-reported metrics) gives the
+    requests it holds and the controller's queue as its last heartbeat's answer said."""
+    from deployments.admission.actor import ReplicaReporter
+    from deployments.admission.autoscaling import QUEUED_METRIC, RUNNING_METRIC
+    from deployments.admission.state import AdmissionConfig, ReportResult
+    from deployments.messages import GenerateRequest
+    from deployments.replica.replica import EngineReplica
+    from engine.config import EngineConfig
+    from engine.core.types import SamplingParams
+    from serve_fakes import FakeEngine
+
+    class Controller:
+        class report:
+            @staticmethod
+            def remote(report):
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(ReportResult(report.capacity.replica_id, True, 0, 0, False, 0, num_waiting=3))
+                return future
+
+        class replica_failed:
+            @staticmethod
+            def remote(replica_id):
+                return None
+
+    reporters = []
+
+    def reporter_factory(report_fn):
+        reporters.append(ReplicaReporter(AdmissionConfig(), report_fn, controller_factory=Controller))
+        return reporters[-1]
+
+    engine = FakeEngine(EngineConfig(model=MODEL, max_model_len=128))
+    replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0",
+                            reporter_factory=reporter_factory)
+    assert await replica.record_autoscaling_stats() == {RUNNING_METRIC: 0.0, QUEUED_METRIC: 0.0}
+    assert await reporters[0].send_once()
+    stream = replica.generate(GenerateRequest("q", [1, 2], SamplingParams(max_tokens=50)))
+    await stream.__anext__()
+    assert await replica.record_autoscaling_stats() == {RUNNING_METRIC: 1.0, QUEUED_METRIC: 3.0}
+    await stream.aclose()
+    assert (await replica.record_autoscaling_stats())[RUNNING_METRIC] == 0.0
+    replica.shutdown()
+
+
+async def test_admission_is_traced_under_the_request_span():
+    """No cluster: the real ingress, controller class and replica in one process, one in-memory Telemetry;
+    the controller's "mlx_serve.admission" span is a child of the ingress's server span (the carrier travels
+    with reserve, as through Ray), with the decision, the replica chosen and the wait."""
+    from deployments.admission.actor import AdmissionClient, AdmissionController, AdmittedReplicaClient, \
+        ReplicaReporter
+    from deployments.admission.state import AdmissionConfig
+    from deployments.ingress.ingress import IngressSettings, OpenAIIngress
+    from deployments.replica.replica import EngineReplica
+    from deployments.telemetry.metrics import Telemetry
+    from engine.config import EngineConfig
+    from serve_fakes import FakeEngine, LocalReplicaClient
+
+    telemetry = Telemetry.for_testing()
+    config = AdmissionConfig(heartbeat_interval_s=0.1, replica_timeout_s=1.0, idle_shutdown_s=0)
+    actor = AdmissionController(config, telemetry_factory=lambda: telemetry)
+
+    class Remote:  # a controller method as a Ray actor handle's, awaitable
+        def __init__(self, method) -> None:
+            self._method = method
+
+        def remote(self, *args):
+            try:
+                return asyncio.get_running_loop().create_task(self._method(*args))
+            except RuntimeError:  # the replica's __del__, after the test's loop: nothing to tell
+                return None
+
+    class Controller:
+        reserve, release, report = Remote(actor.reserve), Remote(actor.release), Remote(actor.report)
+        replica_failed = Remote(actor.replica_failed)
+
+    engine = FakeEngine(EngineConfig(model=MODEL, max_model_len=128))
+    reporters = []
+
+    def reporter_factory(report_fn):
+        reporters.append(ReplicaReporter(config, report_fn, controller_factory=Controller))
+        return reporters[-1]
+
+    def client_factory(replica_):
+        admission = AdmissionClient(config, controller_factory=Controller, client_id="ingress-0")
+        return AdmittedReplicaClient(LocalReplicaClient(replica_), admission)
+
+    replica = EngineReplica(engine.config, engine_factory=lambda cfg: engine, replica_id="r0",
+                            telemetry_factory=lambda cfg, role: telemetry, reporter_factory=reporter_factory)
+    ingress = OpenAIIngress(replica, IngressSettings(engine=engine.config), client_factory=client_factory,
+                            telemetry_factory=lambda cfg, role: telemetry)
+    assert await reporters[0].send_once()  # the replica registers
+    response = await ingress.completions({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
+    replica.shutdown()
+    spans = telemetry.span_exporters[0].get_finished_spans()
+    [server] = [s for s in spans if s.attributes.get("gen_ai.response.id") == response.id]
+    [admission] = [s for s in spans if s.name == "mlx_serve.admission"]
+    assert admission.parent.span_id == server.context.span_id
+    assert admission.context.trace_id == server.context.trace_id
+    assert dict(admission.attributes) == {"mlx_serve.admission.outcome": "admitted",
+                                          "mlx_serve.admission.reason": "room", "replica": "r0",
+                                          "mlx_serve.admission.wait_s": 0.0}
+    assert server.start_time <= admission.start_time <= admission.end_time <= server.end_time
+
+
 def test_registered_replicas_and_never_fits(cluster):
+    import ray
+
     s = wait_for(lambda: (lambda s: s if s.num_replicas == 2 else None)(stats()), what="2 replicas")
     for replica in s.replicas:
         assert replica.kv_limit_bytes // cluster["step_bytes"] == int(ROOM_STEPS)
+    # One engine replica per node (max_replicas_per_node: 1), each alone on its host's memory.
+    assert {r.node_id for r in s.replicas} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert all(r.device == "host" and r.num_on_device == 1 for r in s.replicas)
     r = post(cluster["url"], 10, 1900)  # 1909 tokens: 8 steps, more than any replica's 6.5
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "never_fits"
@@ -206,17 +325,23 @@ def test_burst_beyond_capacity(cluster):
     assert len(ok) >= 6 and len(rejected) >= 1, [r.status_code for r in responses]
     assert all(r.json()["usage"]["completion_tokens"] == 100 for r in ok)
     for r in rejected:
-        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        assert r.status_code == 503 and 1 <= int(r.headers["retry-after"]) <= 60, r.text
         assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["code"] == "queue_full"
     for s in samples:  # the model never admits past a replica's room, nor past the engine's own budget
         for replica in s.replicas:
             assert replica.reserved_kv_bytes <= replica.kv_limit_bytes
             assert replica.num_reservations <= 3
             assert replica.engine_kv_reserved_bytes <= replica.kv_limit_bytes
+            # weights + reserved KV + the transient kept beside it within the replica's limit (its host's)
+            assert replica.weights_bytes + replica.reserved_kv_bytes + replica.reserved_transient_bytes \
+                <= replica.memory_share_bytes * HEADROOM
+    assert len({r.node_id for r in samples[-1].replicas}) == 2  # the two engine replicas: two nodes
     after = wait_for(lambda: (lambda s: s if s.num_reservations == 0 else None)(stats()), what="all released")
     assert {r.replica_id for r in after.replicas} == before  # no replica died
     counters = after.counters
     assert counters.num_rejected.get("queue_full", 0) == len(rejected) and counters.num_queued >= 2
+    ingresses = {client for client, n in counters.num_reserved_by_client.items() if client and n}
+    assert len(ingresses) == 2, counters.num_reserved_by_client  # both ingress replicas, one controller
     print(f"burst of {len(responses)}: {len(ok)} completed ({counters.num_admitted_after_wait} after waiting "
           f"in the queue), {len(rejected)} rejected with 503")
     for replica in after.replicas:
@@ -269,6 +394,67 @@ def test_disconnect_while_queued_never_reaches_the_engine(cluster):
     after = wait_for(lambda: (lambda s: s if s.num_reservations == 0 else None)(stats()), what="all released")
     assert after.counters.num_admitted_after_wait == before.num_admitted_after_wait
     assert after.counters.num_admitted == before.num_admitted
+
+
+def test_retry_after_follows_the_drain_rate(cluster):
+    """Both replicas full, the queue full: a further request is refused at once with the Retry-After the
+    controller computes from its drain rate, (queue + itself) / releases per second, over HTTP and over
+    the handle; earlier tests' releases give the rate."""
+    from ray import serve
+
+    from deployments.ingress.schemas import CompletionRequest
+
+    url = cluster["url"]
+    wait_for(lambda: stats().num_reservations == 0, what="an idle cluster")
+    for i in range(2):  # releases, so there is a rate however this test is run
+        assert post(url, 10, 2).status_code == 200
+
+    def expected(rate: float) -> int:
+        return int(min(60, max(1, math.ceil((ADMISSION["max_queue_len"] + 1) / rate))))
+
+    with httpx.Client(timeout=60) as http:
+        streams = [http.stream("POST", f"{url}/v1/completions", json=body(10, 1500, stream=True, offset=700 + i))
+                   for i in range(2)]  # 6 of each replica's 6.5 steps
+        responses = [s.__enter__() for s in streams]
+        lines = [r.iter_lines() for r in responses]
+        try:
+            for it in lines:
+                next(it)
+
+            async def queue_and_refuse() -> tuple[httpx.Response, BaseException, float, float]:
+                async with httpx.AsyncClient(timeout=10) as client:
+                    queued = [asyncio.create_task(client.post(f"{url}/v1/completions",
+                                                              json=body(10, 8, offset=800 + i)))
+                              for i in range(ADMISSION["max_queue_len"])]
+                    await asyncio.to_thread(wait_for, lambda: stats().num_waiting == ADMISSION["max_queue_len"],
+                                            what="a full queue")
+                    before = stats().drain_rate_per_s
+                    refused = await client.post(f"{url}/v1/completions", json=body(10, 8, offset=900))
+                    request = CompletionRequest(model=MODEL, prompt=list(range(950, 960)), max_tokens=8)
+                    try:
+                        await serve.get_app_handle(APP).completions.remote(request)
+                        raised: BaseException = AssertionError("the handle call was admitted")
+                    except Exception as e:  # noqa: BLE001 - checked below
+                        raised = e
+                    after = stats().drain_rate_per_s
+                    for task in queued:
+                        task.cancel()
+                    await asyncio.gather(*queued, return_exceptions=True)
+                    return refused, raised, before, after
+
+            refused, raised, before, after = asyncio.run(queue_and_refuse())
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    allowed = {expected(before), expected(after)}  # the rate moves a little as the clock runs
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full", refused.text
+    assert int(refused.headers["retry-after"]) in allowed, (refused.headers["retry-after"], before, after)
+    assert isinstance(raised, ServiceUnavailableError) and raised.code == "queue_full", repr(raised)
+    assert round(raised.retry_after_s) in allowed
+    assert raised.headers()["Retry-After"] == str(round(raised.retry_after_s))
+    print(f"Retry-After {refused.headers['retry-after']} s at {before:.3f} releases/s (configured fallback "
+          f"{ADMISSION['retry_after_s']:g} s)")
+    wait_for(lambda: stats().num_reservations == 0 and stats().num_waiting == 0, what="all released")
 
 
 class _Raced(Exception):
@@ -453,3 +639,70 @@ def test_replica_killed_frees_its_reservations(cluster):
     moved = [post(url, 10, 8) for _ in range(3)]
     assert all(m.status_code == 200 for m in moved), [m.text for m in moved]
     assert victim not in {m.headers["x-replica-id"] for m in moved}
+
+
+def engine_replicas_running(app: str) -> int:
+    from ray import serve
+
+    deployment = serve.status().applications[app].deployments["EngineReplica"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def test_autoscaling_on_admission_demand_from_zero_up_and_down(cluster):
+    """An app with min_replicas: 0 starts with no engine replica. A request is served once one starts;
+    requests queued in the admission controller (no room) bring a second replica; idle, the app goes back
+    to zero; and a request then, at an ingress that has seen replicas before, wakes one again."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app, prefix = "adm0", "/zero"
+    zero_url = cluster["url"] + prefix
+    limit = memory_limit_bytes()[0]
+    args = {"engine": {**ENGINE, "memory_limit_bytes": limit}, "num_replicas": None,
+            "autoscaling": {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 4, "upscale_delay_s": 0,
+                            "downscale_delay_s": 3, "look_back_period_s": 12, "metrics_push_interval_s": 0.5},
+            "admission": {**ADMISSION, "queue_timeout_s": 120.0, "max_queue_len": 8},
+            "replica": {"num_cpus": 0.25, "health_check_period_s": 2.0}, "telemetry": {"exporter": "none"},
+            "ingress": {"num_cpus": 0.1}, "max_tokens_cap": 2000}
+    serve.run(build_app(args), name=app, route_prefix=prefix)
+    try:
+        assert engine_replicas_running(app) == 0
+        first = httpx.post(f"{zero_url}/v1/completions", json=body(10, 4), timeout=180)
+        assert first.status_code == 200, first.text  # Serve started a replica for it (cold start)
+        assert engine_replicas_running(app) == 1
+
+        # Three requests of 6 steps each: one fits a replica; the others queue in the controller.
+        seen: list[int] = []
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=180) as http:
+                async def sample() -> None:
+                    while True:
+                        seen.append(await asyncio.to_thread(engine_replicas_running, app))
+                        await asyncio.sleep(0.2)
+
+                sampler = asyncio.create_task(sample())
+                try:
+                    return await asyncio.gather(*(http.post(f"{zero_url}/v1/completions",
+                                                            json=body(10, 1500, offset=1000 + 10 * i))
+                                                  for i in range(3)))
+                finally:
+                    sampler.cancel()
+
+        responses = asyncio.run(burst())
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        assert max(seen) == 2, seen  # the queue brought a second replica
+
+        deadline = time.monotonic() + 90
+        while engine_replicas_running(app) > 0:  # idle: back to zero
+            assert time.monotonic() < deadline, "the idle app did not scale to zero"
+            time.sleep(0.5)
+        woken = stats(app).counters.num_no_replicas
+        again = httpx.post(f"{zero_url}/v1/completions", json=body(10, 4, offset=2000), timeout=180)
+        assert again.status_code == 200, again.text
+        # The ingress knew replicas (its cached info needs no call): told "no replicas", it woke one.
+        assert stats(app).counters.num_no_replicas > woken
+        print(f"replicas seen during the burst: {sorted(set(seen))}")
+    finally:
+        serve.delete(app)

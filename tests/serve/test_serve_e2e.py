@@ -29,7 +29,8 @@ ENGINE = {"model": MODEL, "max_num_seqs": 4, "max_num_batched_tokens": 256, "pre
 APP_ARGS = {
     "engine": ENGINE,
     "num_replicas": 2,
-    "replica": {"num_cpus": 0.5, "health_check_period_s": 2.0},
+    # Both on this one node (the default is one per node); admission gives each half of the limit.
+    "replica": {"num_cpus": 0.5, "health_check_period_s": 2.0, "max_replicas_per_node": 2},
     "ingress": {"num_cpus": 0.1},
     "max_n": 2,
     "max_tokens_cap": 2000,
