@@ -118,8 +118,8 @@ def window_of(layout: ModelLayout) -> Optional[int]:
 
 
 def dequantize_on_cpu(model: Any) -> bool:
-    """Dequantize a quantized model's layers in place (MLX's CPU quantized matmuls are slow: DESIGN.md
-    measured 8.6 tok/s from 4-bit weights against 142 dequantized); returns whether it was quantized.
+    """Dequantize a quantized model's layers in place (MLX's CPU quantized matmuls are many times slower
+    than float ones); returns whether it was quantized.
     Logged, since the weights then take their float size in memory."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
