@@ -14,21 +14,9 @@ A set for CUDA depends on how many operations MLX batches per committed CUDA gra
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Protocol
+from typing import Optional
 
-
-class ShapeDims(Protocol):
-    """The dimensions a shape calibration is keyed by (model.ModelShape has them; model.py imports this
-    module, so this one names the fields instead of importing it)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    dtype_bytes: int
+from engine.core.memory.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -146,7 +134,7 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
     return replace(base, **values)
 
 
-def shape_key(shape: ShapeDims) -> tuple:
+def shape_key(shape: ModelShape) -> tuple:
     """What a shape calibration is keyed by: every dimension the formulas read (not the weights' bytes)."""
     return (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate_size, shape.vocab_size, shape.dtype_bytes)
@@ -191,7 +179,7 @@ def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None
 
 
 def coefficients_for(name: str, max_ops_per_buffer: Optional[int] = None,
-                     shape: Optional[ShapeDims] = None, cpu_math: bool = True) -> tuple[TransientCoefficients, str]:
+                     shape: Optional[ModelShape] = None, cpu_math: bool = True) -> tuple[TransientCoefficients, str]:
     """(the set, what it is): the backend's set (`coefficients_for_backend`), or its calibration for
     `shape` where one ships (SHAPE_CALIBRATIONS)."""
     base = coefficients_for_backend(name, max_ops_per_buffer, cpu_math)
