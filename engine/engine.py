@@ -76,8 +76,6 @@ def device_memory_bytes() -> int:
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -94,63 +92,26 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = config.model
-        weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        backend = mlx_backend()
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
-        # self-check) changes the memory model's decode term, and so the transient bound and KV budget.
-        backend, options = mlx_backend(), runner_options
-        self.runner = ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS,
-                                  paged_attention=config.execution.paged_attention and backend == "cuda",
-                                  fuse=options.fuse_projections, mixed=options.mixed_batches,
-                                  layer_loops=options.layer_loops,
-                                  compiled_decode=options.compiled_decode and backend == "cuda",
-                                  cpu_math=options.cpu_math and backend == "cpu",
-                                  read_slices=options.read_slices, max_rows=config.max_num_seqs,
-                                  max_forward_tokens=config.prefill_chunk_size)
-        layout, pool = self.runner.layout, self.runner.pool  # KV heads, size, dtype as the model computes them
+        # self-check) changes the memory model's decode term, and so the floor step and KV budget.
+        self.runner = self._build_runner(model, config, runner_options, backend)
+        pool = self.runner.pool
         # sliding-window layers' rings: a fixed allocation, counted with the weights (engine/model/kv_pool.py)
-        weights_bytes += pool.ring_bytes
-        shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes),
-                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                    num_kv_layers=pool.num_layers - len(pool.ring_layers))
-        runner = self.runner
-        coefficients, self.memory_coefficients_source = backend_coefficients(
-            shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
-            max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend))
-        if config.memory_coefficients:
-            self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
-        logger.info("memory model: %s", self.memory_coefficients_source)
-        self.memory = MemoryModel(shape, kv_step=KV_BLOCK_TOKENS,
-                                  coefficients=with_overrides(coefficients, config.memory_coefficients),
-                                  paged_decode=self.runner.paged_attention,
-                                  mixed=self.runner.mixed is not None)
+        weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + pool.ring_bytes
+        self.memory = self._build_memory_model(config, model_config, weights_bytes, backend)
         model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (
             int(config.memory_utilization * device_memory_bytes())
             if config.memory_limit_bytes == "auto" else config.memory_limit_bytes
         )
-        # KV is reserved against what is left after the weights, a margin and the floor step (the
-        # smallest step that makes progress); each step is then sized to the memory KV leaves free.
-        available = self.memory_limit_bytes - weights_bytes
-        max_memory = available - int(config.memory_margin_fraction * max(available, 0))
-        floor = self.memory.floor_transient_bytes(config.prefill_chunk_size, self.max_model_len)
-        kv_budget = self.memory.kv_budget_bytes(max_memory, floor)
-        if kv_budget < self.memory.kv_bytes(1):
-            raise ValueError(
-                f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
-                f"{weights_bytes} + memory_margin_fraction={config.memory_margin_fraction} of the rest + "
-                f"floor step transient {floor} bytes"
-                + (f" (the weights include max_num_seqs={config.max_num_seqs} sliding-window rings of "
-                   f"{pool.ring_bytes} bytes)" if pool.ring_rows else "")
-            )
+        max_memory, kv_budget = self._kv_budget(config, weights_bytes)
         prefix_fraction = 0.0 if pool.ring_rows else config.prefix_cache_fraction
         if pool.ring_rows and config.prefix_cache_fraction:
             logger.info("no prefix cache: the sliding-window layers' rings keep no prompt's KV")
         self.kv = KVManager(KV_BLOCK_TOKENS, self.memory.kv_bytes_per_token, kv_budget,
                             int(prefix_fraction * kv_budget), num_rings=pool.ring_rows)
-        logger.info("memory: limit %d bytes, weights %d, KV budget %d (%.1f%% of the rest), floor step %d, "
-                    "margin %d", self.memory_limit_bytes, weights_bytes, kv_budget,
-                    100.0 * kv_budget / max(available, 1), floor, available - max_memory)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,
@@ -168,6 +129,57 @@ class Engine:
         self._grammar_compiler = grammar_compiler
         self._grammar_lock = threading.Lock()
         self._matchers: dict[str, GrammarMatcher] = {}  # compiled grammars of requests without a row yet
+
+    @staticmethod
+    def _build_runner(model: nn.Module, config: EngineConfig, options: RunnerOptions, backend: str) -> ModelRunner:
+        return ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS,
+                           paged_attention=config.execution.paged_attention and backend == "cuda",
+                           fuse=options.fuse_projections, mixed=options.mixed_batches,
+                           layer_loops=options.layer_loops,
+                           compiled_decode=options.compiled_decode and backend == "cuda",
+                           cpu_math=options.cpu_math and backend == "cpu",
+                           read_slices=options.read_slices, max_rows=config.max_num_seqs,
+                           max_forward_tokens=config.prefill_chunk_size)
+
+    def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
+                            backend: str) -> MemoryModel:
+        """The memory model of this model as the runner computes it (KV heads, size and dtype from the
+        loaded model; rings counted with the weights) and the coefficient set for this backend."""
+        runner, layout, pool = self.runner, self.runner.layout, self.runner.pool
+        shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes),
+                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                                    num_kv_layers=pool.num_layers - len(pool.ring_layers))
+        coefficients, self.memory_coefficients_source = backend_coefficients(
+            shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
+            max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend))
+        if config.memory_coefficients:
+            self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
+        logger.info("memory model: %s", self.memory_coefficients_source)
+        return MemoryModel(shape, kv_step=KV_BLOCK_TOKENS,
+                           coefficients=with_overrides(coefficients, config.memory_coefficients),
+                           paged_decode=runner.paged_attention, mixed=runner.mixed is not None)
+
+    def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
+        """(the memory KV and a step may use together, the KV budget). KV is reserved against what is
+        left after the weights, a margin and the floor step (the smallest step that makes progress); each
+        step is then sized to the memory KV leaves free. ValueError if no KV fits."""
+        pool = self.runner.pool
+        available = self.memory_limit_bytes - weights_bytes
+        max_memory = available - int(config.memory_margin_fraction * max(available, 0))
+        floor = self.memory.floor_transient_bytes(config.prefill_chunk_size, self.max_model_len)
+        kv_budget = self.memory.kv_budget_bytes(max_memory, floor)
+        if kv_budget < self.memory.kv_bytes(1):
+            raise ValueError(
+                f"memory_limit_bytes={self.memory_limit_bytes} leaves no room for KV: weights "
+                f"{weights_bytes} + memory_margin_fraction={config.memory_margin_fraction} of the rest + "
+                f"floor step transient {floor} bytes"
+                + (f" (the weights include max_num_seqs={config.max_num_seqs} sliding-window rings of "
+                   f"{pool.ring_bytes} bytes)" if pool.ring_rows else "")
+            )
+        logger.info("memory: limit %d bytes, weights %d, KV budget %d (%.1f%% of the rest), floor step %d, "
+                    "margin %d", self.memory_limit_bytes, weights_bytes, kv_budget,
+                    100.0 * kv_budget / max(available, 1), floor, available - max_memory)
+        return max_memory, kv_budget
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
