@@ -239,7 +239,7 @@ class AdmissionLedger:
         existing = self.get(request_id)
         if existing is not None:
             return existing
-        candidates = []  # (replica_id, room left after it, matched prefix blocks)
+        candidates = []  # (replica_id, room left after it, matched prefix blocks, its bytes there)
         for replica_id, replica in self._replicas.items():
             capacity = replica.capacity
             if num_prompt_tokens + max_tokens > capacity.max_model_len:
@@ -248,16 +248,16 @@ class AdmissionLedger:
             room = self._kv_limit(replica) - replica.reserved_bytes - need
             if room >= 0:
                 blocks = matched_blocks(prefix_hashes, replica.prefix_hashes) if prefix_hashes else 0
-                candidates.append((replica_id, room, blocks))
+                candidates.append((replica_id, room, blocks, need))
         if not candidates:
             return None
         # Affinity only among replicas not busier than the least busy by more than prefix_max_imbalance
         # requests, so one hot prefix cannot pile everything on one replica while another idles.
         least = min(len(self._replicas[c[0]].entries) for c in candidates)
         limit = least + self.config.prefix_max_imbalance
-        best_id, _, best_blocks = min(candidates, key=lambda c: (
+        best_id, _, best_blocks, _ = min(candidates, key=lambda c: (
             -c[2] if len(self._replicas[c[0]].entries) <= limit else 0,  # longest cached prefix
-            -c[1], -self._live_headroom(self._replicas[c[0]], need),  # then most room,
+            -c[1], -self._live_headroom(self._replicas[c[0]], c[3]),  # then most room,
             self._replicas[c[0]].queued_tokens, c[0]))  # most live headroom, fewest queued tokens
         if len(self._replicas[best_id].entries) > limit:
             best_blocks = 0

@@ -114,6 +114,18 @@ class KVManager:
         self._hits[request_id] = hit
         return hit.num_tokens
 
+    def fits_if_cache_evicted(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` of KV would fit with every prefix-cache entry evicted, pinned ones too."""
+        return num_blocks_for(num_tokens, self.block_size) * self.block_bytes <= self.kv_budget_bytes - self.reserved_bytes
+
+    def drop_prefix_hit(self, request_id: str) -> bool:
+        """Let a waiting request's prefix-cache hit go (its entry unpinned, evictable); whether it had one."""
+        hit = self._hits.pop(request_id, None)
+        if hit is None:
+            return False
+        self.prefix_cache.unpin(hit)
+        return True
+
     def allocate(self, request_id: str, num_tokens: int) -> Optional[Reservation]:
         """Reserve KV for `num_tokens` tokens of a new request, evicting unpinned prefix-cache entries
         if that makes room; None if it does not fit the budget now."""

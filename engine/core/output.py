@@ -63,6 +63,8 @@ def process_token(request: Request, stream: TextStream, eos_token_ids: set[int],
     shown = None if reason == FinishReason.STOP else token_id
     if reason is None and grammar_done:  # the token completes the grammar: shown, and the end
         reason = FinishReason.STOP
+        if token_id in eos_token_ids:  # the grammar ended by taking EOS (ignore_eos): no EOS text
+            shown = None
     new_text, stopped = stream.add(shown, final=reason is not None)
     if stopped:
         reason = FinishReason.STOP

@@ -35,7 +35,7 @@ from typing import Collection, Optional, Sequence
 from engine.core.kv_manager import KVManager
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.core.types import (FinishReason, NewRow, Request, RequestStatus, ScheduledChunk,  # noqa: F401
-                               SchedulerOutput)
+                               SchedulerOutput, processed)
 
 
 @dataclass(frozen=True)
@@ -229,10 +229,12 @@ class Scheduler:
         requests = self.requests
         plan = StepPlan(
             decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
-            decode_samples=sum(not requests[i].sampling.greedy for i in decodes),
+            # one row that is not a plain argmax sends the whole batch through the sampler's processing
+            # path ([B, V] float32 arrays), so every row is then counted as sampled
+            decode_samples=len(decodes) if any(processed(requests[i].sampling) for i in decodes) else 0,
             prefill_chunks=tuple(
                 PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
-                                 c.completes_prompt and not requests[c.request_id].sampling.greedy,
+                                 c.completes_prompt and processed(requests[c.request_id].sampling),
                                  gathers=(c.request_id not in slice_reads or c.num_tokens < 2)
                                  if slice_reads is not None
                                  else not self._reads_view(c.request_id, c.start + c.num_tokens, c.num_tokens))
@@ -276,7 +278,7 @@ class Scheduler:
         """A prompt chunk's predicted transient (read as a view where `_reads_view`)."""
         end = start + num_tokens
         ends = end == request.num_prompt_tokens
-        return self.memory.prefill_chunk_bytes(num_tokens, end, ends, ends and not request.sampling.greedy,
+        return self.memory.prefill_chunk_bytes(num_tokens, end, ends, ends and processed(request.sampling),
                                                gathers=not self._reads_view(request.request_id, end, num_tokens))
 
     def _fit_chunk(self, request: Request, start: int, num_tokens: int, room: Optional[int]) -> int:
@@ -301,7 +303,15 @@ class Scheduler:
             return False
         tokens = self.memory.kv_tokens(request.max_total_tokens)
         if self.kv.allocate(request.request_id, tokens) is None:
-            return False
+            if not self.kv.fits_if_cache_evicted(tokens):
+                return False
+            # Room exists once the prefix cache's pinned entries go: waiting requests' hits pin them, and
+            # strict FCFS would keep the head waiting on them for ever. They recompute their prefixes.
+            for waiting in self.waiting:
+                if self.kv.drop_prefix_hit(waiting.request_id):
+                    waiting.num_computed_tokens = waiting.num_cached_tokens = 0
+            if self.kv.allocate(request.request_id, tokens) is None:
+                return False
         request.reserved_tokens = tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -140,6 +140,12 @@ class SamplingParams:
                     or self.logprobs is not None)
 
 
+def processed(params: "SamplingParams") -> bool:
+    """Whether the sampler runs its processing path for this row (anything but a plain argmax): what the
+    memory model counts as a sampled row."""
+    return not (params.greedy and params.plain)
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

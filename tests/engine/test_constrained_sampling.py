@@ -109,3 +109,16 @@ def test_bias_penalties_and_min_p_change_the_output(make_engine):
     greedy = _run(engine, [prompt], [SamplingParams(max_tokens=10)])[0][0]
     assert _run(engine, [prompt], [SamplingParams(max_tokens=10, temperature=1.0, seed=3, min_p=1.0)])[0][0] == greedy
     assert _run(engine, [prompt], [SamplingParams(max_tokens=10, temperature=1.0, seed=3)])[0][0] != greedy
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_ended_by_eos_shows_no_eos_text(make_engine, ignore_eos):
+    """A complete grammar allows EOS; taken with ignore_eos set, it ends the request without its text."""
+    engine = make_engine()
+    eos = sorted(engine.eos_token_ids)[0]
+    eos_text = engine.tokenizer.decode([eos])
+    params = SamplingParams(max_tokens=30, ignore_eos=ignore_eos, grammar=Grammar("regex", "[ab]{1,3}"),
+                            logit_bias=(LogitBias(eos, 100.0),))
+    [(ids, text, reason, _)] = _run(engine, [list(range(200, 230))], [params])
+    assert ids[-1] == eos and reason.value == "stop"
+    assert eos_text not in text and text and set(text) <= {"a", "b"}
