@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
-from deployments.telemetry.exporters import advertised_host  # noqa: F401 (the URLs' host; tests)
 
 FILE_SD_REFRESH_S = 15.0  # how often the supervisor rewrites the file (Prometheus re-reads it on change)
 CALL_TIMEOUT_S = 10.0

@@ -34,8 +34,8 @@ from typing import Collection, Optional, Sequence
 
 from engine.core.kv_manager import KVManager
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
-from engine.core.types import (FinishReason, NewRow, Request, RequestStatus, ScheduledChunk,  # noqa: F401
-                               SchedulerOutput, processed)
+from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledChunk, SchedulerOutput,
+                               processed)
 
 
 @dataclass(frozen=True)

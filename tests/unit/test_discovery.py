@@ -3,7 +3,8 @@ a wildcard-bound endpoint advertises."""
 
 import json
 
-from deployments.telemetry.discovery import MetricsEndpoint, advertised_host, file_sd_targets, write_file_sd
+from deployments.telemetry.discovery import MetricsEndpoint, file_sd_targets, write_file_sd
+from deployments.telemetry.exporters import advertised_host
 
 
 def test_file_sd_entries_name_host_port_and_labels(tmp_path):

@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from deployments.telemetry import metrics as tm
+from deployments.telemetry import names
 from deployments.telemetry.metrics import EngineGauges, RequestMetrics, Telemetry, TelemetryConfig
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "config" / "grafana-dashboard.json"
@@ -96,7 +97,7 @@ def test_request_histograms_count_and_sum(telemetry):
         assert point.sum == pytest.approx(sum(values)), name
         assert point.attributes == {"gen_ai.operation.name": "chat", "gen_ai.request.model": "smollm2",
                                     "gen_ai.provider.name": "mlx", "replica": "r0"}
-    assert points[tm.TIME_TO_FIRST_TOKEN.name][0].explicit_bounds == tm.TTFT_BUCKETS_S
+    assert points[tm.TIME_TO_FIRST_TOKEN.name][0].explicit_bounds == names.TTFT_BUCKETS_S
 
 
 def test_token_usage_by_type(telemetry):
