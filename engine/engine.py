@@ -210,8 +210,11 @@ class Engine:
         return [int(t) for t in items]
 
     # --- requests -------------------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        """Raise ValueError if the request can never run (thread-safe: reads configuration only)."""
+    def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                      grammar: bool = True) -> None:
+        """Raise ValueError if the request can never run (thread-safe: reads configuration only).
+        `grammar`: also compile its grammar once to check it (add_request's matcher reports the same
+        errors, so the step thread skips it)."""
         self.scheduler.check_fits(len(prompt_token_ids), sampling.max_tokens)
         vocab = self.memory.shape.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -220,7 +223,7 @@ class Engine:
         bad = [b.token_id for b in sampling.logit_bias if b.token_id >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if sampling.grammar is not None:
+        if grammar and sampling.grammar is not None:
             check_grammar(sampling.grammar)
             self._grammars()  # wrapping the tokenizer takes ~0.5 s: here, not on the engine's step thread
 
@@ -238,7 +241,7 @@ class Engine:
                               self._matchers.pop(request.request_id, None))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        self.check_request(prompt_token_ids, sampling)
+        self.check_request(prompt_token_ids, sampling, grammar=False)
         request = Request(request_id, list(prompt_token_ids), sampling)
         if sampling.grammar is not None:
             self._matchers[request_id] = self._grammars().matcher(sampling.grammar)

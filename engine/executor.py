@@ -79,7 +79,6 @@ class StepExecutor:
         self.make_sampler = make_sampler or (lambda r: RequestSampler(r.sampling, seed, r.prompt_token_ids))
         self.memory = memory
         self.scheduler = scheduler
-        self.seed = seed
         self.async_decode = async_decode
         self.overlap_steps = overlap_steps
         self._inflight: Optional[_Inflight] = None  # a launched decode whose tokens are not read back

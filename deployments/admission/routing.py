@@ -34,8 +34,6 @@ from deployments.messages import AbortRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
-ROUTER_CLASS_PATH = "deployments.admission.routing:AdmissionRequestRouter"
-
 
 def target_replica_id(pending_request: Optional[PendingRequest]) -> Optional[str]:
     """The replica admission chose for this call: the `target_replica_id` of its GenerateRequest or

@@ -20,7 +20,6 @@ deployments/replica/telemetry.py (the replica's spans, children of it).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import socket
 from collections.abc import Callable, Iterator
@@ -104,11 +103,6 @@ def planned_prometheus_urls(config: TelemetryConfig, num_replicas: int, admissio
 
     return [url("ingress")] + ([url("admission")] if admission else []) + \
         [url("replica", k) for k in range(num_replicas)]
-
-
-def admission_telemetry_factory(config: TelemetryConfig) -> Callable[[], Telemetry]:
-    """For AdmissionController(telemetry_factory=...): the controller's own Telemetry (picklable)."""
-    return functools.partial(process_telemetry, config, "admission")
 
 
 @contextlib.contextmanager

@@ -14,20 +14,11 @@ how many blocks it must hold; the runner only resizes its arrays to that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from engine.core.blocks import BlockAllocator, num_blocks_for
 from engine.core.prefix_cache import PrefixCache, PrefixHit
 from engine.core.types import NewRow, PrefixCopy
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """KV reserved for a request admitted this step; its blocks are placed at the step's end."""
-
-    request_id: str
-    num_blocks: int
 
 
 class KVManager:
@@ -50,7 +41,6 @@ class KVManager:
         # Evicted entries give their blocks back to the pool.
         self.prefix_cache = PrefixCache(prefix_cache_bytes, on_evict=self.allocator.free)
         self._reserved: dict[str, int] = {}  # request -> blocks reserved (admitted, not finished)
-        self._num_reserved_blocks = 0
         self._blocks: dict[str, list[int]] = {}  # request -> its placed blocks
         self._admitted: list[str] = []  # reserved this step, blocks not placed yet
         self._hits: dict[str, PrefixHit] = {}  # waiting requests' pinned cache hits
@@ -63,7 +53,7 @@ class KVManager:
     # --- accounting -------------------------------------------------------------------------------
     @property
     def reserved_bytes(self) -> int:
-        return self._num_reserved_blocks * self.block_bytes
+        return sum(self._reserved.values()) * self.block_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -88,9 +78,6 @@ class KVManager:
     def num_pool_blocks(self) -> int:
         """Blocks the pool must hold for every block handed out so far."""
         return self.allocator.num_blocks
-
-    def blocks_of(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._blocks.get(request_id, ()))
 
     def consecutive(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's first `num_tokens` positions lie in consecutive placed blocks (the
@@ -126,7 +113,7 @@ class KVManager:
         self.prefix_cache.unpin(hit)
         return True
 
-    def allocate(self, request_id: str, num_tokens: int) -> Optional[Reservation]:
+    def allocate(self, request_id: str, num_tokens: int) -> Optional[int]:
         """Reserve KV for `num_tokens` tokens of a new request, evicting unpinned prefix-cache entries
         if that makes room; None if it does not fit the budget now."""
         if request_id in self._reserved:
@@ -138,9 +125,8 @@ class KVManager:
         if need > self.free_bytes:
             return None
         self._reserved[request_id] = num_blocks
-        self._num_reserved_blocks += num_blocks
         self._admitted.append(request_id)
-        return Reservation(request_id, num_blocks)
+        return num_blocks
 
     def place_admitted(self) -> tuple[NewRow, ...]:
         """Blocks for every request reserved since the last call, the pool grown once for all of them
@@ -177,7 +163,7 @@ class KVManager:
         hit = self._hits.pop(request_id, None)
         if hit is not None:  # never placed: let the entry go
             self.prefix_cache.unpin(hit)
-        self._num_reserved_blocks -= self._reserved.pop(request_id, 0)
+        self._reserved.pop(request_id, None)
         if request_id in self._admitted:
             self._admitted.remove(request_id)
         blocks = self._blocks.pop(request_id, None)

@@ -312,7 +312,6 @@ class Scheduler:
                     waiting.num_computed_tokens = waiting.num_cached_tokens = 0
             if self.kv.allocate(request.request_id, tokens) is None:
                 return False
-        request.reserved_tokens = tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True

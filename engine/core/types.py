@@ -168,7 +168,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[FinishReason] = None
-    reserved_tokens: int = 0  # KV tokens reserved by the scheduler while running
 
     @property
     def num_prompt_tokens(self) -> int:

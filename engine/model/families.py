@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,10 +38,6 @@ class ModelLayout:
     kv_dtype: mx.Dtype
     layer_windows: tuple  # per layer: the sliding window (tokens) or None
     grouped_masks: bool  # explicit masks meet scores shaped [B, H_kv, repeats, T, L] (Gemma 2)
-
-    @property
-    def has_windows(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
 
 
 def family_of(model: nn.Module) -> str:
@@ -107,14 +103,6 @@ def model_layout(model: nn.Module) -> ModelLayout:
         num_kv_heads=attn.n_kv_heads, head_dim=_head_dim(attn), kv_dtype=kv_dtype, layer_windows=windows,
         grouped_masks=family == "gemma2" and attn.n_heads != attn.n_kv_heads,
     )
-
-
-def window_of(layout: ModelLayout) -> Optional[int]:
-    """The one sliding window of the model's sliding layers (None: no sliding layer)."""
-    windows = {w for w in layout.layer_windows if w is not None}
-    if len(windows) > 1:
-        raise ValueError(f"sliding windows {sorted(windows)}: one window per model is supported")
-    return windows.pop() if windows else None
 
 
 def dequantize_on_cpu(model: Any) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -44,16 +44,14 @@ def grammar_text(grammar: Grammar) -> str:
     return llguidance.LLMatcher.grammar_from_regex(grammar.source)
 
 
-def check_grammar(grammar: Grammar, compiled: Optional[str] = None, tokenizer: Any = None) -> str:
-    """Compile `grammar` (or its `compiled` text) and return llguidance's text; ValueError with
-    llguidance's message (e.g. "Invalid type: objectx") if it cannot be compiled."""
+def check_grammar(grammar: Grammar) -> None:
+    """ValueError with llguidance's message (e.g. "Invalid type: objectx") if `grammar` cannot be
+    compiled."""
     import llguidance
 
-    text = compiled if compiled is not None else grammar_text(grammar)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(grammar))
     if is_error:
         raise ValueError(f"the {grammar.kind.replace('_', ' ')} cannot be compiled: {messages[0]}")
-    return text
 
 
 class GrammarMatcher:
@@ -63,14 +61,6 @@ class GrammarMatcher:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.executor = executor  # llguidance's thread pool, shared by the matchers of one compiler
-
-    def allowed(self) -> np.ndarray:
-        """[V] bool: the tokens the grammar allows after the tokens accepted so far (all once it is
-        done: a pipelined decode may compute a row whose output has ended; its token is dropped)."""
-        if self._matcher.is_stopped() or self._matcher.is_error():
-            return np.ones(self.vocab_size, dtype=np.bool_)
-        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(np.bool_)
 
     def accept(self, token_id: int) -> None:
         """Follow a sampled token. RuntimeError if the grammar refuses it (the mask makes that a bug)."""
@@ -123,8 +113,8 @@ class GrammarCompiler:
         """A fresh matcher; ValueError naming the problem if the grammar cannot be compiled."""
         import llguidance
 
-        text = check_grammar(grammar, tokenizer=self._tokenizer)
-        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
+        # no validation pass first: the matcher reports the same errors (check_request validated it)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(grammar), log_level=0)
         if matcher.is_error():
             raise ValueError(f"the {grammar.kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()}")
         return GrammarMatcher(matcher, self.vocab_size, self._executor)

@@ -98,6 +98,14 @@ def slice_start(pool: "KVPool", rows: list["Row"], num_new: int, read_slices: Op
     return rows[0].contiguous_start(rows[0].offset + num_new)
 
 
+def sliding_window(layer_windows: Sequence[Optional[int]]) -> Optional[int]:
+    """The one sliding window of a model's sliding layers (None: none); ValueError for several."""
+    windows = {w for w in layer_windows if w is not None}
+    if len(windows) > 1:
+        raise ValueError(f"layer_windows: one sliding window per model is supported, got {sorted(windows)}")
+    return windows.pop() if windows else None
+
+
 class KVPool:
     """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
 
@@ -116,10 +124,7 @@ class KVPool:
         self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
         self.grouped_masks = grouped_masks
         self.layer_windows = tuple(layer_windows or (None,) * num_layers)
-        windows = {w for w in self.layer_windows if w is not None}
-        if len(windows) > 1:
-            raise ValueError(f"layer_windows: one sliding window per model is supported, got {sorted(windows)}")
-        self.window: Optional[int] = windows.pop() if windows else None
+        self.window = sliding_window(self.layer_windows)
         self.ring_rows = ring_rows if self.window is not None else 0
         self.ring_tokens = ring_tokens
         if self.ring_rows and ring_tokens < self.window:

@@ -27,7 +27,7 @@ from engine.model.layers.decode_path import DecodePath, ReferenceOps
 from engine.model.layers.decode_path import unsupported as decode_unsupported
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
-from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start
+from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start, sliding_window
 from engine.model.layers.mixed import MixedForward
 from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
 from engine.model.sampling import RequestSampler, sample_rows
@@ -97,7 +97,7 @@ class ModelRunner:
         logger.info("model family %s: %d layers, %d KV heads of %d (%s), sliding windows %s", lay.family,
                     self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype,
                     sorted({w for w in lay.layer_windows if w}) or "none")
-        window = max((w for w in lay.layer_windows if w), default=0)
+        window = sliding_window(lay.layer_windows) or 0
         rings = max_rows if window and max_forward_tokens else 0
         self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
                            grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows, ring_rows=rings,
@@ -123,7 +123,6 @@ class ModelRunner:
                 logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
         if paged_attention:  # only the engine's decode loop reads it, so never a sliding-window model
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
-        self.seed = seed
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step

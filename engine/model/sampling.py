@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.core.types import SamplingParams, TokenLogprob, TopLogprob
+from engine.core.types import SamplingParams, TokenLogprob, TopLogprob, processed
 from engine.model.grammar import GrammarMatcher, allowed_words
 
 
@@ -168,7 +168,7 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> mx.array:
     words = _grammar_words(samplers)
     for s in samplers:
         s.num_sampled += 1
-    if all(s.params.greedy and s.params.plain for s in samplers):
+    if not any(processed(s.params) for s in samplers):  # what the memory model counts as sampled
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     # every row in one batch: plain greedy rows go through unchanged (no bias, an all-allowed mask), and
     # the greedy rows share one argmax without gathering them apart

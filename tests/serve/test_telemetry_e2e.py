@@ -40,7 +40,7 @@ MESSAGES = [{"role": "user", "content": "Say hello."}]
 LONG_PROMPT = " ".join(f"word{i}" for i in range(40))  # > prefill_chunk_size tokens: several chunks
 DASHBOARD = Path(__file__).resolve().parents[2] / "config" / "grafana-dashboard.json"
 # Dashboard metrics no scraped process records yet: admission decisions are counted once the admission
-# controller is given a Telemetry (deployments.telemetry.observability.admission_span / admission_telemetry_factory).
+# controller is given a Telemetry (deployments.telemetry.observability.admission_span).
 NOT_FED_YET = {"mlx_serve_admission_decisions_total"}
 
 

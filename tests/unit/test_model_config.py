@@ -42,8 +42,8 @@ def test_qwen3_moe_mlp_width_is_its_experts_per_token():
     shape = ConfigShape.from_config(QWEN3_MOE)
     assert shape.intermediate_size == 8 * 768 and shape.num_experts_per_tok == 8
     assert shape.extra_hidden_rows == 3 * 8 + 3  # per expert; the q/k head norms: ceil(36 * 128 / 2048)
-    dense = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0]})
-    assert dense.intermediate_size == 8 * 768  # the dense layer's 6144 is narrower than 8 experts' 6144
+    narrow = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0], "intermediate_size": 4096})
+    assert narrow.intermediate_size == 8 * 768  # a dense layer narrower than 8 experts together
     wide = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0], "intermediate_size": 8192})
     assert wide.intermediate_size == 8192
 

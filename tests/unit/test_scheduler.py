@@ -232,17 +232,15 @@ def test_floor_step_fits_beside_a_full_pool():
 
 
 def test_chunks_cut_to_the_free_memory_and_the_record_says_so():
-    s = make_tight(0, max_model_len=256, chunk=32, budget=64)
+    # a 256-token chunk is predicted above what the pool leaves free beside it: it must be cut
+    s = make_tight(0, max_model_len=256, chunk=256, budget=256)
     s.add(req("a", 250, max_tokens=2))
     out = s.schedule()
     free = out.free_transient_bytes
     assert free is not None and out.predicted_transient_bytes <= free
-    whole = s.memory.prefill_chunk_bytes(32, 32, False)
-    if whole > free:  # the chunk was cut, and the record says so
-        assert out.memory_limited and out.prefills[0].num_tokens < 32
-        assert out.step_budget_tokens == out.num_batched_tokens
-    else:
-        assert not out.memory_limited and out.step_budget_tokens == 64
+    assert s.memory.prefill_chunk_bytes(250, 250, True) > free
+    assert out.memory_limited and out.prefills[0].num_tokens < 250
+    assert out.step_budget_tokens == out.num_batched_tokens
 
 
 def test_decode_rows_that_do_not_fit_wait_and_catch_up():
