@@ -82,6 +82,13 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
                 prefill_layer_rows=sh["I"] * sh["s"] if c > 1 else 0)
 
 
+def fixed_bytes(sh: dict, p: dict) -> int:
+    """The formula's term with no coefficient at a grid point: the copy of a viewed row's KV that a
+    chunk ending its prompt reads with its last position (MemoryModel.prefill_chunk_bytes)."""
+    copies = p["kind"] == "prefill" and p["c"] > 1 and p.get("logits") and not p.get("gathers", True)
+    return p["n"] * sh["Hkv"] * 2 * sh["d"] * sh["s"] if copies else 0
+
+
 def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256) -> dict:
     """`paged`: attention read the pool in place (no gathered copy; the kernel's partials instead, one
     per span of PAGED_PARTIAL_KEYS keys: older grids, measured with one per pool block, keep the terms they
@@ -564,13 +571,16 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
                      for _, kind, term, scaled in BACKEND_COLUMNS] + [float(prompt_chunk), 1.0])
     a = np.array(rows, dtype=float)
     b = np.array([p["measured"] for p in pts], dtype=float)
+    # the fitted terms explain what the formula's fixed terms leave (never below a byte)
+    target = np.maximum(b - [fixed_bytes(shapes[p["variant"]], p) for p in pts], 1.0)
     seen = np.abs(a).max(axis=0) > 0
     for i, name in enumerate([c[0] for c in BACKEND_COLUMNS] + ["prefill_overhead_bytes", "step_overhead_bytes"]):
         if name in exclude:
             a[:, i] = 0
     fit_cols = np.abs(a).max(axis=0) > 0
     x = np.zeros(a.shape[1])
-    x[fit_cols] = envelope_fit(a[:, fit_cols] / b[:, None], nnls(a[:, fit_cols] / b[:, None], np.ones_like(b)))
+    x[fit_cols] = envelope_fit(a[:, fit_cols] / target[:, None],
+                               nnls(a[:, fit_cols] / target[:, None], np.ones_like(target)))
     names = [c[0] for c in BACKEND_COLUMNS]
     fields = {n: float(v) if ok or n in exclude else getattr(base, n)
               for n, v, ok in zip(names, x[:-2], seen[:-2])}  # base's None (decode_paged) stays None
@@ -603,16 +613,18 @@ def math_ceil(x: float) -> int:
     return int(math.ceil(x))
 
 
-def largest_per_chunk(pts: list[dict]) -> list[dict]:
-    """Prefill points reduced to the largest measured of each (variant, chunk size, gathers); decode points
-    kept. For a backend whose chunk transient levels off as the context grows (CUDA: attention never
-    materializes the scores), fitting only those makes the bound hug each chunk size's worst case instead
-    of every short-context point below it."""
+def largest_per_chunk(pts: list[dict], shapes: dict) -> list[dict]:
+    """Prefill points reduced to the largest of each (variant, chunk size, gathers), measured less the
+    formula's fixed terms (what the fitted terms explain); decode points kept. For a backend whose chunk
+    transient levels off as the context grows (CUDA: attention never materializes the scores), fitting
+    only those makes the bound hug each chunk size's worst case instead of every short-context point
+    below it."""
     top: dict = {}
+    fitted = {id(p): p["measured"] - fixed_bytes(shapes[p["variant"]], p) for p in pts}
     for p in pts:
         if p["kind"] == "prefill":
             key = (p["variant"], p["c"], p.get("gathers", True))
-            if key not in top or p["measured"] > top[key]["measured"]:
+            if key not in top or fitted[id(p)] > fitted[id(top[key])]:
                 top[key] = p
     return list(top.values()) + [p for p in pts if p["kind"] != "prefill"]
 
@@ -640,7 +652,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
             p["terms"] = {**prefill_terms(shapes[p["variant"]], p["c"], p["n"], bool(p["logits"])), **p["terms"]}
     every = pts
     if chunk_maxima:
-        pts = largest_per_chunk(pts)
+        pts = largest_per_chunk(pts, shapes)
     depths = sorted({shapes[p["variant"]]["L"] for p in pts})
     top = max_layers_in_flight or depths[-1]
     candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
@@ -737,18 +749,19 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     wanted = [st["predicted"] for st in steps]
     reproduced = None
     if recorded is not None:
-        check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged)
+        check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged, copies_viewed_kv=False)
         again = [check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
         if again != wanted:  # the rebuilt plans are the engine's
             raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")
         reproduced = True
     else:  # GPU runs of engines that predicted with the CPU set (before the CUDA sets existed)
-        cpu = mem.MemoryModel(shape, coefficients=coefs.coefficients_for_backend("cpu"))
+        cpu = mem.MemoryModel(shape, coefficients=coefs.coefficients_for_backend("cpu"), copies_viewed_kv=False)
         if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
             reproduced = True
     coef = (coefs.with_overrides(base_coefficients(), coefficients) if coefficients
             else coefs.coefficients_for(backend, 8, shape)[0])  # the 8B's shape calibration where it ships
-    model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged)
+    # the recorded runs' engines read a viewed chunk's last query without a copy
+    model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=False)
     pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     meas = [st["measured"] for st in steps]
     peak = max(range(len(steps)), key=lambda i: meas[i])

@@ -24,8 +24,10 @@ def synthetic_grid(tmp_path, paged: bool) -> str:
             measured = plateau * min(1.0, 0.4 + 0.6 * n / (4 * c))
             terms = grid.prefill_terms(SHAPE, c, n, n == 8192)
             terms["prefill_gather"] = 0
-            points.append(dict(kind="prefill", variant="m", c=c, n=n, logits=n == 8192, B=1, gathers=False,
-                               measured=int(measured), predicted=0, terms=terms))
+            point = dict(kind="prefill", variant="m", c=c, n=n, logits=n == 8192, B=1, gathers=False,
+                         measured=0, predicted=0, terms=terms)
+            point["measured"] = int(measured) + grid.fixed_bytes(SHAPE, point)  # the last query's KV copy
+            points.append(point)
     for b in (1, 4, 16):
         for n in (1024, 4096, 8192):
             measured = 1e6 + b * (40 + n / 200) * 1e3 if paged else 1e6 + b * n * 8 * 516 * 5
@@ -64,7 +66,7 @@ def test_largest_per_chunk_keeps_one_prefill_point_per_chunk_size():
     pts = [dict(kind="prefill", variant="v", c=c, n=n, logits=False, gathers=False, measured=m)
            for c, n, m in ((128, 128, 5), (128, 256, 9), (128, 384, 7), (256, 256, 3))]
     pts.append(dict(kind="decode", variant="v", B=1, n=10, measured=1))
-    kept = grid.largest_per_chunk(pts)
+    kept = grid.largest_per_chunk(pts, {"v": SHAPE})
     assert sorted((p["kind"], p.get("c"), p["measured"]) for p in kept) == [
         ("decode", None, 1), ("prefill", 128, 9), ("prefill", 256, 3)]
 

@@ -10,8 +10,9 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
       a_s * 4*H*c*n + a_m * c*n + a_g * n*H_kv*(2*d*s + 4) + a_i * c*I*s + a_d * c*D*s + (a_v + z) * 4*V
   (attention scores and their softmax, the causal mask, one layer's KV of the row gathered from the
   pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last
-  position's logits). Rows prefill one after another, each evaluated before the next, so a step's
-  prefill transient is the largest chunk's, not the sum.
+  position's logits); a chunk that reads its row's KV as a view of the pool and ends the prompt adds
+  one copy of that KV (n*H_kv*2*d*s), read by its last position's one query. Rows prefill one after
+  another, each evaluated before the next, so a step's prefill transient is the largest chunk's.
 - Decode of B rows, the longest with n keys, r of them sampling:
       b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
   the hidden states, one layer's KV of the rows gathered from the pool (right-padded to n, with its
@@ -81,11 +82,13 @@ def round_up(n: int, step: int) -> int:
 class MemoryModel:
     def __init__(self, shape: ModelShape, kv_step: int = 256,
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
-                 mixed: bool = False):
+                 mixed: bool = False, copies_viewed_kv: bool = True):
         """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
         of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
         the same forward as its first prompt chunk (engine/model/layers/mixed.py); the scheduler has it do so when
-        that forward's transient, both's, stays within the bound of separate forwards."""
+        that forward's transient, both's, stays within the bound of separate forwards.
+        `copies_viewed_kv`: a chunk ending its prompt copies its viewed KV for its last query (False:
+        runs recorded by an engine that did not, replayed by scripts/bench_memory_grid.py)."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -96,6 +99,7 @@ class MemoryModel:
         # paged decodes are predicted as such only by a coefficient set fitted on them
         self.paged_decode = paged_decode and coefficients.decode_paged is not None
         self.mixed = mixed and shape.num_layers > coefficients.mixed_min_layers
+        self.copies_viewed_kv = copies_viewed_kv
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -150,7 +154,10 @@ class MemoryModel:
         )
         head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
         overhead = k.step_overhead_bytes + (k.prefill_overhead_bytes if c > 1 else 0)
-        return int(self.layer_factor * per_layer + head + overhead)
+        # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
+        copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
+        last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
+        return int(self.layer_factor * per_layer + head + overhead + last_copy)
 
     def paged_partials_bytes(self, num_rows: int, context_len: int) -> int:
         """One layer's float32 partials of the paged decode kernel (engine/model/kernels/paged_attention.py): per row,

@@ -69,6 +69,10 @@ class ReferenceOps:
         out = view.attend(i, q, scale)
         if out is None:
             keys, values = view.read(i)
+            if q.shape[2] == 1 and view.reads_slice:
+                # MLX's one-query attention on CUDA misreads a K/V view that starts inside the pool's
+                # buffer (an H200 gave NaN logits for a chunk's last position); a copy is read right
+                keys, values = mx.contiguous(keys), mx.contiguous(values)
             out = self.attention(q, keys, values, scale, "causal" if q.shape[2] > 1 else view.mask)
         return out
 
