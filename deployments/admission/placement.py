@@ -10,9 +10,8 @@ that device) instead of promising each the whole.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 HOST_DEVICE = "host"  # the host's memory: the CPU backend, or Metal's unified memory
 
@@ -33,11 +32,6 @@ def device_label(gpu_ids: Sequence[str]) -> str:
 def device_key(replica_id: str, node_id: str, device: str) -> DeviceKey:
     """A replica that did not say where it runs (node_id "") is alone on its device."""
     return DeviceKey(node_id or f"replica:{replica_id}", device)
-
-
-def num_sharing(keys: Iterable[DeviceKey]) -> Counter:
-    """DeviceKey -> the number of replicas on it."""
-    return Counter(keys)
 
 
 def memory_share_bytes(memory_limit_bytes: int, num_on_device: int) -> int:

@@ -31,6 +31,7 @@ room, the one holding the longest prefix of the prompt wins; without a match, th
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
@@ -192,6 +193,7 @@ class AdmissionLedger:
         self._owner: dict[str, str] = {}  # request_id -> replica_id
         self._released: dict[str, float] = {}  # request_id -> when; not re-adopted from late reports
         self._gone: dict[str, float] = {}  # replica_id -> until when its reports are ignored
+        self._num_on_device: Counter[DeviceKey] = Counter()  # kept with _replicas: a lookup per replica
 
     # --- requests ---------------------------------------------------------------------------------
     def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> Optional[str]:
@@ -216,7 +218,7 @@ class AdmissionLedger:
 
     def num_on_device(self, key: DeviceKey) -> int:
         """Replicas registered on one device (node and GPU): they split its memory."""
-        return sum(1 for r in self._replicas.values() if _device_of(r) == key)
+        return self._num_on_device[key]
 
     def _kv_limit(self, replica: _Replica) -> int:
         return replica.kv_limit_bytes(self.config.headroom, self.num_on_device(_device_of(replica)))
@@ -289,7 +291,10 @@ class AdmissionLedger:
         registered = replica is None
         if replica is None:
             replica = self._replicas[capacity.replica_id] = _Replica(capacity, now)
+        else:
+            self._leave_device(replica)  # a report may move it (its node or GPU is known late)
         replica.capacity, replica.last_seen = capacity, now
+        self._num_on_device[_device_of(replica)] += 1
         replica.engine_kv_reserved_bytes = report.engine_kv_reserved_bytes
         replica.engine_kv_used_bytes = report.engine_kv_used_bytes
         replica.kv_allocated_bytes = report.kv_allocated_bytes
@@ -340,6 +345,7 @@ class AdmissionLedger:
         replica = self._replicas.pop(replica_id, None)
         if replica is None:
             return 0
+        self._leave_device(replica)
         for request_id in replica.entries:
             self._owner.pop(request_id, None)
         return len(replica.entries)
@@ -353,6 +359,12 @@ class AdmissionLedger:
         self._released = {i: t for i, t in self._released.items() if now - t <= timeout}
         self._gone = {i: until for i, until in self._gone.items() if now < until}
         return reclaimed
+
+    def _leave_device(self, replica: _Replica) -> None:
+        key = _device_of(replica)
+        self._num_on_device[key] -= 1
+        if not self._num_on_device[key]:
+            del self._num_on_device[key]
 
     def _add(self, replica: _Replica, reservation: Reservation, now: float, seen_live: bool) -> None:
         replica.entries[reservation.request_id] = _Entry(reservation, now, seen_live)

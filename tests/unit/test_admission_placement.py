@@ -81,6 +81,18 @@ def test_replicas_on_different_gpus_of_one_node_each_have_their_own():
     assert shares == {"a": 1, "b": 2, "c": 2}
 
 
+def test_a_report_that_moves_a_replica_moves_its_share():
+    book = ledger(capacity("a"), capacity("b", "n1"))  # "a" has not said where it runs: alone
+    assert [v.num_on_device for v in book.views(0.0)] == [1, 1]
+    book.report(ReplicaReport(capacity("a", "n1")), now=0.0)
+    assert [v.num_on_device for v in book.views(0.0)] == [2, 2]
+    book.report(ReplicaReport(capacity("a", "n1", "gpu:0")), now=0.0)
+    assert [v.num_on_device for v in book.views(0.0)] == [1, 1]
+    book.remove_replica("a")
+    book.report(ReplicaReport(capacity("c", "n1")), now=0.0)
+    assert [v.num_on_device for v in book.views(0.0)] == [2, 2]
+
+
 def test_a_request_that_fits_the_host_but_not_a_share_never_fits_while_shared():
     book = ledger(capacity("a", "n1"), capacity("b", "n1"))
     half_steps = (capacity("a").memory_limit_bytes // 2 - WEIGHTS - BOUND) // STEP_BYTES
