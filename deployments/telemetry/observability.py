@@ -10,8 +10,8 @@ With the Prometheus exporter, ports are per process so replicas on one host neve
 
 A port already taken falls back to a free one (port 0) with a warning; every process logs its URL on the
 "ray.serve" logger ("<role>: Prometheus metrics at <url>") and reports it (`OpenAIIngress.metrics_url`,
-`EngineReplica.stats().prometheus_url`); `prometheus_urls()` collects them from a running app, and
-scripts/serve prints the planned ones (`python -m deployments.app metrics config/serve.yaml`).
+`EngineReplica.stats().prometheus_url`); deployments/telemetry/discovery.py collects them from a running
+app, and scripts/serve prints the planned ones (`python -m deployments.app metrics config/serve.yaml`).
 
 What each request records: deployments/ingress/observation.py (the ingress's server span and metrics) and
 deployments/replica/telemetry.py (the replica's spans, children of it).
@@ -142,20 +142,3 @@ def admission_span(telemetry: Optional[Telemetry], trace_context: Optional[dict[
         raise
     finally:
         span.end()
-
-
-def prometheus_urls(app_name: str, replica_deployment: str, num_replicas: int,
-                    max_calls: int = 64) -> dict[str, Optional[str]]:
-    """{"ingress": url, "replica <id>": url, ...} of a running app, by sampling the handles (the router
-    picks a replica per call). Synchronous: call it outside an event loop (scripts/serve, tests)."""
-    from ray import serve
-
-    urls: dict[str, Optional[str]] = {"ingress": serve.get_app_handle(app_name).metrics_url.remote().result()}
-    replicas = serve.get_deployment_handle(replica_deployment, app_name=app_name)
-    seen: dict[str, Optional[str]] = {}
-    for _ in range(max_calls):
-        stats = replicas.stats.remote().result()
-        seen[f"replica {stats.replica_id}"] = stats.prometheus_url
-        if len(seen) >= num_replicas:
-            break
-    return {**urls, **dict(sorted(seen.items()))}

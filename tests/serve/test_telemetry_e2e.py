@@ -4,8 +4,8 @@
     injected `Telemetry.for_testing()` for both; requests over HTTP (FastAPI TestClient) and the handle
     methods, streaming or not. Histogram counts, token sums and the span tree of each request are checked
     against the responses. An unreachable OTLP collector costs one warning and no request.
-(b) Real Ray Serve (the session's cluster, conftest): the Prometheus endpoints of the ingress and the
-    replica, found through the app as scripts/serve finds them, scraped over HTTP.
+(b) Real Ray Serve (the session's cluster, conftest): the Prometheus endpoints of the ingress, the
+    replica and the admission controller, found through the app as scripts/serve finds them, scraped over HTTP.
 (c) Every metric the Grafana dashboard queries is in that scrape, except the ones no component feeds yet.
 """
 
@@ -23,9 +23,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.app import REPLICA_DEPLOYMENT, build_app
+from deployments.app import build_app, parse_args
 from deployments.ingress.ingress import IngressSettings, OpenAIIngress
-from deployments.telemetry.observability import prometheus_urls
+from deployments.telemetry.discovery import collect_endpoints
 from deployments.replica.replica import EngineReplica
 from engine.config import EngineConfig
 from deployments.telemetry.metrics import Telemetry, TelemetryConfig
@@ -234,7 +234,8 @@ def test_unreachable_collector_costs_a_warning_only(exporter, caplog):
 
 @pytest.fixture(scope="module")
 def served(ray_cluster):
-    """One app (one replica) exporting to Prometheus; the request count it served; its endpoints."""
+    """One app (one replica) exporting to Prometheus; its endpoints by role, as scripts/serve finds them
+    (deployments/telemetry/discovery.py); the request count it served."""
     from ray import serve
 
     app_name = "mlx-llm-telemetry"
@@ -249,8 +250,7 @@ def served(ray_cluster):
             assert r.status_code == 200, r.text
             r = http.post(f"{base}/completions", json={**body, "prompt": LONG_PROMPT, "stream": stream})
             assert r.status_code == 200, r.text
-    urls = prometheus_urls(app_name, REPLICA_DEPLOYMENT, num_replicas=1)
-    yield urls, 4
+    yield {e.role: e.url for e in collect_endpoints(app_name, parse_args(args))}, 4
     serve.delete(app_name)
 
 
@@ -271,9 +271,9 @@ def names(series: dict[str, float]) -> set[str]:
 
 def test_each_process_serves_prometheus(served):
     urls, _ = served
-    assert set(urls) == {"ingress", next(k for k in urls if k.startswith("replica "))}
+    assert set(urls) == {"ingress", "replica", "admission"}
     assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", u) for u in urls.values()), urls
-    assert len(set(urls.values())) == 2  # ingress and replica on one host: two ports
+    assert len(set(urls.values())) == 3  # three processes on one host: three ports
 
 
 def test_scrape_shows_request_and_engine_metrics(served):
@@ -284,7 +284,7 @@ def test_scrape_shows_request_and_engine_metrics(served):
     assert sum(counts) == num_requests
     ttft = [v for k, v in ingress.items() if k.startswith("gen_ai_server_time_to_first_token_seconds_count")]
     assert sum(ttft) == num_requests
-    [replica_url] = [u for k, u in urls.items() if k != "ingress"]
+    replica_url = urls["replica"]
     replica = scrape(replica_url)
     assert {"mlx_serve_requests_running", "mlx_serve_requests_waiting", "mlx_serve_kv_cache_used_bytes",
             "mlx_serve_step_prefill_tokens_bucket", "mlx_serve_step_decode_tokens_sum",
