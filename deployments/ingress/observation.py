@@ -18,8 +18,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from deployments.ingress.protocol import PreparedRequest
 from deployments.messages import GenerateOutput
-from deployments.telemetry import metrics as tm
-from deployments.telemetry.metrics import RequestMetrics, Telemetry
+from deployments.telemetry.metrics import (RequestMetrics, Telemetry, request_span_attributes,
+                                           usage_span_attributes)
+from deployments.telemetry.names import ERROR_TYPE, REPLICA
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class RequestObservation:
 
     def _start_span(self, prepared: PreparedRequest) -> trace.Span:
         first = prepared.samplings[0]
-        attributes = tm.request_span_attributes(self._operation, self._model, first.max_tokens,
+        attributes = request_span_attributes(self._operation, self._model, first.max_tokens,
                                                 first.temperature)
         attributes.update({"gen_ai.response.id": prepared.request_id,
                            "gen_ai.request.choice.count": len(prepared.samplings)})
@@ -114,10 +115,10 @@ class RequestObservation:
             num_input_tokens=num_input, num_output_tokens=num_output, ttft_s=ttft_s,
             duration_s=(end_ns - self._received_ns) / 1e9, queue_s=self._queue_s, error_type=failure))
         reasons = [o.finish_reason for o in outs if o.finish_reason]
-        self.span.set_attributes(tm.usage_span_attributes(num_input, num_output, reasons))
+        self.span.set_attributes(usage_span_attributes(num_input, num_output, reasons))
         if self._replica:
-            self.span.set_attribute(tm.REPLICA, self._replica)
+            self.span.set_attribute(REPLICA, self._replica)
         if failure is not None:
-            self.span.set_attribute(tm.ERROR_TYPE, failure)
+            self.span.set_attribute(ERROR_TYPE, failure)
             self.span.set_status(Status(StatusCode.ERROR, failure))
         self.span.end()

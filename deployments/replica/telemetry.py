@@ -31,8 +31,8 @@ from engine import EngineStats, StepRecord
 
 from deployments.engine_client import EngineClient
 from deployments.messages import GenerateOutput, GenerateRequest
-from deployments.telemetry import metrics as tm
-from deployments.telemetry.metrics import EngineGauges, Telemetry
+from deployments.telemetry.metrics import EngineGauges, Telemetry, usage_span_attributes
+from deployments.telemetry.names import ERROR_TYPE, REPLICA
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class RequestTrace:
         parent = observer.telemetry.extract(request.trace_context)
         self._span = tracer.start_span("mlx_serve.replica.generate", context=parent, kind=SpanKind.SERVER,
                                        start_time=self._received_ns,
-                                       attributes={tm.REPLICA: observer.replica_id,
+                                       attributes={REPLICA: observer.replica_id,
                                                    "mlx_serve.request.id": request.request_id})
         self._context = trace.set_span_in_context(self._span)
 
@@ -239,14 +239,14 @@ class RequestTrace:
         last = self._last
         if last is not None:
             reasons = [last.finish_reason] if last.finish_reason else []
-            self._span.set_attributes(tm.usage_span_attributes(last.num_prompt_tokens, last.num_output_tokens,
+            self._span.set_attributes(usage_span_attributes(last.num_prompt_tokens, last.num_output_tokens,
                                                                reasons))
             self._span.set_attribute("mlx_serve.prefix_cache.hit_tokens", last.num_cached_tokens)
         error = self._error or (None if finished else "cancelled")
         if error is None and last is not None and last.finish_reason in ("error", "abort"):
             error = "EngineError" if last.finish_reason == "error" else "aborted"
         if error is not None:
-            self._span.set_attribute(tm.ERROR_TYPE, error)
+            self._span.set_attribute(ERROR_TYPE, error)
             self._span.set_status(Status(StatusCode.ERROR, error))
         self._span.end(end_time=end_ns)
 

@@ -44,7 +44,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.telemetry.exporters import EXPORT_LOGGERS, ExportFailureLog, PrometheusEndpoint, otlp_exporters
-from deployments.telemetry.names import (  # noqa: F401  (re-exported: callers import them from here)
+from deployments.telemetry.names import (
     ADMISSION_DECISIONS, AdmissionOutcome, ERROR_TYPE, ExporterKind,
     GEN_AI_OPERATION_NAME, GEN_AI_PROVIDER_NAME, GEN_AI_REQUEST_MAX_TOKENS, GEN_AI_REQUEST_MODEL,
     GEN_AI_REQUEST_TEMPERATURE, GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_TOKEN_TYPE,

@@ -87,23 +87,23 @@ def test_request_histograms_count_and_sum(telemetry):
     for request in requests:
         telemetry.record_request(request)
     points = _points(telemetry)
-    expected = {tm.TIME_TO_FIRST_TOKEN.name: [r.ttft_s for r in requests],
-                tm.REQUEST_DURATION.name: [r.duration_s for r in requests],
-                tm.TIME_PER_OUTPUT_TOKEN.name: [(r.duration_s - r.ttft_s) / 10 for r in requests],
-                tm.QUEUE_TIME.name: [r.queue_s for r in requests]}
+    expected = {names.TIME_TO_FIRST_TOKEN.name: [r.ttft_s for r in requests],
+                names.REQUEST_DURATION.name: [r.duration_s for r in requests],
+                names.TIME_PER_OUTPUT_TOKEN.name: [(r.duration_s - r.ttft_s) / 10 for r in requests],
+                names.QUEUE_TIME.name: [r.queue_s for r in requests]}
     for name, values in expected.items():
         (point,) = points[name]
         assert point.count == len(requests), name
         assert point.sum == pytest.approx(sum(values)), name
         assert point.attributes == {"gen_ai.operation.name": "chat", "gen_ai.request.model": "smollm2",
                                     "gen_ai.provider.name": "mlx", "replica": "r0"}
-    assert points[tm.TIME_TO_FIRST_TOKEN.name][0].explicit_bounds == names.TTFT_BUCKETS_S
+    assert points[names.TIME_TO_FIRST_TOKEN.name][0].explicit_bounds == names.TTFT_BUCKETS_S
 
 
 def test_token_usage_by_type(telemetry):
     for i in range(5):
         telemetry.record_request(_request(i, num_output_tokens=20 + i))
-    by_type = {p.attributes["gen_ai.token.type"]: p for p in _points(telemetry)[tm.TOKEN_USAGE.name]}
+    by_type = {p.attributes["gen_ai.token.type"]: p for p in _points(telemetry)[names.TOKEN_USAGE.name]}
     assert by_type["input"].count == by_type["output"].count == 5
     assert by_type["input"].sum == sum(100 + i for i in range(5))
     assert by_type["output"].sum == sum(20 + i for i in range(5))
@@ -116,9 +116,9 @@ def test_tpot_needs_two_tokens_and_errors_skip_latency_metrics(telemetry):
     telemetry.record_request(_request(num_output_tokens=1))
     telemetry.record_request(_request(error_type="timeout"))
     points = _points(telemetry)
-    assert points[tm.TIME_TO_FIRST_TOKEN.name][0].count == 1
-    assert tm.TIME_PER_OUTPUT_TOKEN.name not in points
-    errors = [p for p in points[tm.REQUEST_DURATION.name] if p.attributes.get("error.type") == "timeout"]
+    assert points[names.TIME_TO_FIRST_TOKEN.name][0].count == 1
+    assert names.TIME_PER_OUTPUT_TOKEN.name not in points
+    errors = [p for p in points[names.REQUEST_DURATION.name] if p.attributes.get("error.type") == "timeout"]
     assert len(errors) == 1 and errors[0].count == 1
 
 
@@ -127,18 +127,18 @@ def test_step_gauges_admission_prefix_cache(telemetry):
     telemetry.set_engine_gauges("r0", EngineGauges(5, 1, 8 << 20, 2 << 20, None, None, 64 << 30))
     points = _points(telemetry)
     value = {name: pts[0].value for name, pts in points.items() if hasattr(pts[0], "value") and len(pts) == 1}
-    assert value[tm.REQUESTS_WAITING.name] == 5 and value[tm.REQUESTS_RUNNING.name] == 1
-    assert value[tm.KV_RESERVED_BYTES.name] == 8 << 20 and value[tm.MEMORY_LIMIT_BYTES.name] == 64 << 30
-    assert value[tm.PREDICTED_PEAK_BYTES.name] == 3 << 30  # None keeps the last known value
-    assert value[tm.PREFIX_CACHE_HIT_TOKENS.name] == 64 and value[tm.PREFIX_CACHE_EVICTIONS.name] == 2
-    assert value[tm.PREFIX_CACHE_QUERIES.name] == value[tm.PREFIX_CACHE_HITS.name] == 1
-    assert value[tm.PEAK_EXCEEDED.name] == 1 and value[tm.PREFIX_CACHE_BYTES.name] == 1 << 20
-    assert points[tm.STEP_PREFILL_TOKENS.name][0].sum == 512
-    assert points[tm.STEP_DECODE_TOKENS.name][0].sum == 3
+    assert value[names.REQUESTS_WAITING.name] == 5 and value[names.REQUESTS_RUNNING.name] == 1
+    assert value[names.KV_RESERVED_BYTES.name] == 8 << 20 and value[names.MEMORY_LIMIT_BYTES.name] == 64 << 30
+    assert value[names.PREDICTED_PEAK_BYTES.name] == 3 << 30  # None keeps the last known value
+    assert value[names.PREFIX_CACHE_HIT_TOKENS.name] == 64 and value[names.PREFIX_CACHE_EVICTIONS.name] == 2
+    assert value[names.PREFIX_CACHE_QUERIES.name] == value[names.PREFIX_CACHE_HITS.name] == 1
+    assert value[names.PEAK_EXCEEDED.name] == 1 and value[names.PREFIX_CACHE_BYTES.name] == 1 << 20
+    assert points[names.STEP_PREFILL_TOKENS.name][0].sum == 512
+    assert points[names.STEP_DECODE_TOKENS.name][0].sum == 3
     decisions = {(p.attributes["outcome"], p.attributes["reason"]): p.value
-                 for p in points[tm.ADMISSION_DECISIONS.name]}
+                 for p in points[names.ADMISSION_DECISIONS.name]}
     assert decisions == {("admitted", "fits"): 1, ("rejected", "kv_budget"): 1}
-    assert all(p.attributes == {"replica": "r0"} for p in points[tm.REQUESTS_WAITING.name])
+    assert all(p.attributes == {"replica": "r0"} for p in points[names.REQUESTS_WAITING.name])
 
 
 def test_record_methods_never_raise_and_warn_once(telemetry, caplog):
@@ -149,7 +149,7 @@ def test_record_methods_never_raise_and_warn_once(telemetry, caplog):
     warnings = [r for r in caplog.records if r.name == "deployments.telemetry.metrics"]
     assert len(warnings) == 2
     telemetry.record_request(_request())  # still records after a failure
-    assert _points(telemetry)[tm.REQUEST_DURATION.name][0].count == 1
+    assert _points(telemetry)[names.REQUEST_DURATION.name][0].count == 1
 
 
 # ---- traces ----
@@ -213,16 +213,16 @@ def prometheus():
 
 def test_prometheus_endpoint_serves_the_documented_names(prometheus):
     _record_everything(prometheus)
-    body, names = _scrape(prometheus.prometheus_url)
+    body, scraped = _scrape(prometheus.prometheus_url)
     documented = set(re.findall(r"\b(?:gen_ai|mlx_serve)_[a-z_]+", tm.__doc__.split("Labels:")[0]))
-    assert len(documented) == len(tm._SPECS)
+    assert len(documented) == len(names._SPECS)
     for name in documented:  # the module docstring lists the family names
-        assert name in names or f"{name}_count" in names, name
+        assert name in scraped or f"{name}_count" in scraped, name
     assert {"gen_ai_server_time_to_first_token_seconds_bucket", "gen_ai_client_token_usage_sum",
-            "mlx_serve_admission_decisions_total", "mlx_serve_kv_cache_reserved_bytes"} <= names
+            "mlx_serve_admission_decisions_total", "mlx_serve_kv_cache_reserved_bytes"} <= scraped
     assert 'gen_ai_token_type="output"' in body and 'gen_ai_request_model="smollm2"' in body
     # a Prometheus server asks for OpenMetrics: the sample names are the same
-    assert _scrape(prometheus.prometheus_url, "application/openmetrics-text; version=1.0.0")[1] == names
+    assert _scrape(prometheus.prometheus_url, "application/openmetrics-text; version=1.0.0")[1] == scraped
 
 
 def test_prometheus_port_taken_warns_and_continues(caplog):
@@ -290,7 +290,7 @@ def test_otlp_http_delivers_metrics_and_spans(collector, monkeypatch, via_env):
             span_names |= {s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
             service = {a.key: a.value.string_value for a in request.resource_spans[0].resource.attributes}
             assert service["service.name"] == "otlp-test"
-    assert {spec.name for spec in tm._SPECS} <= metric_names
+    assert {spec.name for spec in names._SPECS} <= metric_names
     assert span_names == {"chat smollm2", "engine.step"}
 
 
