@@ -42,6 +42,7 @@ from deployments.errors import (BadRequestError, ReplicaUnavailableError, Servic
 from deployments.messages import AdmissionDecision, GenerateOutput, GenerateRequest, ReplicaInfo, ReplicaReport, \
     ReplicaStats, Reservation
 from deployments.replica.client import HandleReplicaClient, ReplicaClient
+from deployments.serve_context import current_app_name, current_replica_id
 from deployments.telemetry.metrics import Telemetry
 from deployments.telemetry.observability import admission_span
 
@@ -51,25 +52,6 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "mlx-serve"
 CALL_TIMEOUT_S = 30.0  # a controller call (besides the wait in the queue) that takes longer is a failure
-
-
-def current_replica_id() -> str:
-    """This Serve replica's id ("" outside Serve)."""
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a Serve replica
-        return ""
-
-
-def current_app_name() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().app_name or "default"
-    except Exception:  # outside a Serve replica
-        return "default"
 
 
 def controller_name(config: AdmissionConfig, app_name: str) -> str:

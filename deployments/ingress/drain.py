@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from deployments.errors import ServiceUnavailableError
+from deployments.serve_context import current_replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +131,11 @@ def find_drain() -> IngressDrain:
     """This ingress's IngressDrain, on the supervisor's signal when there is one (else never draining)."""
     try:
         import ray
-        from ray import serve
 
         if not ray.is_initialized():
             return IngressDrain()
         signal = ray.get_actor(DRAIN_ACTOR_NAME, namespace=DRAIN_NAMESPACE)
-        ingress_id = serve.get_replica_context().replica_id.unique_id
     except Exception:  # no supervisor (serve deploy, tests without Ray): nothing will ask for a drain
         return IngressDrain()
-    return IngressDrain(signal, ingress_id)
+    ingress_id = current_replica_id()
+    return IngressDrain(signal, ingress_id) if ingress_id else IngressDrain()

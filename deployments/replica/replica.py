@@ -32,6 +32,7 @@ from deployments.errors import BadRequestError, EngineError, ServiceUnavailableE
 from deployments.messages import (AbortRequest, GenerateOutput, GenerateRequest, LiveRequest, ReplicaCapacity,
                                   ReplicaInfo, ReplicaReport, ReplicaStats)
 from deployments.replica.telemetry import ReplicaObserver
+from deployments.serve_context import current_replica_id
 from deployments.telemetry.metrics import TelemetryConfig
 from deployments.telemetry.observability import TelemetryFactory, process_telemetry
 
@@ -69,16 +70,6 @@ def current_placement() -> tuple[str, str]:
         return "", HOST_DEVICE
 
 
-def default_replica_id() -> str:
-    """The Ray Serve replica id when running in Serve, else a random one."""
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # not inside a Serve replica (unit tests)
-        return uuid.uuid4().hex[:8]
-
-
 class EngineReplica:
     """Owns one AsyncEngine; streams increments, reports stats and health."""
 
@@ -92,7 +83,7 @@ class EngineReplica:
         reporter_factory: Optional[ReporterFactory] = None,
     ) -> None:
         config = EngineConfig.model_validate(engine_config)
-        self._replica_id = replica_id or default_replica_id()
+        self._replica_id = replica_id or current_replica_id() or uuid.uuid4().hex[:8]  # outside Serve: any
         self._node_id, self._device = current_placement()  # reported: admission splits a shared device
         self._engine: EngineClient = (engine_factory or default_engine_factory)(config)
         telemetry_config = TelemetryConfig.model_validate(telemetry or {"exporter": "none"})

@@ -28,23 +28,13 @@ from typing import Optional
 from opentelemetry.trace import Status, StatusCode
 
 from deployments.telemetry.metrics import Telemetry, TelemetryConfig
+from deployments.serve_context import replica_rank
 from deployments.telemetry.names import REPLICA
 
 logger = logging.getLogger(__name__)
 serve_logger = logging.getLogger("ray.serve")  # Serve shows this logger's records in `serve run` and replica logs
 
 TelemetryFactory = Callable[[TelemetryConfig, str], Telemetry]  # (config, role: "ingress" | "replica")
-
-
-def replica_rank() -> Optional[int]:
-    """This Serve replica's rank in its deployment (0..n-1); None outside Serve."""
-    try:
-        from ray import serve
-
-        rank = serve.get_replica_context().rank
-        return int(getattr(rank, "rank", rank))
-    except Exception:  # not inside a Serve replica, or a Serve without ranks
-        return None
 
 
 ROLE_PORT_OFFSETS = {"ingress": 0, "admission": 1}  # replicas: 2 + rank
