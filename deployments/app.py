@@ -14,7 +14,8 @@ import argparse
 import functools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import yaml
@@ -204,6 +205,26 @@ def parse_args(args: Union[dict, AppArgs, None]) -> AppArgs:
     return AppArgs.model_validate(args or {})
 
 
+@dataclass(frozen=True)
+class ConfiguredApp:
+    """One application of a Serve config (serve.yaml): its name and its validated args."""
+
+    name: str
+    args: AppArgs
+
+
+def configured_apps(config: Mapping[str, Any]) -> list[ConfiguredApp]:
+    """The applications of a loaded Serve config; raises ValueError naming a bad field of their args."""
+    return [ConfiguredApp(app.get("name", "default"), parse_args(app.get("args")))
+            for app in config.get("applications", [])]
+
+
+def read_configured_apps(config_path: str) -> list[ConfiguredApp]:
+    """`configured_apps` of a serve.yaml file."""
+    with open(config_path) as f:
+        return configured_apps(yaml.safe_load(f) or {})
+
+
 def build_app(args: Union[dict, AppArgs, None]) -> Any:
     """The Serve application: OpenAIIngress (HTTP + handle API) -> EngineReplica x num_replicas."""
     return build_app_with(args)
@@ -245,14 +266,12 @@ def serve_ingress_class(cls: type) -> type:
 
 def metrics_lines(config_path: str) -> list[str]:
     """What `metrics` prints for each application of a serve.yaml: its exporter and planned URLs."""
-    with open(config_path) as f:
-        applications = yaml.safe_load(f).get("applications", [])
     lines = []
-    for app in applications:
-        args = parse_args(app.get("args"))
+    for app in read_configured_apps(config_path):
+        args = app.args
         replicas = args.num_replicas or (args.autoscaling.max_replicas if args.autoscaling else 1)
         urls = planned_prometheus_urls(args.telemetry, replicas, admission=args.admission.enabled)
-        lines.append(f"[serve] {app.get('name')}: telemetry exporter {args.telemetry.exporter}")
+        lines.append(f"[serve] {app.name}: telemetry exporter {args.telemetry.exporter}")
         lines += [f"[serve]   Prometheus {url}" for url in urls]
         if urls:
             lines.append("[serve]   (a taken port moves to a free one: see the log line '<role>: Prometheus "

@@ -23,7 +23,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from deployments.app import ConfiguredApp
 
 logger = logging.getLogger("mlx_serve.supervisor")
 
@@ -65,18 +68,16 @@ class Stop:
         self.requested.set()
 
 
-def deploy(config_path: str, address: str) -> Any:
+def deploy(raw_config: dict[str, Any], address: str) -> Any:
     """Ray, the drain signal and the config's apps, as `serve run` starts them; returns the signal."""
     import ray
-    import yaml
     from ray.serve._private import api as serve_api
     from ray.serve.config import gRPCOptions
     from ray.serve.schema import ServeDeploySchema
 
     from deployments.ingress.drain import DRAIN_ACTOR_NAME, DRAIN_NAMESPACE, DrainSignal
 
-    with open(config_path) as f:
-        config = ServeDeploySchema.model_validate(yaml.safe_load(f))
+    config = ServeDeploySchema.model_validate(raw_config)
     ray.init(address=address, namespace=DRAIN_NAMESPACE)
     drain = ray.remote(DrainSignal).options(name=DRAIN_ACTOR_NAME, namespace=DRAIN_NAMESPACE, num_cpus=0,
                                             get_if_exists=True).remote()
@@ -113,15 +114,15 @@ def drain(signal_actor: Any, timeout_s: float, stop: Stop) -> dict[str, int]:
     return pending
 
 
-def keep_file_sd(config_path: str, out: str, stop: Stop) -> threading.Thread:
-    """A thread that rewrites the targets file every FILE_SD_REFRESH_S until the stop."""
+def keep_file_sd(apps: Sequence[ConfiguredApp], out: str, stop: Stop) -> threading.Thread:
+    """A thread that rewrites the targets file of `apps` every FILE_SD_REFRESH_S until the stop."""
     from deployments.telemetry.discovery import FILE_SD_REFRESH_S, refresh
 
     def loop() -> None:
         wait_s, known = 2.0, -1
         while not stop.requested.wait(wait_s):
             try:
-                found = len(refresh(config_path, out))
+                found = len(refresh(apps, out))
             except Exception as e:  # noqa: BLE001 - the app is still starting, or a replica restarts
                 logger.debug("file_sd refresh failed: %r", e)
                 continue
@@ -137,15 +138,21 @@ def keep_file_sd(config_path: str, out: str, stop: Stop) -> threading.Thread:
 
 def run(args: argparse.Namespace) -> int:
     import ray
+    import yaml
     from ray import serve
 
+    from deployments.app import configured_apps
+
+    with open(args.config) as f:  # read once: Serve deploys it, the file_sd thread finds its apps' endpoints
+        raw_config = yaml.safe_load(f)
+    apps = configured_apps(raw_config) if args.prometheus_file_sd else []
     stop = Stop()
-    signal_actor = deploy(args.config, args.address)
+    signal_actor = deploy(raw_config, args.address)
     for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(signum, stop.handle)
     print(f"[serve] deployed {args.config}; SIGTERM or Ctrl-C drains (up to {args.drain_timeout_s:g} s) "
           "and stops", flush=True)
-    file_sd = keep_file_sd(args.config, args.prometheus_file_sd, stop) if args.prometheus_file_sd else None
+    file_sd = keep_file_sd(apps, args.prometheus_file_sd, stop) if args.prometheus_file_sd else None
     while not stop.requested.wait(1.0):
         pass
     print(f"[serve] {stop.signal_name}: draining; new requests get 503", flush=True)

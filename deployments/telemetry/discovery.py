@@ -26,8 +26,11 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from deployments.app import AppArgs, ConfiguredApp
 
 
 FILE_SD_REFRESH_S = 15.0  # how often the supervisor rewrites the file (Prometheus re-reads it on change)
@@ -80,7 +83,7 @@ def _sample(call: Callable[[], Any], key: Callable[[Any], Optional[str]], num: i
     return list(seen.values())
 
 
-def collect_endpoints(app_name: str, app_args: Any, max_calls: int = 64) -> list[MetricsEndpoint]:
+def collect_endpoints(app_name: str, app_args: AppArgs, max_calls: int = 64) -> list[MetricsEndpoint]:
     """The /metrics URLs of a running app's processes (ingresses and replicas by sampling their handles,
     as many as Serve reports running; the admission controller by name)."""
     import ray
@@ -113,32 +116,23 @@ def collect_endpoints(app_name: str, app_args: Any, max_calls: int = 64) -> list
     return out
 
 
-def apps_of(config_path: str) -> list[tuple[str, Any]]:
-    """(name, AppArgs) of every application of a Serve config."""
-    import yaml
-
-    from deployments.app import parse_args
-
-    with open(config_path) as f:
-        config = yaml.safe_load(f)
-    return [(app.get("name", "default"), parse_args(app.get("args"))) for app in config.get("applications", [])]
-
-
-def refresh(config_path: str, out: str) -> list[MetricsEndpoint]:
-    """Collect every running app's endpoints and write them to `out`; returns them."""
+def refresh(apps: Sequence[ConfiguredApp], out: str) -> list[MetricsEndpoint]:
+    """Collect the endpoints of every app of `apps` that is running and write them to `out`; returns them."""
     from ray import serve
 
     status = serve.status().applications
     endpoints: list[MetricsEndpoint] = []
-    for name, args in apps_of(config_path):
-        if name in status and str(status[name].status).endswith("RUNNING"):
-            endpoints += collect_endpoints(name, args)
+    for app in apps:
+        if app.name in status and str(status[app.name].status).endswith("RUNNING"):
+            endpoints += collect_endpoints(app.name, app.args)
     write_file_sd(out, endpoints)
     return endpoints
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     import ray
+
+    from deployments.app import read_configured_apps
 
     p = argparse.ArgumentParser(prog="python -m deployments.telemetry.discovery",
                                 description="Write a Prometheus file_sd targets file of a running app.")
@@ -147,9 +141,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or "auto", help="the Ray cluster")
     p.add_argument("--every", type=float, default=0.0, help="rewrite it this often (seconds); 0: once")
     args = p.parse_args(argv)
+    apps = read_configured_apps(args.config)
     ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
     while True:
-        endpoints = refresh(args.config, args.out)
+        endpoints = refresh(apps, args.out)
         print(f"[discovery] {len(endpoints)} /metrics endpoints -> {args.out}", flush=True)
         if args.every <= 0:
             return

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.app import AppArgs, build_app_with, parse_args, serve_ingress_class
+from deployments.app import AppArgs, build_app_with, parse_args, read_configured_apps, serve_ingress_class
 from deployments.errors import BadRequestError, EngineError, ModelNotFoundError, ServiceUnavailableError
 from deployments.ingress.ingress import IngressSettings, OpenAIIngress
 from deployments.messages import AbortRequest, GenerateRequest
@@ -284,10 +284,12 @@ def test_app_args():
 def test_serve_yaml_args_validate():
     import yaml
 
-    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / "serve.yaml").read_text())
-    app = config["applications"][0]
-    assert app["import_path"] == "deployments.app:build_app"
-    args = parse_args(app["args"])
+    path = Path(__file__).resolve().parents[2] / "config" / "serve.yaml"
+    [entry] = yaml.safe_load(path.read_text())["applications"]
+    assert entry["import_path"] == "deployments.app:build_app"
+    [app] = read_configured_apps(str(path))  # what the supervisor and the metrics CLI read
+    assert app.name == entry["name"]
+    args = app.args
     assert args.replica.num_cpus + args.ingress.num_cpus <= 1.0  # fits a 2-core box with room to spare
 
 
