@@ -259,7 +259,7 @@ class OpenAIIngress:
         return final_response(prepared, acc, self._output_context)
 
     async def _stream(self, prepared: PreparedRequest) -> AsyncGenerator[Any, None]:
-        acc = Accumulator(len(prepared.samplings))
+        acc = Accumulator(len(prepared.samplings), keep_content=False)  # the chunks carry the content
         chunks = StreamChunks(prepared, self._output_context)
         async with aclosing(self._outputs(prepared)) as outputs:
             async for index, out in outputs:

@@ -45,16 +45,19 @@ class ChoiceState:
 
 
 class Accumulator:
-    """Folds the increments of the n choices of a request into texts and usage."""
+    """Folds the increments of the n choices of a request into texts and usage. A stream sends each
+    increment's text and logprobs as they come: its accumulator (keep_content=False) keeps only the usage."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, keep_content: bool = True) -> None:
         self.choices = [ChoiceState() for _ in range(n)]
+        self._keep_content = keep_content
 
     def add(self, index: int, out: GenerateOutput) -> None:
         check_output(out)
         choice = self.choices[index]
-        choice.text_parts.append(out.new_text)
-        choice.logprobs.extend(out.new_logprobs)
+        if self._keep_content:
+            choice.text_parts.append(out.new_text)
+            choice.logprobs.extend(out.new_logprobs)
         choice.num_prompt_tokens = out.num_prompt_tokens
         choice.num_output_tokens = out.num_output_tokens
         choice.num_cached_tokens = out.num_cached_tokens

@@ -106,3 +106,20 @@ def test_tool_calls_are_parsed_and_streamed():
     stream = tools.ToolStream(named, HERMES)
     first = stream.feed('{"a"', False)[1]
     assert first[0].function.name == "add" and first[1].function.arguments == '{"a"'
+
+
+def test_a_streams_accumulator_keeps_the_usage_not_the_content():
+    from deployments.ingress.responses import Accumulator
+    from deployments.messages import GenerateOutput
+    from engine import TokenLogprob
+
+    outs = [GenerateOutput("r", "rep", text, 1, 5, i + 1, finished=i == 2, finish_reason="stop" if i == 2 else None,
+                           new_logprobs=(TokenLogprob(i, -0.5),)) for i, text in enumerate(("a", "b", "c"))]
+    kept, streamed = Accumulator(1), Accumulator(1, keep_content=False)
+    for out in outs:
+        kept.add(0, out)
+        streamed.add(0, out)
+    assert "".join(kept.choices[0].text_parts) == "abc" and len(kept.choices[0].logprobs) == 3
+    assert streamed.choices[0].text_parts == [] and streamed.choices[0].logprobs == []
+    assert streamed.usage() == kept.usage() and streamed.usage().completion_tokens == 3
+    assert streamed.fingerprint() == "rep" and streamed.choices[0].finish_reason == "stop"
