@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark scripts: models (embedded, local, random llama shapes), memory
-readings, prompt generation, the memory-model helpers and the JSON output convention.
+readings (peaks across the engine's own resets), prompt generation, mlx-lm's BatchGenerator as its server
+drives it, the memory-model helpers and the JSON output convention.
 
 Not part of the engine: the benchmarks import the engine like any user would.
 """
@@ -15,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Literal, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python scripts/x.py` from anywhere
@@ -205,6 +206,51 @@ def free_memory() -> None:
     mx.clear_cache()
 
 
+class PeakTracker:
+    """MLX's peak since `start()`, even across the engine's own `mx.reset_peak_memory()` calls (it
+    resets before every forward): the reset is wrapped to fold the peak so far in first."""
+
+    def __init__(self):
+        self._orig_reset = mx.reset_peak_memory
+        self._folded = 0
+
+    def __enter__(self) -> "PeakTracker":
+        mx.reset_peak_memory = self._reset
+        return self
+
+    def __exit__(self, *exc) -> None:
+        mx.reset_peak_memory = self._orig_reset
+
+    def _reset(self) -> None:
+        self._folded = max(self._folded, mx.get_peak_memory())
+        self._orig_reset()
+
+    def start(self) -> None:
+        self._folded = 0
+        self._orig_reset()
+
+    def read(self) -> int:
+        return max(self._folded, mx.get_peak_memory())
+
+
+class MemoryWindow:
+    """Peak over what was alive on entry (the weights), across resets by the engine."""
+
+    def __enter__(self) -> "MemoryWindow":
+        free_memory()
+        self.baseline = mx.get_active_memory()
+        self._tracker = PeakTracker().__enter__()
+        self._tracker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.peak = self._tracker.read()
+        self._tracker.__exit__(*exc)
+
+    def result(self) -> dict:
+        return {"peak_over_weights_bytes": self.peak - self.baseline}
+
+
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # Skip the lowest ids (special tokens of real tokenizers); never an id outside the vocabulary.
@@ -231,6 +277,56 @@ def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None, cpu_
     dtype_bytes = DTYPES[loaded.dtype].size
     shape = ModelShape.from_config(loaded.config, dtype_bytes, loaded.weights_bytes)
     return MemoryModel(shape, coefficients=with_overrides(backend_coefficients(shape, cpu_math)[0], overrides))
+
+
+# --------------------------------------------------------------------------- mlx-lm's BatchGenerator
+# mlx_lm.server's BatchGenerator settings (decode_concurrency 32, prompt_concurrency 8, prefill_step_size 2048)
+MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
+
+
+def mlx_lm_generator(model: nn.Module, max_tokens: int, settings: dict = MLX_LM_SERVER_DEFAULTS):
+    """mlx-lm's BatchGenerator as mlx_lm.server builds it: `settings` on the default stream."""
+    from mlx_lm.generate import BatchGenerator
+
+    return BatchGenerator(model, max_tokens=max_tokens, stream=mx.default_stream(mx.default_device()), **settings)
+
+
+def mlx_lm_step(gen) -> list:
+    """One step of the server's loop: the generation responses (uid, token, finish_reason) it gave."""
+    _, generated = gen.next()
+    return generated
+
+
+@dataclass(frozen=True)
+class BurstRun:
+    """Prompts inserted into a BatchGenerator at once, stepped until each had its first token or finished."""
+
+    uids: list[int]
+    first_token_s: dict[int, float]  # uid -> when its first token came, on the caller's clock
+    num_steps: int
+
+
+def run_mlx_lm_burst(gen, prompts: list[list[int]], max_tokens: Sequence[int],
+                     until: Literal["first_token", "finished"], clock: Callable[[], float],
+                     before_step: Callable[[], None] = lambda: None,
+                     after_step: Callable[[], None] = lambda: None) -> BurstRun:
+    """Insert every prompt, then step as the server's loop does until every one has its first token
+    (`until="first_token"`) or has finished; `before_step` / `after_step` frame each step (a meter)."""
+    uids = list(gen.insert(prompts, max_tokens=list(max_tokens)))
+    first: dict[int, float] = {}
+    finished: set[int] = set()
+    num_steps = 0
+    while len(first if until == "first_token" else finished) < len(uids):
+        before_step()
+        generated = mlx_lm_step(gen)
+        after_step()
+        num_steps += 1
+        now = clock()
+        for r in generated:
+            first.setdefault(r.uid, now)
+            if r.finish_reason is not None:
+                finished.add(r.uid)
+    return BurstRun(uids, first, num_steps)
 
 
 # --------------------------------------------------------------------------- output

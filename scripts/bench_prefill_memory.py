@@ -34,44 +34,17 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (LoadedModel, chunk_bytes, emit, environment, free_memory,  # noqa: E402
-                          load_bench_model, memory_model_for, prefill_flops, random_prompts)
+from bench_common import (MLX_LM_SERVER_DEFAULTS, LoadedModel, PeakTracker, chunk_bytes, emit,  # noqa: E402
+                          environment, free_memory, load_bench_model, memory_model_for, mlx_lm_generator,
+                          prefill_flops, random_prompts, run_mlx_lm_burst)
 
 import mlx.core as mx  # noqa: E402
 
 WAYS = ("sequential", "engine", "mlx_lm", "naive_padded")
 EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_no_overlap": dict(overlap_steps=False)}
-MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
 
 
 # --------------------------------------------------------------------------- measurement frame
-class PeakTracker:
-    """MLX's peak since `start()`, even across the engine's own `mx.reset_peak_memory()` calls (it
-    resets before every forward): the reset is wrapped to fold the peak so far in first."""
-
-    def __init__(self):
-        self._orig_reset = mx.reset_peak_memory
-        self._folded = 0
-
-    def __enter__(self) -> "PeakTracker":
-        mx.reset_peak_memory = self._reset
-        return self
-
-    def __exit__(self, *exc) -> None:
-        mx.reset_peak_memory = self._orig_reset
-
-    def _reset(self) -> None:
-        self._folded = max(self._folded, mx.get_peak_memory())
-        self._orig_reset()
-
-    def start(self) -> None:
-        self._folded = 0
-        self._orig_reset()
-
-    def read(self) -> int:
-        return max(self._folded, mx.get_peak_memory())
-
-
 class Meter:
     """Peak/active readings of one way. `baseline` is what was alive before (the weights)."""
 
@@ -206,30 +179,18 @@ def mlx_lm_plan_bytes(memory, lengths: list[int], batch: int, step: int) -> int:
 
 def run_mlx_lm(lm: LoadedModel, prompts: list[list[int]], memory, max_tokens: int,
                settings: dict = MLX_LM_SERVER_DEFAULTS) -> dict:
-    from mlx_lm.generate import BatchGenerator
-
     meter = Meter()
-    gen = BatchGenerator(lm.model, max_tokens=max_tokens, stream=mx.default_stream(mx.default_device()),
-                         **settings)
-    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    first: dict[int, float] = {}
-    steps = 0
-    while len(first) < len(prompts):
-        meter.begin(gen.prompt_cache_nbytes)
-        _, generated = gen.next()
-        meter.end(gen.prompt_cache_nbytes)
-        steps += 1
-        now = meter.elapsed()
-        for r in generated:
-            first.setdefault(r.uid, now)
+    gen = mlx_lm_generator(lm.model, max_tokens, settings)
+    run = run_mlx_lm_burst(gen, prompts, [max_tokens] * len(prompts), "first_token", meter.elapsed,
+                           before_step=lambda: meter.begin(gen.prompt_cache_nbytes),
+                           after_step=lambda: meter.end(gen.prompt_cache_nbytes))
     prefill_s = meter.elapsed()
     kv = gen.prompt_cache_nbytes
     predicted = mlx_lm_plan_bytes(memory, [len(p) for p in prompts], settings["prefill_batch_size"],
                                   settings["prefill_step_size"])
-    result = meter.result(kv, predicted, [first[u] for u in uids], prefill_s, settings=settings,
-                          num_calls=steps, predicted_kind="per_row_formula_x_rows")
+    result = meter.result(kv, predicted, [run.first_token_s[u] for u in run.uids], prefill_s, settings=settings,
+                          num_calls=run.num_steps, predicted_kind="per_row_formula_x_rows")
     gen.close()
-    del gen
     return result
 
 

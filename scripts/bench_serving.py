@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import emit, environment, free_memory, load_bench_model, random_prompts  # noqa: E402
-
-MLX_LM_SERVER_DEFAULTS = dict(completion_batch_size=32, prefill_batch_size=8, prefill_step_size=2048)
+from bench_common import (MLX_LM_SERVER_DEFAULTS, MemoryWindow, emit, environment, free_memory,  # noqa: E402
+                          load_bench_model, mlx_lm_generator, mlx_lm_step, random_prompts)
 
 
 # --------------------------------------------------------------------------- records and summary
@@ -338,11 +337,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
 
 def run_mlx_lm(lm, prompts, arrivals, args, settings: dict = MLX_LM_SERVER_DEFAULTS) -> dict:
     """mlx-lm's BatchGenerator with mlx_lm.server's defaults, driven as the server's loop drives it."""
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(lm.model, max_tokens=args.output_tokens,
-                         stream=mx.default_stream(mx.default_device()), **settings)
+    gen = mlx_lm_generator(lm.model, args.output_tokens, settings)
     uid_to_index: dict[int, int] = {}
 
     def add(i, prompt):
@@ -350,8 +345,7 @@ def run_mlx_lm(lm, prompts, arrivals, args, settings: dict = MLX_LM_SERVER_DEFAU
         uid_to_index[uid] = i
 
     def step():
-        _, generated = gen.next()
-        return [(uid_to_index[r.uid], r.finish_reason is not None) for r in generated]
+        return [(uid_to_index[r.uid], r.finish_reason is not None) for r in mlx_lm_step(gen)]
 
     with MemoryWindow() as mem:
         records, wall = LoopDriver(prompts, arrivals, args.concurrency_now).run(add, step)
@@ -364,34 +358,6 @@ def run_mlx_lm(lm, prompts, arrivals, args, settings: dict = MLX_LM_SERVER_DEFAU
         result["prompt_time_s"] = c.prompt_time
     gen.close()
     return result
-
-
-class MemoryWindow:
-    """Peak over what was alive on entry (the weights), across resets by the engine."""
-
-    def __enter__(self):
-        import mlx.core as mx
-
-        self.mx = mx
-        free_memory()
-        self.baseline = mx.get_active_memory()
-        self._orig_reset = mx.reset_peak_memory
-        self._folded = 0
-
-        def reset():
-            self._folded = max(self._folded, mx.get_peak_memory())
-            self._orig_reset()
-
-        mx.reset_peak_memory = reset
-        self._orig_reset()
-        return self
-
-    def __exit__(self, *exc):
-        self.peak = max(self._folded, self.mx.get_peak_memory())
-        self.mx.reset_peak_memory = self._orig_reset
-
-    def result(self) -> dict:
-        return {"peak_over_weights_bytes": self.peak - self.baseline}
 
 
 def make_engine(lm, prompts, args, options=None, async_decode: bool = True, grammar_compiler=None, **overrides):

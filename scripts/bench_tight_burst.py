@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import emit, environment, free_memory, load_bench_model, random_prompts  # noqa: E402
-from bench_prefill_memory import MLX_LM_SERVER_DEFAULTS, PeakTracker  # noqa: E402
+from bench_common import (MLX_LM_SERVER_DEFAULTS, MemoryWindow, PeakTracker, emit, environment,  # noqa: E402
+                          free_memory, load_bench_model, mlx_lm_generator, random_prompts, run_mlx_lm_burst)
 
 import mlx.core as mx  # noqa: E402
 
@@ -126,26 +126,15 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
 
 
 def run_mlx_lm(lm, prompts, new_tokens) -> dict:
-    from mlx_lm.generate import BatchGenerator
-
-    free_memory()
-    baseline = mx.get_active_memory()
-    with PeakTracker() as tracker:
-        tracker.start()
+    with MemoryWindow() as window:
         t0 = time.perf_counter()
-        gen = BatchGenerator(lm.model, max_tokens=max(new_tokens), stream=mx.default_stream(mx.default_device()),
-                             **MLX_LM_SERVER_DEFAULTS)
-        gen.insert(prompts, max_tokens=list(new_tokens))
-        finished = 0
-        while finished < len(prompts):
-            _, generated = gen.next()
-            finished += sum(r.finish_reason is not None for r in generated)
+        gen = mlx_lm_generator(lm.model, max(new_tokens))
+        run_mlx_lm_burst(gen, prompts, new_tokens, "finished", time.perf_counter)
         wall_s = time.perf_counter() - t0
-        peak = tracker.read()
     gen.close()
     del gen
     free_memory()
-    return dict(peak_over_weights_bytes=peak - baseline, wall_s=wall_s, settings=MLX_LM_SERVER_DEFAULTS)
+    return dict(**window.result(), wall_s=wall_s, settings=MLX_LM_SERVER_DEFAULTS)
 
 
 def parse_args(argv=None):
