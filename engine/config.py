@@ -20,6 +20,12 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 MAX_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 # On MLX's CUDA backend: what the shipped CUDA coefficient set for bounded batches was fitted under.
 CUDA_MAX_OPS_PER_BUFFER = 8
+# The step token budget when EngineConfig.max_num_batched_tokens is None: on a GPU a larger step halves the
+# mean TTFT of many prompts arriving together (docs/benchmarks.md); on the CPU a step's forwards run one
+# core-bound chunk after another, and a larger budget only delays the decode rows riding in it.
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+GPU_BACKENDS = ("cuda", "metal")
 
 
 class ExecutionConfig(BaseModel):
@@ -86,8 +92,12 @@ class EngineConfig(BaseModel):
         "(bfloat16 for the default) on a GPU. An explicit dtype keeps quantized weights quantized.",
     )
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests running (holding KV) at once.")
-    max_num_batched_tokens: int = Field(
-        2048, ge=1, le=1 << 20, description="Token budget of one engine step, decode tokens included."
+    max_num_batched_tokens: Optional[int] = Field(
+        None, ge=1, le=1 << 20,
+        description="Token budget of one engine step, decode tokens included (a step gets less when the "
+        "memory its KV leaves free is short). None: 8192 on a GPU (MLX's CUDA or Metal backend), 2048 on "
+        "the CPU, raised to max_num_seqs or prefill_chunk_size where either is larger; the engine "
+        "resolves it for its device (Engine.config holds the value it runs with).",
     )
     prefill_chunk_size: int = Field(
         512, ge=1, le=1 << 20, description="Most prompt tokens of one request computed in one step."
@@ -138,10 +148,27 @@ class EngineConfig(BaseModel):
         with_overrides(CPU_COEFFICIENTS, value)  # ValueError naming an unknown or negative coefficient
         return value
 
+    def resolved_max_num_batched_tokens(self, backend: str) -> int:
+        """The step token budget on MLX backend `backend` ("cpu", "cuda", "metal"): the configured value,
+        else the backend's default raised to what max_num_seqs and prefill_chunk_size need."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = GPU_MAX_NUM_BATCHED_TOKENS if backend in GPU_BACKENDS else CPU_MAX_NUM_BATCHED_TOKENS
+        return max(default, self.max_num_seqs, self.prefill_chunk_size)
+
+    def for_backend(self, backend: str) -> "EngineConfig":
+        """This configuration with the values that depend on the device resolved for `backend` (a new
+        object: the engine keeps it as its `config`, so every reader sees what the engine runs with)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return self.model_copy(update={"max_num_batched_tokens": self.resolved_max_num_batched_tokens(backend)})
+
     @model_validator(mode="after")
     def _cross_field(self) -> "EngineConfig":
         if isinstance(self.memory_limit_bytes, int) and self.memory_limit_bytes < (1 << 20):
             raise ValueError(f"memory_limit_bytes={self.memory_limit_bytes} must be 'auto' or >= 1 MiB")
+        if self.max_num_batched_tokens is None:  # resolved per backend, never below the two below
+            return self
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError(
                 f"prefill_chunk_size={self.prefill_chunk_size} must be <= "

@@ -88,11 +88,12 @@ class Engine:
         """`runner_options`: the runner's ways of building forwards; `step_options`: how steps run
         (tests and benchmarks compare them; the defaults are what measured best). `grammar_compiler`:
         one made for this tokenizer already (else made on the first constrained request: ~0.5 s)."""
-        self.config = config
+        backend = mlx_backend()
+        # the device's defaults resolved (max_num_batched_tokens): what the scheduler, stats and callers read
+        self.config = config = config.for_backend(backend)
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = config.model
-        backend = mlx_backend()
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the floor step and KV budget.
         self.runner = self._build_runner(model, config, runner_options, backend)

@@ -182,6 +182,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, samplin
     result = summarize(records, wall)
     result.update(mem.result())
     result["num_steps"] = engine.stats().num_steps
+    result["max_num_batched_tokens"] = engine.config.max_num_batched_tokens  # resolved for the device
     first_start = first_steps[0]["start_s"] if first_steps else 0.0
     for record in first_steps:
         record["start_s"] = round(record["start_s"] - first_start, 4)
@@ -327,6 +328,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         result["first_steps"] = steps
         result["warm_pass_first_steps"] = warm_steps
         result["pool_grew_in_timed_pass"] = engine.stats().kv_allocated_bytes != pool_before
+        result["max_num_batched_tokens"] = engine.config.max_num_batched_tokens  # resolved for the device
         if tracer is not None:
             result["step_trace_ms"], result["warm_pass_step_trace_ms"] = tracer.steps, warm_trace
         result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
@@ -381,8 +383,8 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, gram
     limit = int((lm.weights_bytes + bound + kv) * 1.25) + (1 << 30)
     fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit,
                   max_model_len=None if need <= model_max else need)
-    if seqs > 16:
-        fields.update(max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs))
+    if seqs > 16:  # the step budget stays the engine's default for the device (raised to seqs if smaller)
+        fields.update(max_num_seqs=seqs)
     if args.engine_config:
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)

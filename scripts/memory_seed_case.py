@@ -56,7 +56,7 @@ def main() -> None:
         fit = json.loads(Path(args.coefficients).read_text().strip().splitlines()[-1])["coefficients"]
         coefficients, source = with_overrides(coefficients, fit), f"{source} with {args.coefficients}"
     m = MemoryModel(LLAMA3_8B, coefficients=coefficients, paged_decode=args.backend == "cuda")
-    chunk, budget = cfg.prefill_chunk_size, cfg.max_num_batched_tokens
+    chunk, budget = cfg.prefill_chunk_size, cfg.resolved_max_num_batched_tokens(args.backend)
     last = PrefillChunkPlan(chunk, args.max_model_len, True)
     worst_chunk = m.prefill_chunk_bytes(last.num_tokens, last.context_len, True, samples=True)
     naive_scores = 4 * LLAMA3_8B.num_heads * max(lengths) ** 2 * len(lengths)  # one [B,H,L,L] fp32 tensor

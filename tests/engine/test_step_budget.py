@@ -83,3 +83,20 @@ def test_tight_burst_kv_share_and_tightness(make_engine):
     assert any(r.plan is not None and r.plan.memory_limited for r in records)
     assert max(r.plan.num_batched_tokens for r in records if r.plan is not None) > 256  # not the floor only
     assert ratios[len(ratios) // 2] <= 2.0, ratios
+
+
+def test_default_step_budget_is_resolved_for_the_device(make_engine):
+    """No max_num_batched_tokens given: the engine on the CPU runs with 2048 (EngineConfig's CPU default),
+    and its config, scheduler and plans all read that value."""
+    engine = make_engine(prefill_chunk_size=512, max_num_seqs=8)
+    assert engine.config.max_num_batched_tokens == 2048 == engine.scheduler.config.max_num_batched_tokens
+    for i in range(8):
+        engine.add_request(f"r{i}", [3 + (i * 11 + k) % 900 for k in range(700)],
+                           SamplingParams(max_tokens=2, ignore_eos=True))
+    plans = []
+    while engine.has_unfinished():
+        record = engine.step()
+        if record.plan is not None:
+            plans.append(record.plan)
+    assert max(p.num_batched_tokens for p in plans) == 2048  # a full step, and never more
+    assert all(p.step_budget_tokens <= 2048 for p in plans)

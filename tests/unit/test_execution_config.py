@@ -57,3 +57,28 @@ def test_export_sets_the_environment_and_warns_when_it_replaces_another_value(mo
         export_max_ops_per_buffer(8)
     assert os.environ[MAX_OPS_ENV] == "8"
     assert "MLX_MAX_OPS_PER_BUFFER=20" in caplog.text and "max_ops_per_buffer=8" in caplog.text
+
+
+@pytest.mark.parametrize("backend, budget", [("cuda", 8192), ("metal", 8192), ("cpu", 2048)])
+def test_step_budget_defaults_per_device_and_an_explicit_value_wins(backend, budget):
+    cfg = EngineConfig()
+    assert cfg.max_num_batched_tokens is None  # unresolved until an engine knows its device
+    assert cfg.resolved_max_num_batched_tokens(backend) == budget
+    resolved = cfg.for_backend(backend)
+    assert resolved.max_num_batched_tokens == budget and resolved.max_num_seqs == cfg.max_num_seqs
+    assert cfg.max_num_batched_tokens is None  # a new object: the configuration is never written into
+    explicit = EngineConfig(max_num_batched_tokens=1024)
+    assert explicit.resolved_max_num_batched_tokens(backend) == 1024
+    assert explicit.for_backend(backend) is explicit
+
+
+def test_default_step_budget_rises_to_what_the_other_fields_need():
+    assert EngineConfig(max_num_seqs=4096).resolved_max_num_batched_tokens("cpu") == 4096
+    assert EngineConfig(prefill_chunk_size=16384).resolved_max_num_batched_tokens("cuda") == 16384
+    # an explicit budget still has to hold them (the error names both values)
+    with pytest.raises(ValueError, match="max_num_seqs=4096.*max_num_batched_tokens=2048"):
+        EngineConfig(max_num_seqs=4096, max_num_batched_tokens=2048)
+    with pytest.raises(ValueError, match="prefill_chunk_size=1024.*max_num_batched_tokens=512"):
+        EngineConfig(prefill_chunk_size=1024, max_num_batched_tokens=512)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
