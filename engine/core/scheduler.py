@@ -7,14 +7,16 @@ Every step:
    then waiting requests. The oldest prompt always gets its chunk first, so a long prompt at the head
    always progresses; shorter prompts behind it share what is left of the budget. A budget that every
    prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
-   chunk is its own forward, evaluated after the previous one: the memory bound is per chunk).
+   chunk is its own forward, evaluated after the previous one: the memory bound is per chunk). A
+   chunk cut short of a whole one (by the budget or the memory) ends on a grid (`CHUNK_GRANULE`).
 
 Memory policy (docs/memory.md): each step is sized to the memory free now. With
 `SchedulerConfig.max_memory_bytes` (memory limit - weights - a safety margin), a step's predicted
 transient must fit in that less the KV pool as it will be after the step's growth
 (`SchedulerOutput.free_transient_bytes`): the decode takes the rows that fit (those with the fewest
-output tokens first, so rows left out catch up), each prompt chunk is cut to the largest size that fits,
-and the decode rows ride in a chunk's forward only if that fits too. The KV budget leaves the floor step
+output tokens first, so rows left out catch up), each prompt chunk is cut to the largest size that fits
+(then back to the grid), a prompt so cut may take several such chunks in a step, and the decode rows
+ride in a chunk's forward only if that fits too. The KV budget leaves the floor step
 (MemoryModel.floor_transient_bytes) beside a full pool, so some step always fits.
 
 KV policy: refuse at add time, wait for room, never preempt. A request is admitted to the running
@@ -36,6 +38,19 @@ from engine.core.kv_manager import KVManager
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledChunk, SchedulerOutput,
                                processed)
+
+# A prompt chunk that stops short of both its prompt's end and `prefill_chunk_size` (cut by the free
+# memory or by what the step's budget leaves) ends on a multiple of this many tokens (or of the largest
+# power of two it holds, if smaller). So chunk shapes repeat from prompt to prompt: on MLX's CUDA backend
+# attention builds a cuDNN graph on the host for every new (query, key) length pair (docs/benchmarks.md).
+CHUNK_GRANULE = 128
+
+
+def aligned_chunk(start: int, num_tokens: int) -> int:
+    """Tokens of a chunk of at most `num_tokens` (>= 1) from `start` that ends on the grid of
+    CHUNK_GRANULE, or of the largest power of two <= num_tokens when that is smaller (never 0)."""
+    step = 1 << (min(CHUNK_GRANULE, num_tokens).bit_length() - 1)
+    return (start + num_tokens) // step * step - start
 
 
 @dataclass(frozen=True)
@@ -155,14 +170,16 @@ class Scheduler:
             budget, limited = budget - n, limited or cut
         # What is left goes to further chunks of the same prompts, oldest first, each its own forward
         # after the others: fewer, fuller steps (each step costs the host its scheduling and its first
-        # forward's graph before the device has work, docs/benchmarks.md). Not for
-        # a sliver: a chunk of at least half `prefill_chunk_size`, or the prompt's end.
+        # forward's graph before the device has work, docs/benchmarks.md). Not for a sliver: a chunk of
+        # at least half `prefill_chunk_size`, the prompt's end, or the most the free memory allows it.
         least = max(1, cfg.prefill_chunk_size // 2)
         for request in self.running:
-            while budget > 0 and 0 < (left := request.num_prompt_tokens - self._scheduled_end(request, prefills)):
-                if min(budget, left, cfg.prefill_chunk_size) < min(least, left):
+            while budget > 0 and 0 < (left := request.num_prompt_tokens - (start := self._scheduled_end(request, prefills))):
+                largest = self._chunk_tokens(request, start, min(left, cfg.prefill_chunk_size), room)
+                at_least = min(least, left, largest)
+                if not largest or min(budget, left, cfg.prefill_chunk_size) < at_least:
                     break
-                n, cut = self._add_chunk(request, budget, prefills, room, at_least=min(least, left))
+                n, cut = self._add_chunk(request, budget, prefills, room, at_least=at_least)
                 budget, limited = budget - n, limited or cut
                 if not n:
                     break
@@ -269,10 +286,21 @@ class Scheduler:
         remaining = request.num_prompt_tokens - start
         n = min(remaining, self.config.prefill_chunk_size, budget)
         fitted = self._fit_chunk(request, start, n, room)
+        cut = fitted < n
+        if 0 < fitted < min(remaining, self.config.prefill_chunk_size):
+            fitted = aligned_chunk(start, fitted)
         if fitted < at_least:
-            return 0, fitted < n
+            return 0, cut
         out.append(ScheduledChunk(request.request_id, start, fitted, fitted == remaining))
-        return fitted, fitted < n
+        return fitted, cut
+
+    def _chunk_tokens(self, request: Request, start: int, num_tokens: int, room: Optional[int]) -> int:
+        """The chunk `_add_chunk` would schedule from `start` with no budget limit: the largest of at
+        most `num_tokens` tokens that fits `room`, ending on the grid unless it ends the prompt."""
+        fitted = self._fit_chunk(request, start, num_tokens, room)
+        if 0 < fitted < min(request.num_prompt_tokens - start, self.config.prefill_chunk_size):
+            return aligned_chunk(start, fitted)
+        return fitted
 
     def _chunk_bytes(self, request: Request, start: int, num_tokens: int) -> int:
         """A prompt chunk's predicted transient (read as a view where `_reads_view`)."""

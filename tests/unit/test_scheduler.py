@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.types import FinishReason, Request, SamplingParams
 from engine.core.kv_manager import KVManager
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import CHUNK_GRANULE, Scheduler, SchedulerConfig, aligned_chunk
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                    intermediate_size=128, vocab_size=1000, dtype_bytes=4)
@@ -243,6 +243,45 @@ def test_chunks_cut_to_the_free_memory_and_the_record_says_so():
     assert out.step_budget_tokens == out.num_batched_tokens
 
 
+def test_aligned_chunk_ends_on_the_grid_of_its_size():
+    assert CHUNK_GRANULE == 128
+    assert aligned_chunk(0, 300) == 256 and aligned_chunk(512, 188) == 128 and aligned_chunk(0, 128) == 128
+    assert aligned_chunk(100, 50) == 28  # ends at 128, a multiple of 32 (the largest power of two <= 50)
+    assert aligned_chunk(5, 3) == 3 and aligned_chunk(7, 1) == 1  # never 0
+
+
+def ends_on_grid(chunk) -> bool:
+    step = 1 << (min(CHUNK_GRANULE, chunk.num_tokens).bit_length() - 1)
+    return (chunk.start + chunk.num_tokens) % step == 0
+
+
+def test_a_chunk_cut_by_the_budget_ends_on_the_grid():
+    s = make(max_num_seqs=8, budget=700, chunk=512, max_model_len=2048, kv_tokens=8192)
+    s.add(req("a", 1000))
+    s.add(req("b", 1000))
+    out = s.schedule()
+    # b gets what a's chunk leaves (188 tokens), back to the grid: 128 (the same shape for every prompt)
+    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("a", 512), ("b", 128)]
+    assert not out.memory_limited and out.step_budget_tokens == 700
+
+
+def test_a_prompt_cut_by_memory_ends_on_the_grid_and_takes_more_such_chunks_in_its_step():
+    # the pool, once it holds the one request's KV, leaves little more than the floor step
+    memory = MemoryModel(SHAPE, kv_step=STEP)
+    floor = memory.floor_transient_bytes(512, 1024)
+    max_memory = memory.kv_bytes(1024) * 5 // 4 + floor
+    kv = KVManager(STEP, memory.kv_bytes_per_token, memory.kv_budget_bytes(max_memory, floor))
+    s = Scheduler(SchedulerConfig(4, 2048, 512, 1024, max_memory_bytes=max_memory), memory, kv)
+    s.add(req("a", 1000, max_tokens=2))
+    out = s.schedule()
+    assert out.memory_limited and out.predicted_transient_bytes <= out.free_transient_bytes
+    chunks = out.prefills
+    assert chunks[0].num_tokens < 256  # cut below half a chunk by the memory ...
+    assert len(chunks) > 2 and all(c.request_id == "a" for c in chunks)  # ... yet the prompt goes on
+    assert all(ends_on_grid(c) for c in chunks if not c.completes_prompt)
+    assert [c.start for c in chunks] == [0] + [c.start + c.num_tokens for c in chunks[:-1]]
+
+
 def test_decode_rows_that_do_not_fit_wait_and_catch_up():
     s = make_tight(0, max_num_seqs=8, budget=64, chunk=32, max_model_len=256)
     for i in range(8):
@@ -285,6 +324,8 @@ def test_property_tight_memory_every_step_fits_and_every_request_finishes(arriva
         assert s.kv.pool_bytes + s.memory.kv_growth_bound_bytes(s.kv.kv_budget_bytes) <= s.config.max_memory_bytes
         assert out.predicted_transient_bytes <= s.transient_bound_bytes
         assert out.num_batched_tokens <= budget
+        # a chunk stopping short of its prompt and of a whole chunk ends on the grid
+        assert all(ends_on_grid(c) for c in out.prefills if not c.completes_prompt and c.num_tokens < chunk)
         if not pending and not s.has_unfinished():
             break
     assert not s.has_unfinished() and not pending
