@@ -85,15 +85,17 @@ CPU_MLX_ATTENTION_COEFFICIENTS = TransientCoefficients(
 )
 
 # Fitted on an H200 (MLX 0.32.4 CUDA, default MLX settings, KV-pool engine before slice reads and the
-# summed decode phases; 8B and three 2-layer shapes) from scripts/data/h200_pool_grid.json, scaled up
-# until no grid point is under-predicted:
+# summed decode phases; 8B and three 2-layer shapes) from scripts/data/h200_pool_grid.json, from above (no
+# grid point under-predicted), with the per-forward constants of the fit (step_overhead_bytes, and per
+# prompt chunk prefill_layer_rows: the fixed allocations every forward / chunk makes whatever its size):
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
 # `sampling` is not in the grids (greedy rows): the CPU value.
 CUDA_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=0.0, prefill_mask=0.0, prefill_mlp=1.939, prefill_hidden=6.829, prefill_logits=123.0,
-    decode_gather=0.9141, decode_scores=2.491, decode_logits=6.371, decode_mlp=0.0, decode_hidden=0.0,
-    sampling=11.0, prefill_gather=0.9596, layers_in_flight=29, step_overhead_bytes=1064000,
-    mixed_min_layers=29,  # not measured without ops 8: its window, as under ops 8
+    prefill_scores=0.0005553, prefill_mask=1.437, prefill_mlp=1.91, prefill_hidden=4.752, prefill_logits=143.3,
+    decode_gather=0.9606, decode_scores=1.286, decode_logits=4.487, decode_mlp=0.1309, decode_hidden=0.195,
+    sampling=11.0, prefill_gather=0.6055, layers_in_flight=32, step_overhead_bytes=248500,
+    prefill_overhead_bytes=0, prefill_layer_rows=95.44,
+    mixed_min_layers=32,  # not measured without ops 8: its window, as under ops 8
 )
 # The same with at most 8 ops per committed batch (ExecutionConfig.max_ops_per_buffer, the engine's
 # default on CUDA: fewer layers' temporaries coexist), this engine (slice reads, paged decode attention),
