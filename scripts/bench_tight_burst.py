@@ -9,9 +9,12 @@ Every request arrives at once (`--num-requests`, prompts of `--min-prompt`..`--m
 tokens, `--min-new`..`--max-new` new tokens each, EOS ignored, greedy). Ways, one after another in this
 process:
 - engine: this engine with `memory_limit_bytes` = what is alive before it (the weights) + the headroom;
-  run until every request finished. Per step its record: the plan's free memory for the transient
-  (`free_transient_bytes`), the step's token budget, predicted and measured transient; the run's
-  peak (MLX's, across the engine's own peak resets) against the limit.
+  run until every request finished. Per step (`--steps`) its record: the plan's free memory for the
+  transient (`free_transient_bytes`), the step's token budget, its chunks ([tokens, context, read as a
+  view]) and decode rows, predicted and measured transient, its duration and its forwards' timings; the
+  run's peak (MLX's, across the engine's own peak resets) against the limit; `num_chunk_shapes` (distinct
+  (tokens, context) pairs of its prompt chunks) and how many of them no earlier run of the process had
+  (`num_new_chunk_shapes`: on MLX's CUDA backend the first forward of a pair builds its attention graph).
 - mlx_lm: mlx-lm's BatchGenerator with mlx_lm.server's defaults on the same burst (no memory limit:
   its peak is what the burst needs there).
 
@@ -44,7 +47,28 @@ def burst(args, vocab_size: int, max_len: int) -> tuple[list[list[int]], list[in
     return random_prompts(lengths, vocab_size, args.seed), new
 
 
-def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None) -> dict:
+def step_entry(record, kv_allocated: int) -> dict:
+    """One step's record: what it ran (chunks as [tokens, context, read as a view], decode rows and their
+    longest context, mixed), what it was sized to, predicted / measured transient and its timings."""
+    plan, memory = record.plan, record.memory
+    return dict(
+        predicted=memory.predicted_bytes, measured=memory.measured_bytes,
+        free_transient_bytes=plan.free_transient_bytes, step_budget_tokens=plan.step_budget_tokens,
+        memory_limited=plan.memory_limited, tokens=plan.num_batched_tokens, decodes=len(plan.decodes),
+        chunks=len(plan.prefills), kv_allocated_bytes=kv_allocated, pipelined=memory.pipelined,
+        chunk_shapes=[[c.num_tokens, c.start + c.num_tokens, int(c.request_id in record.slice_reads)]
+                      for c in plan.prefills],
+        mixed=plan.mixed, duration_s=round(record.duration_s, 5), schedule_s=round(record.schedule_s, 5),
+        # per forward: seconds from the step's start to its launch and to the end of its wait (None: left
+        # running into the next step)
+        forwards=[[round(f.launch_s, 5), None if f.waited_s is None else round(f.waited_s, 5)]
+                  for f in record.forwards])
+
+
+def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None,
+               seen_shapes: Optional[set] = None) -> dict:
+    """`seen_shapes`: (chunk tokens, context) pairs earlier runs of this process computed (updated): on
+    MLX's CUDA backend a pair's first forward builds its attention graph, so a run's new pairs cost it."""
     from engine.config import EngineConfig
     from engine.core.types import SamplingParams
     from engine.engine import Engine
@@ -86,17 +110,14 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
             max_kv = max(max_kv, kv_allocated)
             if record.plan is None or record.memory is None:
                 continue
-            plan, memory = record.plan, record.memory
-            steps.append(dict(
-                predicted=memory.predicted_bytes, measured=memory.measured_bytes,
-                free_transient_bytes=getattr(plan, "free_transient_bytes", None),
-                step_budget_tokens=getattr(plan, "step_budget_tokens", None),
-                memory_limited=getattr(plan, "memory_limited", False),
-                tokens=plan.num_batched_tokens, decodes=len(plan.decodes), chunks=len(plan.prefills),
-                kv_allocated_bytes=kv_allocated, pipelined=memory.pipelined))
+            steps.append(step_entry(record, kv_allocated))
         wall_s = time.perf_counter() - t0
         peak = tracker.read()
     ratios = sorted(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
+    shapes = {(c[0], c[1]) for s in steps for c in s["chunk_shapes"] if c[0] > 1}
+    new_shapes = shapes - (seen_shapes if seen_shapes is not None else set())
+    if seen_shapes is not None:
+        seen_shapes |= shapes
     over_room = [s for s in steps if s["free_transient_bytes"] is not None and s["predicted"] > s["free_transient_bytes"]]
     result = dict(
         memory_limit_bytes=limit, weights_bytes=baseline, headroom_bytes=headroom,
@@ -111,6 +132,8 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
         num_refused=len(refused), refused=refused[:5],
         num_failed=failed, num_finished=num_done, num_steps=len(steps),
         num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
+        num_forwards=sum(len(s["forwards"]) for s in steps), num_chunks=sum(s["chunks"] for s in steps),
+        num_chunk_shapes=len(shapes), num_new_chunk_shapes=len(new_shapes),
         max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
         max_measured_bytes=max((s["measured"] for s in steps), default=0),
         num_underpredicted_steps=sum(s["measured"] > s["predicted"] for s in steps),
@@ -182,14 +205,15 @@ def main(argv=None) -> dict:
                   prompt_lengths=[len(p) for p in prompts], new_tokens=new_tokens, engine={}, mlx_lm=None)
     ways = set(args.ways.split(","))
     budgets = [int(b) for b in args.budgets.split(",") if b] or [None]
+    seen: set = set()  # chunk shapes this process has run (run_engine)
     if "engine" in ways and not args.no_warmup:
         t = time.perf_counter()
         small = [p[: max(8, len(p) // 8)] for p in prompts[:6]]
-        run_engine(lm, small, [min(8, m) for m in new_tokens[:6]], max(headrooms), args)
+        run_engine(lm, small, [min(8, m) for m in new_tokens[:6]], max(headrooms), args, seen_shapes=seen)
         log(f"warm-up: {time.perf_counter() - t:.1f} s")
     for headroom, budget in [(h, b) for h in headrooms for b in budgets]:
         if "engine" in ways:
-            r = run_engine(lm, prompts, new_tokens, headroom, args, budget)
+            r = run_engine(lm, prompts, new_tokens, headroom, args, budget, seen_shapes=seen)
             result["engine"][str(headroom) if budget is None else f"{headroom}/{budget}"] = r
             if "engine_error" in r:
                 log(f"engine, headroom {headroom / 1e6:.0f} MB: {r['engine_error']}")
@@ -199,7 +223,8 @@ def main(argv=None) -> dict:
                 f"{r['kv_share_of_headroom']:.3f} of the headroom (pool peak {r['kv_peak_share_of_headroom']:.3f}), "
                 f"{r['wall_s']:.2f} s, {r['num_refused']} refused, {r['num_finished']} finished, "
                 f"{r['num_underpredicted_steps']} steps under-predicted, {r['num_memory_limited_steps']} of "
-                f"{r['num_steps']} steps cut by memory")
+                f"{r['num_steps']} steps cut by memory, {r['num_forwards']} forwards, "
+                f"{r['num_new_chunk_shapes']} of {r['num_chunk_shapes']} chunk shapes new to the process")
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if "mlx_lm" in ways:
