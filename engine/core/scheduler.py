@@ -188,8 +188,10 @@ class Scheduler:
     def _output(self, decodes: tuple[str, ...], prefills: list[ScheduledChunk], new_rows, room: Optional[int],
                 limited: bool) -> SchedulerOutput:
         """The plan, with the decode rows riding in the first chunk's forward where the runner can
-        (memory.mixed) and that forward stays within the bound of separate ones and the free memory."""
-        mixed = self.memory.mixed and bool(decodes) and bool(prefills)
+        (memory.mixed) and that forward stays within the bound of separate ones and the free memory.
+        Not in a step the free memory cut: a cut chunk's forward takes the room it leaves, and a mixed
+        forward's prediction is the one with the least slack over what it measures (docs/memory.md)."""
+        mixed = self.memory.mixed and bool(decodes) and bool(prefills) and not limited
         predicted = self.predict(decodes, prefills, mixed=mixed)
         beyond = predicted > self.transient_bound_bytes and not self.config.mix_beyond_bound
         if mixed and (beyond or not self._fits(predicted, room)):

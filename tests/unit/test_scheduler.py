@@ -282,6 +282,24 @@ def test_a_prompt_cut_by_memory_ends_on_the_grid_and_takes_more_such_chunks_in_i
     assert [c.start for c in chunks] == [0] + [c.start + c.num_tokens for c in chunks[:-1]]
 
 
+def test_decode_rows_ride_in_a_chunk_only_when_the_memory_cut_nothing():
+    def first_mixed_step(free_bytes):
+        memory = MemoryModel(SHAPE, kv_step=STEP, mixed=True)
+        floor = memory.floor_transient_bytes(256, 1024)
+        max_memory = memory.kv_bytes(2048) * 5 // 4 + floor + free_bytes
+        kv = KVManager(STEP, memory.kv_bytes_per_token, memory.kv_budget_bytes(max_memory, floor))
+        s = Scheduler(SchedulerConfig(4, 1024, 256, 1024, max_memory_bytes=max_memory), memory, kv)
+        s.add(req("a", 8, max_tokens=50))
+        run_step(s)  # a decodes from now on
+        s.add(req("b", 1000, max_tokens=2))
+        return s.schedule()
+
+    roomy = first_mixed_step(1 << 30)
+    assert not roomy.memory_limited and roomy.mixed
+    tight = first_mixed_step(0)
+    assert tight.memory_limited and tight.decodes == ("a",) and tight.prefills and not tight.mixed
+
+
 def test_decode_rows_that_do_not_fit_wait_and_catch_up():
     s = make_tight(0, max_num_seqs=8, budget=64, chunk=32, max_model_len=256)
     for i in range(8):
