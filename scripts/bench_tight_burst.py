@@ -65,23 +65,51 @@ def step_entry(record, kv_allocated: int) -> dict:
                   for f in record.forwards])
 
 
-def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None,
-               seen_shapes: Optional[set] = None) -> dict:
-    """`seen_shapes`: (chunk tokens, context) pairs earlier runs of this process computed (updated): on
-    MLX's CUDA backend a pair's first forward builds its attention graph, so a run's new pairs cost it."""
+def step_summary(steps: list[dict], seen_shapes: Optional[set]) -> dict:
+    """A run's steps in numbers: cut by memory, forwards, chunk shapes (those new to the process:
+    `seen_shapes`, updated), predicted against measured and against the free memory."""
+    ratios = sorted(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
+    shapes = {(c[0], c[1]) for s in steps for c in s["chunk_shapes"] if c[0] > 1}
+    new_shapes = shapes - (seen_shapes if seen_shapes is not None else set())
+    if seen_shapes is not None:
+        seen_shapes |= shapes
+    return dict(
+        num_steps=len(steps), num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
+        num_forwards=sum(len(s["forwards"]) for s in steps), num_chunks=sum(s["chunks"] for s in steps),
+        num_chunk_shapes=len(shapes), num_new_chunk_shapes=len(new_shapes),
+        max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
+        max_measured_bytes=max((s["measured"] for s in steps), default=0),
+        num_underpredicted_steps=sum(s["measured"] > s["predicted"] for s in steps),
+        num_steps_predicted_over_free=sum(s["free_transient_bytes"] is not None
+                                          and s["predicted"] > s["free_transient_bytes"] for s in steps),
+        step_ratio_min=ratios[0] if ratios else None,
+        step_ratio_median=ratios[len(ratios) // 2] if ratios else None)
+
+
+def build_engine(lm, limit: int, args, budget: Optional[int]):
+    """The engine under `limit` bytes (ValueError if that leaves no KV); `budget`: max_num_batched_tokens
+    (None: the engine's default for the device)."""
     from engine.config import EngineConfig
-    from engine.core.types import SamplingParams
     from engine.engine import Engine
 
-    free_memory()
-    baseline = mx.get_active_memory()  # the weights (and nothing else of this process's)
-    limit = baseline + headroom
     fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, **json.loads(args.engine_config or "{}"))
     if budget:
         fields["max_num_batched_tokens"] = budget
+    return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
+
+
+def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None,
+               seen_shapes: Optional[set] = None) -> dict:
+    """`seen_shapes`: (chunk tokens, context) pairs earlier runs of this process computed (updated): on
+    MLX's CUDA backend a pair's first forward builds its attention graph, so a run's new pairs cost it."""
+    from engine.core.types import SamplingParams
+
+    free_memory()
+    baseline = mx.get_active_memory()  # the weights (and nothing else of this process's)
+    limit = baseline + headroom
     try:
-        engine = Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
+        engine = build_engine(lm, limit, args, budget)
     except ValueError as exc:  # the limit leaves no KV at all: every request is refused
         return dict(memory_limit_bytes=limit, weights_bytes=baseline, headroom_bytes=headroom,
                     engine_error=str(exc), num_requests=len(prompts), num_refused=len(prompts),
@@ -113,12 +141,6 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
             steps.append(step_entry(record, kv_allocated))
         wall_s = time.perf_counter() - t0
         peak = tracker.read()
-    ratios = sorted(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
-    shapes = {(c[0], c[1]) for s in steps for c in s["chunk_shapes"] if c[0] > 1}
-    new_shapes = shapes - (seen_shapes if seen_shapes is not None else set())
-    if seen_shapes is not None:
-        seen_shapes |= shapes
-    over_room = [s for s in steps if s["free_transient_bytes"] is not None and s["predicted"] > s["free_transient_bytes"]]
     result = dict(
         memory_limit_bytes=limit, weights_bytes=baseline, headroom_bytes=headroom,
         peak_bytes=peak, peak_over_limit=peak / limit, peak_le_limit=peak <= limit,
@@ -130,17 +152,8 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
         wall_s=wall_s, mean_ttft_s=sum(first.values()) / max(len(first), 1),
         max_num_batched_tokens=engine.config.max_num_batched_tokens, num_requests=len(prompts),
         num_refused=len(refused), refused=refused[:5],
-        num_failed=failed, num_finished=num_done, num_steps=len(steps),
-        num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
-        num_forwards=sum(len(s["forwards"]) for s in steps), num_chunks=sum(s["chunks"] for s in steps),
-        num_chunk_shapes=len(shapes), num_new_chunk_shapes=len(new_shapes),
-        max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
-        max_measured_bytes=max((s["measured"] for s in steps), default=0),
-        num_underpredicted_steps=sum(s["measured"] > s["predicted"] for s in steps),
-        num_steps_predicted_over_free=len(over_room),
-        step_ratio_min=ratios[0] if ratios else None,
-        step_ratio_median=ratios[len(ratios) // 2] if ratios else None,
-        output_tokens=sum(new_tokens), prompt_tokens=sum(len(p) for p in prompts),
+        num_failed=failed, num_finished=num_done, output_tokens=sum(new_tokens),
+        prompt_tokens=sum(len(p) for p in prompts), **step_summary(steps, seen_shapes),
         config=engine.config.model_dump(), steps=steps if args.steps else None,
     )
     del engine
