@@ -40,17 +40,22 @@ from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledCh
                                processed)
 
 # A prompt chunk that stops short of both its prompt's end and `prefill_chunk_size` (cut by the free
-# memory or by what the step's budget leaves) ends on a multiple of this many tokens (or of the largest
-# power of two it holds, if smaller). So chunk shapes repeat from prompt to prompt: on MLX's CUDA backend
-# attention builds a cuDNN graph on the host for every new (query, key) length pair (docs/benchmarks.md).
+# memory or by what the step's budget leaves) ends on a multiple of this many tokens, or of a smaller power
+# of two where this one would take more than a quarter of it. So chunk shapes repeat from prompt to prompt:
+# on MLX's CUDA backend attention builds a cuDNN graph on the host for every new (query, key) length pair
+# (docs/benchmarks.md).
 CHUNK_GRANULE = 128
 
 
 def aligned_chunk(start: int, num_tokens: int) -> int:
-    """Tokens of a chunk of at most `num_tokens` (>= 1) from `start` that ends on the grid of
-    CHUNK_GRANULE, or of the largest power of two <= num_tokens when that is smaller (never 0)."""
-    step = 1 << (min(CHUNK_GRANULE, num_tokens).bit_length() - 1)
-    return (start + num_tokens) // step * step - start
+    """Tokens of a chunk of at most `num_tokens` (>= 1) from `start` that ends on a multiple of the
+    largest power of two <= CHUNK_GRANULE that keeps at least three quarters of it (never 0)."""
+    grid = CHUNK_GRANULE
+    while True:
+        tokens = (start + num_tokens) // grid * grid - start
+        if 4 * tokens >= 3 * num_tokens or grid == 1:
+            return tokens
+        grid //= 2
 
 
 @dataclass(frozen=True)

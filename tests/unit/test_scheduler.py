@@ -243,15 +243,18 @@ def test_chunks_cut_to_the_free_memory_and_the_record_says_so():
     assert out.step_budget_tokens == out.num_batched_tokens
 
 
-def test_aligned_chunk_ends_on_the_grid_of_its_size():
+def test_aligned_chunk_ends_on_the_coarsest_grid_that_keeps_three_quarters():
     assert CHUNK_GRANULE == 128
-    assert aligned_chunk(0, 300) == 256 and aligned_chunk(512, 188) == 128 and aligned_chunk(0, 128) == 128
-    assert aligned_chunk(100, 50) == 28  # ends at 128, a multiple of 32 (the largest power of two <= 50)
+    assert aligned_chunk(0, 300) == 256 and aligned_chunk(0, 466) == 384 and aligned_chunk(0, 128) == 128
+    assert aligned_chunk(512, 188) == 160  # ends at 672: 640 would keep 128 of 188, under three quarters
+    assert aligned_chunk(100, 50) == 44  # ends at 144, a multiple of 16
     assert aligned_chunk(5, 3) == 3 and aligned_chunk(7, 1) == 1  # never 0
 
 
 def ends_on_grid(chunk) -> bool:
-    step = 1 << (min(CHUNK_GRANULE, chunk.num_tokens).bit_length() - 1)
+    """What aligned_chunk guarantees of a chunk it returned: its end is a multiple of the largest power of
+    two <= min(CHUNK_GRANULE, a quarter of its tokens)."""
+    step = 1 << (max(1, min(CHUNK_GRANULE, chunk.num_tokens // 4)).bit_length() - 1)
     return (chunk.start + chunk.num_tokens) % step == 0
 
 
@@ -260,8 +263,8 @@ def test_a_chunk_cut_by_the_budget_ends_on_the_grid():
     s.add(req("a", 1000))
     s.add(req("b", 1000))
     out = s.schedule()
-    # b gets what a's chunk leaves (188 tokens), back to the grid: 128 (the same shape for every prompt)
-    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("a", 512), ("b", 128)]
+    # b gets what a's chunk leaves (188 tokens), back to the grid: 160 (the same shape for every prompt)
+    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("a", 512), ("b", 160)]
     assert not out.memory_limited and out.step_budget_tokens == 700
 
 
