@@ -200,20 +200,23 @@ class MemoryModel:
 
     def mixed_bytes(self, chunk: PrefillChunkPlan, context_lens: Sequence[int], samples: int = 0) -> int:
         """One forward of a prompt chunk (T tokens) and B decoding rows (engine/model/layers/mixed.py): the larger of
-        - the chunk's forward over T + B rows up to the LM head (no layer's MLP skipped), with one
-          layer's attention temporaries of the rows and their logits: the peak among the MLPs;
+        - the chunk's forward over T + B rows up to the LM head (no layer's MLP skipped), with the
+          rows' attention temporaries of as many layers as are in flight (m: on CUDA the rows'
+          partials outlive their layer like the chunk's intermediates) and their logits;
         - the rows' decode forward with one layer's share of the chunk's: the peak among the rows'
           attention temporaries, which on CUDA coexist over layers like a decode step's.
         On the CPU (one layer at a time, m = 1) the second is the plain sum of the two forwards. Measured
         on an H200 (docs/memory.md): 68 mixed steps of an 8B llama and an 8-layer one, predicted /
-        measured >= 1.28."""
+        measured >= 1.28; in a tight burst a 384-token chunk with 16 rows of long contexts measured 1.13 x
+        the formula with one layer of the rows' temporaries, whence m of them."""
         if not context_lens:
             return self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                             chunk.samples, chunk.gathers)
         b = len(context_lens)
         rows = (self.prefill_chunk_bytes(chunk.num_tokens + b, chunk.context_len, True, chunk.samples,
                                          chunk.gathers)
-                + self._decode_attention_bytes(context_lens) + self._decode_head_bytes(b, samples))
+                + self.layer_factor * self._decode_attention_bytes(context_lens)
+                + self._decode_head_bytes(b, samples))
         alone = self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                          chunk.samples, chunk.gathers)
         attention = self.decode_bytes(context_lens, samples) + alone / self.layer_factor
