@@ -7,14 +7,16 @@ the vocabulary, so a new schema per request costs well under a millisecond), a m
 microseconds, it reads JSON schema, Lark (with embedded JSON schemas, which the forced tool calls use)
 and regex, and it reports an invalid schema as a message, which the API returns as a 400.
 
-The mask is applied to the logits in engine/model/sampling.py; no mlx here (numpy only).
+The masks of a batch are computed on a host thread while the device runs the forward (MaskWorker) and
+applied to the logits in engine/model/sampling.py; no mlx here (numpy only).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from engine.core.types import Grammar
 # Compact JSON, no free whitespace: a free-running model (or a random one) could otherwise emit
 # whitespace until max_tokens and never close the object.
 JSON_GRAMMAR_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
-MIN_CORES_FOR_THREADS = 8  # below, masks are computed one after another on the engine's thread
+MIN_CORES_FOR_THREADS = 8  # below, llguidance computes a batch's masks on one thread
 
 
 def grammar_text(grammar: Grammar) -> str:
@@ -57,10 +59,10 @@ def check_grammar(grammar: Grammar) -> None:
 class GrammarMatcher:
     """The state of one request's grammar: which tokens it allows next, and the tokens it has taken."""
 
-    def __init__(self, matcher: Any, vocab_size: int, executor: Any = None):
+    def __init__(self, matcher: Any, vocab_size: int, masks: "MaskWorker"):
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self.executor = executor  # llguidance's thread pool, shared by the matchers of one compiler
+        self.masks = masks  # computes the masks of a batch: its compiler's, shared by its matchers
 
     def accept(self, token_id: int) -> None:
         """Follow a sampled token. RuntimeError if the grammar refuses it (the mask makes that a bug)."""
@@ -72,22 +74,40 @@ class GrammarMatcher:
         """The grammar is complete and allows no further token (the output is finished)."""
         return self._matcher.is_stopped()
 
+    @property
+    def live(self) -> bool:
+        """It constrains the next token (not complete, not failed)."""
+        return not (self._matcher.is_stopped() or self._matcher.is_error())
 
-def allowed_words(matchers: list[GrammarMatcher]) -> np.ndarray:
-    """[B, ceil(V / 32)] uint32: bit t of row b is set if matchers[b] allows token t, computed by
-    llguidance's threads, one matcher each (all tokens for a matcher that is done, as `allowed`)."""
-    vocab = matchers[0].vocab_size
-    words = np.full((len(matchers), (vocab + 31) // 32), -1, dtype=np.int32)
-    live = [(m._matcher, i) for i, m in enumerate(matchers)
-            if not (m._matcher.is_stopped() or m._matcher.is_error())]
-    if live:
-        executor = matchers[0].executor
-        if executor is None:
-            for m, i in live:
-                m.unsafe_compute_mask_ptr(words[i].ctypes.data, words.shape[1] * 4)
-        else:
-            executor.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, len(matchers))
-    return words.view(np.uint32)
+
+class MaskWorker:
+    """Computes a batch's masks, [B, ceil(V / 32)] words whose bit t of row b is set if row b's grammar
+    allows token t: one llguidance call for all rows into one buffer (its threads, the GIL released),
+    made from a host thread of its own so that the engine's thread launches the forward meanwhile."""
+
+    def __init__(self, num_threads: int):
+        import llguidance
+
+        self._llguidance = llguidance.LLExecutor(num_threads)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+    def start(self, matchers: list[Optional[GrammarMatcher]], wait: bool = False) -> "Future[np.ndarray]":
+        """The masks of `matchers` (all bits set for a row without a grammar (None) or one that is done),
+        computed on the worker's thread; `wait`: on the caller's (no hand-over: nothing to overlap).
+        The matchers must not be touched until the future is done."""
+        vocab = next(m.vocab_size for m in matchers if m is not None)
+        words = np.full((len(matchers), (vocab + 31) // 32), -1, dtype=np.int32)
+        live = [(m._matcher, i) for i, m in enumerate(matchers) if m is not None and m.live]
+        if not live or wait:
+            future: Future[np.ndarray] = Future()
+            future.set_result(self._fill(live, words))
+            return future
+        return self._thread.submit(self._fill, live, words)
+
+    def _fill(self, live: list, words: np.ndarray) -> np.ndarray:
+        if live:
+            self._llguidance.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, words.shape[0])
+        return words.view(np.uint32)
 
 
 class GrammarCompiler:
@@ -104,10 +124,10 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                        eos_token=list(eos_token_ids),
                                                        slices=llguidance.LLTokenizer.json_slices())
-        # llguidance's threads compute a batch's masks in parallel; on a small host they take the cores
-        # MLX's CPU work needs (2 cores: 1.5-2x the TPOT of computing them one after another)
+        # llguidance's threads compute a batch's masks in parallel; on a small host one thread, beside
+        # MLX's CPU work (more take the cores that work needs)
         cores = os.cpu_count() or 1
-        self._executor = llguidance.LLExecutor(min(16, cores // 2)) if cores >= MIN_CORES_FOR_THREADS else None
+        self._masks = MaskWorker(min(16, cores // 2) if cores >= MIN_CORES_FOR_THREADS else 1)
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the problem if the grammar cannot be compiled."""
@@ -117,4 +137,4 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(grammar), log_level=0)
         if matcher.is_error():
             raise ValueError(f"the {grammar.kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.vocab_size, self._executor)
+        return GrammarMatcher(matcher, self.vocab_size, self._masks)

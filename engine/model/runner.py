@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,7 +30,7 @@ from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start, sliding_window
 from engine.model.layers.mixed import MixedForward
 from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
-from engine.model.sampling import RequestSampler, sample_rows
+from engine.model.sampling import DeferredSampling, RequestSampler, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class ModelRunner:
         # The hidden states are their own batch, so the last layer's gathered KV is freed before the
         # logits exist.
         if defer_sampling:
-            return Forward([[hidden]], None, sample=lambda: sample_rows(logits, samplers))
+            return Forward([[hidden]], None, sampling=DeferredSampling(logits, samplers))
         sampled = sample_rows(logits, samplers)
         return Forward([[hidden], [sampled]], sampled)
 
@@ -319,11 +319,19 @@ class ModelRunner:
     def launch(forward: "Forward") -> None:
         """Start a built forward on the device without waiting. The caller must `finish` it (and drop
         it) before launching another forward: see `finish`. A deferred sampling is built while the
-        forward's first stages run (a grammar's mask is computed on the host meanwhile)."""
-        for stage in forward.stages:
-            mx.async_eval(*stage)
-        if forward.sample is not None:
-            forward.tokens, forward.sample = forward.sample(), None
+        forward's first stages run (the grammars' masks are computed on a host thread meanwhile)."""
+        sampling = forward.sampling
+        if sampling is not None:
+            sampling.start()
+        try:
+            for stage in forward.stages:
+                mx.async_eval(*stage)
+        except BaseException:
+            if sampling is not None:
+                sampling.cancel()
+            raise
+        if sampling is not None:
+            forward.tokens, forward.sampling = sampling.build(), None
             forward.stages.append([forward.tokens])
             mx.async_eval(forward.tokens)
 
@@ -335,7 +343,7 @@ class Forward:
 
     stages: list
     tokens: Optional[mx.array]
-    sample: Optional[Callable[[], mx.array]] = None  # builds `tokens` at launch (ModelRunner.decode)
+    sampling: Optional[DeferredSampling] = None  # builds `tokens` at launch (ModelRunner.decode)
 
     def finish(self) -> None:
         """Wait for it, then let go of its arrays: a prompt chunk's are the pool's arrays as it left

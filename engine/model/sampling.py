@@ -6,8 +6,9 @@ the others are processed together in the same graph (sample_rows). Penalties are
 each row's token counts, which the sampler updates lazily from its own sampled token, so a pipelined
 decode built before the previous tokens are read back still penalizes them. A grammar's mask needs the
 previous token on the host: a decode holding a constrained row builds its sampling at launch (runner
-`defer_sampling`), after the engine gave the previous tokens to the grammars, and the masks are computed
-while the forward runs; the pipeline goes on.
+`defer_sampling`), after the engine gave the previous tokens to the grammars; the masks are computed
+on a host thread while the engine's thread launches the forward, and applied on the device from their
+packed bits; the pipeline goes on.
 
 Order (vLLM's): logit bias, penalties, grammar mask -> logprobs -> temperature -> min-p, top-k, top-p.
 Logprobs are the log-softmax of the logits after bias, penalties and the grammar mask, before temperature
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -26,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.core.types import SamplingParams, TokenLogprob, TopLogprob, processed
-from engine.model.grammar import GrammarMatcher, allowed_words
+from engine.model.grammar import GrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -157,15 +159,18 @@ def apply_top_k_top_p(logprobs: mx.array, top_k: int, top_p: float) -> mx.array:
     return logprobs
 
 
-def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> mx.array:
+def sample_rows(logits: mx.array, samplers: list[RequestSampler],
+                masks: Optional["Future[np.ndarray]"] = None) -> mx.array:
     """logits: [B, V] (one row per request, same order as samplers) -> token ids [B], lazy.
 
     Nothing is evaluated here, so the engine can dispatch a step and build the next one while the
-    device runs it (the grammars' masks are computed here, on the host, from the matchers' state).
+    device runs it. `masks`: the grammars' masks started by `DeferredSampling.start` (else computed
+    here, on the host, from the matchers' state).
     The rows are processed as one batch (bias and penalties row by row, the grammars' masks and
     logprobs for all at once); the greedy ones share an argmax and the sampled ones are drawn one after
     another (their sort / cumsum temporaries may coexist: the memory model counts one set per row)."""
-    words = _grammar_words(samplers)
+    masks = masks if masks is not None else start_grammar_masks(samplers, wait=True)
+    words = masks.result() if masks is not None else None
     for s in samplers:
         s.num_sampled += 1
     if not any(processed(s.params) for s in samplers):  # what the memory model counts as sampled
@@ -177,8 +182,7 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> mx.array:
     if any(p.logit_bias or p.has_penalties for p in params):
         x = mx.stack([s.processed(x[i]) for i, s in enumerate(samplers)])
     if words is not None:  # bit t of a row's words: token t allowed (all set for rows without a grammar)
-        allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : x.shape[-1]]
-        x = mx.where(mx.array(allowed.view(np.bool_)), x, -mx.inf)
+        x = _allowed_only(mx.array(words), x)
     want = [p.logprobs is not None for p in params]
     logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True) if any(want) else None  # [B, V]
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -200,18 +204,49 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler]) -> mx.array:
     return mx.depends(tokens, deps) if deps else tokens
 
 
-def _grammar_words(samplers: list[RequestSampler]) -> Optional[np.ndarray]:
-    """[B, ceil(V / 32)] uint32: the tokens each row's grammar allows, one bit each (all bits set for
-    rows without one), or None if no row has a grammar. Computed at once by llguidance's threads."""
-    rows = [i for i, s in enumerate(samplers) if s.matcher is not None]
-    if not rows:
+def start_grammar_masks(samplers: list[RequestSampler], wait: bool = False) -> Optional["Future[np.ndarray]"]:
+    """The future [B, ceil(V / 32)] uint32 words of the rows' grammars: bit t of a row set if its grammar
+    allows token t (all set for rows without one), computed on the grammars' host thread (`wait`: on
+    this one); None if no row has a grammar. The matchers are not to be touched until it is done."""
+    matchers = [s.matcher for s in samplers]
+    constrained = [m for m in matchers if m is not None]
+    if not constrained:
         return None
-    for i in rows:
-        if samplers[i].num_accepted != samplers[i].num_sampled:  # the engine defers such rows' sampling
+    for s in samplers:
+        if s.matcher is not None and s.num_accepted != s.num_sampled:  # the engine defers such rows' sampling
             raise RuntimeError("a grammar's mask needs the previous token: it was not read back")
-    grammar_words = allowed_words([samplers[i].matcher for i in rows])
-    if len(rows) == len(samplers):
-        return grammar_words
-    words = np.full((len(samplers), grammar_words.shape[1]), 0xFFFFFFFF, dtype=np.uint32)
-    words[rows] = grammar_words
-    return words
+    return constrained[0].masks.start(matchers, wait=wait)
+
+
+class DeferredSampling:
+    """A decode's sampling, built once its forward is launched (runner `defer_sampling`): a grammar's
+    mask needs the row's previous token, which the engine reads back just before. `start` sets the masks
+    computing on the grammars' host thread before the forward is launched; `build` waits for them and
+    builds the sampling (the device runs the forward meanwhile)."""
+
+    def __init__(self, logits: mx.array, samplers: list[RequestSampler]):
+        self.logits = logits
+        self.samplers = samplers
+        self._masks: Optional[Future[np.ndarray]] = None
+
+    def start(self) -> None:
+        self._masks = start_grammar_masks(self.samplers)
+
+    def build(self) -> mx.array:
+        return sample_rows(self.logits, self.samplers, self._masks)
+
+    def cancel(self) -> None:
+        """Wait for the masks, unused (the launch failed): the matchers are the engine's again."""
+        if self._masks is not None:
+            self._masks.exception()  # waits; an error of the masks goes with the launch's
+
+
+# The bits expand on the device, in one fused kernel with the select: the host unpacks nothing and sends
+# V / 8 bytes a row. Traced once a batch size.
+@mx.compile
+def _allowed_only(words: mx.array, x: mx.array) -> mx.array:
+    """words [B, W] uint32, x [B, V] (V <= 32 W) -> x in float32, -inf where the token's bit is clear."""
+    b, vocab = x.shape
+    bits = ((words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(b, -1)[:, :vocab]
+    return mx.where(bits.astype(mx.bool_), x.astype(mx.float32), -mx.inf)
+

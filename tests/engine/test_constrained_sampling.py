@@ -122,3 +122,30 @@ def test_a_grammar_ended_by_eos_shows_no_eos_text(make_engine, ignore_eos):
     [(ids, text, reason, _)] = _run(engine, [list(range(200, 230))], [params])
     assert ids[-1] == eos and reason.value == "stop"
     assert eos_text not in text and text and set(text) <= {"a", "b"}
+
+
+@pytest.mark.parametrize("extra", [0, 7])  # the model's vocabulary past its tokenizer's
+def test_mask_words_expand_on_the_device(tiny_parts, extra):
+    """A batch's masks go to the device as packed words (bit t of a row: token t allowed), computed on the
+    grammars' thread; the device selects the allowed logits as numpy's unpacked bits do, also for a
+    vocabulary that is not a multiple of 32 and for a row without a grammar (None: all allowed)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.model.grammar import GrammarCompiler
+    from engine.model.sampling import _allowed_only
+
+    _, tokenizer, config = tiny_parts
+    vocab = config["vocab_size"] + extra
+    compiler = GrammarCompiler(tokenizer._tokenizer, vocab, [0])
+    matchers = [compiler.matcher(Grammar("regex", "[a-z]+")), None, compiler.matcher(Grammar("regex", "[0-9]"))]
+    words = matchers[0].masks.start(matchers).result()  # on the worker's thread
+    assert (words == matchers[0].masks.start(matchers, wait=True).result()).all()
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    assert bits[1].all() and 0 < bits[0].sum() < vocab and 0 < bits[2].sum() < bits[0].sum()
+    logits = np.random.default_rng(0).standard_normal((3, vocab)).astype(np.float32)
+    for dtype in (mx.float32, mx.bfloat16):
+        x = mx.array(logits).astype(dtype)
+        expected = np.where(bits, np.array(x.astype(mx.float32)), -np.inf)
+        got = _allowed_only(mx.array(words), x)
+        assert got.dtype == mx.float32 and (np.array(got) == expected).all()
