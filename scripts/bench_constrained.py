@@ -6,7 +6,9 @@ constrained by a JSON schema whose output never completes within --output-tokens
 least 10,000 records: strings, integers, booleans, the structure between them), so both runs decode the
 same number of tokens. Reports TPOT of each run, of the free and the constrained rows of the second,
 and the cost: TPOT(mixed) / TPOT(free) - 1, of the medians over --repeat alternating passes (after one
-untimed warm-up pass).
+untimed warm-up pass); likewise of the median gap between two tokens of a stream (steadier on a busy
+host), and of the CPU time of a step, the process's (all threads) and the engine
+thread's alone (the host work each step waits for; the grammars' masks are computed on another thread).
 
 A random-weight shape (llama-8b, llama-test) has no tokenizer: the grammar then uses SmolLM2's (the
 embedded model's) over the shape's vocabulary; tokens past SmolLM2's are never allowed.
@@ -70,10 +72,13 @@ def constrained_cost(args) -> dict:
         passes: dict[str, list[dict]] = {name: [] for name in kinds}
         for rep in range(args.repeat + 1):  # pass 0 warms up (kernels, traces, the grammar's tokenizer)
             for name, sampling_for in kinds.items():  # alternating: a busy host slows both alike
-                t, cpu = time.perf_counter(), time.process_time()
+                t, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
                 r = run_engine_sync(lm, prompts, arrivals, args, breakdown=False, sampling_for=sampling_for,
                                     grammar_compiler=compiler)
                 r["cpu_s_per_step"] = (time.process_time() - cpu) / r["num_steps"]  # this process, all threads
+                # the engine's thread alone (this one): the host work a step waits for, where the device
+                # computes on threads of its own (MLX's CPU backend) or is a GPU
+                r["engine_thread_cpu_s_per_step"] = (time.thread_time() - own) / r["num_steps"]
                 free_memory()
                 if rep == 0:
                     log(f"warm-up {name} x{conc}: {time.perf_counter() - t:.1f} s")
@@ -82,18 +87,28 @@ def constrained_cost(args) -> dict:
                 r["tpot_constrained_rows_s"] = _mean(tpots[:num_constrained]) if name == "mixed" else None
                 r["tpot_free_rows_s"] = _mean(tpots[num_constrained:] if name == "mixed" else tpots)
                 passes[name].append(r)
-                log(f"{name} x{conc}: TPOT {r['tpot_mean_s'] * 1e3:.2f} ms, {r['output_tok_per_s']:.1f} tok/s, "
-                    f"CPU {r['cpu_s_per_step'] * 1e3:.2f} ms a step")
+                log(f"{name} x{conc}: TPOT {r['tpot_mean_s'] * 1e3:.2f} ms (median gap {r['itl_p50_s'] * 1e3:.2f}), "
+                    f"{r['output_tok_per_s']:.1f} tok/s, "
+                    f"CPU {r['cpu_s_per_step'] * 1e3:.2f} ms a step, "
+                    f"{r['engine_thread_cpu_s_per_step'] * 1e3:.2f} ms on the engine's thread")
         for name, runs in passes.items():
             result["runs"][f"{name}@{conc}"] = runs
         median = {name: statistics.median(r["tpot_mean_s"] for r in runs) for name, runs in passes.items()}
         cpu = {name: statistics.median(r["cpu_s_per_step"] for r in runs) for name, runs in passes.items()}
         result[f"tpot_median_s@{conc}"] = median
         result[f"tpot_cost@{conc}"] = median["mixed"] / median["free"] - 1
+        itl = {name: statistics.median(r["itl_p50_s"] for r in runs) for name, runs in passes.items()}
+        result[f"itl_p50_median_s@{conc}"] = itl
+        result[f"itl_p50_cost@{conc}"] = itl["mixed"] / itl["free"] - 1
         # on a CPU host shared with other work, the process's CPU time is steadier than wall time
         result[f"cpu_s_per_step_median@{conc}"] = cpu
         result[f"cpu_cost@{conc}"] = cpu["mixed"] / cpu["free"] - 1
+        own = {name: statistics.median(r["engine_thread_cpu_s_per_step"] for r in runs) for name, runs in passes.items()}
+        result[f"engine_thread_cpu_s_per_step_median@{conc}"] = own
+        result[f"engine_thread_cpu_cost@{conc}"] = own["mixed"] / own["free"] - 1
         log(f"x{conc}: {num_constrained} constrained streams cost {100 * result[f'tpot_cost@{conc}']:.1f}% of "
             f"TPOT (medians of {args.repeat} passes: {median['free'] * 1e3:.2f} -> {median['mixed'] * 1e3:.2f} ms), "
-            f"{100 * result[f'cpu_cost@{conc}']:.1f}% of the CPU time of a step")
+            f"{100 * result[f'itl_p50_cost@{conc}']:.1f}% of the median gap between tokens, "
+            f"{100 * result[f'cpu_cost@{conc}']:.1f}% of the CPU time of a step, "
+            f"{100 * result[f'engine_thread_cpu_cost@{conc}']:.1f}% of the engine thread's")
     return result
