@@ -182,7 +182,7 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler],
     if any(p.logit_bias or p.has_penalties for p in params):
         x = mx.stack([s.processed(x[i]) for i, s in enumerate(samplers)])
     if words is not None:  # bit t of a row's words: token t allowed (all set for rows without a grammar)
-        x = _allowed_only(mx.array(words), x)
+        x = _allowed_only(words, x)
     want = [p.logprobs is not None for p in params]
     logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True) if any(want) else None  # [B, V]
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -241,12 +241,24 @@ class DeferredSampling:
             self._masks.exception()  # waits; an error of the masks goes with the launch's
 
 
-# The bits expand on the device, in one fused kernel with the select: the host unpacks nothing and sends
-# V / 8 bytes a row. Traced once a batch size.
+def _allowed_only(words: np.ndarray, x: mx.array) -> mx.array:
+    """words [B, W] uint32, x [B, V] (V <= 32 W) -> x in float32, -inf where the token's bit is clear.
+    On a GPU the bits expand on the device (the host unpacks nothing and sends V / 8 bytes a row); on
+    the CPU, where host and device share the cores, numpy's unpacking costs less than the expansion."""
+    if mx.default_device() == mx.cpu:
+        allowed = np.unpackbits(words.view(np.uint8), axis=1, count=x.shape[-1], bitorder="little")
+        return _select(mx.array(allowed.view(np.bool_)), x)
+    return _expand_and_select(mx.array(words), x)
+
+
+# Compiled: MLX fuses the cast, the expansion of the bits and the select; traced once a batch size.
 @mx.compile
-def _allowed_only(words: mx.array, x: mx.array) -> mx.array:
-    """words [B, W] uint32, x [B, V] (V <= 32 W) -> x in float32, -inf where the token's bit is clear."""
+def _expand_and_select(words: mx.array, x: mx.array) -> mx.array:
     b, vocab = x.shape
     bits = ((words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(b, -1)[:, :vocab]
     return mx.where(bits.astype(mx.bool_), x.astype(mx.float32), -mx.inf)
 
+
+@mx.compile
+def _select(allowed: mx.array, x: mx.array) -> mx.array:
+    return mx.where(allowed, x.astype(mx.float32), -mx.inf)

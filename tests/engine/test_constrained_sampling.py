@@ -126,14 +126,15 @@ def test_a_grammar_ended_by_eos_shows_no_eos_text(make_engine, ignore_eos):
 
 @pytest.mark.parametrize("extra", [0, 7])  # the model's vocabulary past its tokenizer's
 def test_mask_words_expand_on_the_device(tiny_parts, extra):
-    """A batch's masks go to the device as packed words (bit t of a row: token t allowed), computed on the
-    grammars' thread; the device selects the allowed logits as numpy's unpacked bits do, also for a
-    vocabulary that is not a multiple of 32 and for a row without a grammar (None: all allowed)."""
+    """A batch's masks are packed words (bit t of a row: token t allowed), computed on the grammars'
+    thread; the logits they allow are those numpy's unpacked bits select, whether the bits are unpacked
+    on the host (the CPU) or expanded on the device (a GPU), also for a vocabulary that is not a
+    multiple of 32 and for a row without a grammar (None: all allowed)."""
     import mlx.core as mx
     import numpy as np
 
     from engine.model.grammar import GrammarCompiler
-    from engine.model.sampling import _allowed_only
+    from engine.model.sampling import _allowed_only, _expand_and_select
 
     _, tokenizer, config = tiny_parts
     vocab = config["vocab_size"] + extra
@@ -147,5 +148,5 @@ def test_mask_words_expand_on_the_device(tiny_parts, extra):
     for dtype in (mx.float32, mx.bfloat16):
         x = mx.array(logits).astype(dtype)
         expected = np.where(bits, np.array(x.astype(mx.float32)), -np.inf)
-        got = _allowed_only(mx.array(words), x)
-        assert got.dtype == mx.float32 and (np.array(got) == expected).all()
+        for got in (_allowed_only(words, x), _expand_and_select(mx.array(words), x)):  # the CPU's way, a GPU's
+            assert got.dtype == mx.float32 and (np.array(got) == expected).all()
