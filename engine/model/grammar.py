@@ -7,8 +7,8 @@ the vocabulary, so a new schema per request costs well under a millisecond), a m
 microseconds, it reads JSON schema, Lark (with embedded JSON schemas, which the forced tool calls use)
 and regex, and it reports an invalid schema as a message, which the API returns as a 400.
 
-The masks of a batch are computed on a host thread while the device runs the forward (MaskWorker) and
-applied to the logits in engine/model/sampling.py; no mlx here (numpy only).
+The masks of a batch are computed while the device runs the forward (MaskWorker) and applied to the
+logits in engine/model/sampling.py; no mlx here (numpy only).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from engine.core.types import Grammar
 # Compact JSON, no free whitespace: a free-running model (or a random one) could otherwise emit
 # whitespace until max_tokens and never close the object.
 JSON_GRAMMAR_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
-MIN_CORES_FOR_THREADS = 8  # below, llguidance computes a batch's masks on one thread
+MIN_CORES_FOR_THREADS = 8  # below, the engine's thread computes a batch's masks, after the launch
 
 
 def grammar_text(grammar: Grammar) -> str:
@@ -80,33 +80,63 @@ class GrammarMatcher:
         return not (self._matcher.is_stopped() or self._matcher.is_error())
 
 
+class PendingMasks:
+    """A batch's masks (MaskWorker.start): computing on the worker's thread, or computed on the caller's
+    when first asked for."""
+
+    def __init__(self, future: Optional[Future] = None, compute: Optional[Callable[[], np.ndarray]] = None):
+        self._future = future
+        self._compute = compute
+        self._words: Optional[np.ndarray] = None
+
+    def result(self) -> np.ndarray:
+        """[B, ceil(V / 32)] uint32; waits for the worker's thread (its error is raised here)."""
+        if self._words is None:
+            self._words = self._future.result() if self._future is not None else self._compute()
+        return self._words
+
+    def wait(self) -> None:
+        """Wait for the worker's thread, if it computes them, without the result (nor its error)."""
+        if self._future is not None:
+            self._future.exception()
+
+
 class MaskWorker:
     """Computes a batch's masks, [B, ceil(V / 32)] words whose bit t of row b is set if row b's grammar
-    allows token t: one llguidance call for all rows into one buffer (its threads, the GIL released),
-    made from a host thread of its own so that the engine's thread launches the forward meanwhile."""
+    allows token t. On a host with cores to spare: one llguidance call for all rows into one buffer
+    (its threads, the GIL released), made from a host thread of its own, so the engine's thread
+    launches the forward meanwhile. On a small host the caller computes them, row after row, when it
+    asks for them (after the launch: MLX's CPU work takes the cores, and a hand-over between threads
+    waits for one)."""
 
     def __init__(self, num_threads: int):
+        """`num_threads`: llguidance's threads (0: no threads, the caller's)."""
         import llguidance
 
-        self._llguidance = llguidance.LLExecutor(num_threads)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._llguidance = llguidance.LLExecutor(num_threads) if num_threads else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") if num_threads else None
 
-    def start(self, matchers: list[Optional[GrammarMatcher]], wait: bool = False) -> "Future[np.ndarray]":
+    def start(self, matchers: list[Optional[GrammarMatcher]], wait: bool = False) -> PendingMasks:
         """The masks of `matchers` (all bits set for a row without a grammar (None) or one that is done),
-        computed on the worker's thread; `wait`: on the caller's (no hand-over: nothing to overlap).
-        The matchers must not be touched until the future is done."""
+        from their state now; `wait`: computed now, on the caller's thread (nothing to overlap). The
+        matchers must not be touched until the result is read."""
         vocab = next(m.vocab_size for m in matchers if m is not None)
         words = np.full((len(matchers), (vocab + 31) // 32), -1, dtype=np.int32)
         live = [(m._matcher, i) for i, m in enumerate(matchers) if m is not None and m.live]
-        if not live or wait:
-            future: Future[np.ndarray] = Future()
-            future.set_result(self._fill(live, words))
-            return future
-        return self._thread.submit(self._fill, live, words)
+        if self._thread is None or wait or not live:
+            pending = PendingMasks(compute=lambda: self._fill(live, words))
+            if wait:
+                pending.result()
+            return pending
+        return PendingMasks(self._thread.submit(self._fill, live, words))
 
     def _fill(self, live: list, words: np.ndarray) -> np.ndarray:
-        if live:
-            self._llguidance.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, words.shape[0])
+        size = words.shape[1] * 4
+        if self._llguidance is not None and live:
+            self._llguidance.unsafe_compute_mask_ptr(live, words.ctypes.data, size, words.shape[0])
+        else:
+            for matcher, i in live:  # each call releases the GIL
+                matcher.unsafe_compute_mask_ptr(words[i].ctypes.data, size)
         return words.view(np.uint32)
 
 
@@ -124,10 +154,10 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                        eos_token=list(eos_token_ids),
                                                        slices=llguidance.LLTokenizer.json_slices())
-        # llguidance's threads compute a batch's masks in parallel; on a small host one thread, beside
-        # MLX's CPU work (more take the cores that work needs)
+        # llguidance's threads compute a batch's masks in parallel; on a small host they would take the
+        # cores MLX's CPU work needs
         cores = os.cpu_count() or 1
-        self._masks = MaskWorker(min(16, cores // 2) if cores >= MIN_CORES_FOR_THREADS else 1)
+        self._masks = MaskWorker(min(16, cores // 2) if cores >= MIN_CORES_FOR_THREADS else 0)
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the problem if the grammar cannot be compiled."""

@@ -7,8 +7,9 @@ each row's token counts, which the sampler updates lazily from its own sampled t
 decode built before the previous tokens are read back still penalizes them. A grammar's mask needs the
 previous token on the host: a decode holding a constrained row builds its sampling at launch (runner
 `defer_sampling`), after the engine gave the previous tokens to the grammars; the masks are computed
-on a host thread while the engine's thread launches the forward, and applied on the device from their
-packed bits; the pipeline goes on.
+while the forward runs (on a host thread of their own where the host has cores to spare, so the
+engine's thread launches the forward meanwhile) and applied on the device from their packed bits; the
+pipeline goes on.
 
 Order (vLLM's): logit bias, penalties, grammar mask -> logprobs -> temperature -> min-p, top-k, top-p.
 Logprobs are the log-softmax of the logits after bias, penalties and the grammar mask, before temperature
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.core.types import SamplingParams, TokenLogprob, TopLogprob, processed
-from engine.model.grammar import GrammarMatcher
+from engine.model.grammar import GrammarMatcher, PendingMasks
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def apply_top_k_top_p(logprobs: mx.array, top_k: int, top_p: float) -> mx.array:
 
 
 def sample_rows(logits: mx.array, samplers: list[RequestSampler],
-                masks: Optional["Future[np.ndarray]"] = None) -> mx.array:
+                masks: Optional[PendingMasks] = None) -> mx.array:
     """logits: [B, V] (one row per request, same order as samplers) -> token ids [B], lazy.
 
     Nothing is evaluated here, so the engine can dispatch a step and build the next one while the
@@ -204,10 +204,10 @@ def sample_rows(logits: mx.array, samplers: list[RequestSampler],
     return mx.depends(tokens, deps) if deps else tokens
 
 
-def start_grammar_masks(samplers: list[RequestSampler], wait: bool = False) -> Optional["Future[np.ndarray]"]:
-    """The future [B, ceil(V / 32)] uint32 words of the rows' grammars: bit t of a row set if its grammar
-    allows token t (all set for rows without one), computed on the grammars' host thread (`wait`: on
-    this one); None if no row has a grammar. The matchers are not to be touched until it is done."""
+def start_grammar_masks(samplers: list[RequestSampler], wait: bool = False) -> Optional[PendingMasks]:
+    """The [B, ceil(V / 32)] uint32 words of the rows' grammars (MaskWorker.start): bit t of a row set if
+    its grammar allows token t (all set for rows without one); `wait`: computed now, on this thread.
+    None if no row has a grammar. The matchers are not to be touched until the result is read."""
     matchers = [s.matcher for s in samplers]
     constrained = [m for m in matchers if m is not None]
     if not constrained:
@@ -221,13 +221,13 @@ def start_grammar_masks(samplers: list[RequestSampler], wait: bool = False) -> O
 class DeferredSampling:
     """A decode's sampling, built once its forward is launched (runner `defer_sampling`): a grammar's
     mask needs the row's previous token, which the engine reads back just before. `start` sets the masks
-    computing on the grammars' host thread before the forward is launched; `build` waits for them and
-    builds the sampling (the device runs the forward meanwhile)."""
+    computing (on the grammars' host thread, where the host has cores to spare) before the forward is
+    launched; `build` waits for them and builds the sampling (the device runs the forward meanwhile)."""
 
     def __init__(self, logits: mx.array, samplers: list[RequestSampler]):
         self.logits = logits
         self.samplers = samplers
-        self._masks: Optional[Future[np.ndarray]] = None
+        self._masks: Optional[PendingMasks] = None
 
     def start(self) -> None:
         self._masks = start_grammar_masks(self.samplers)
@@ -238,7 +238,7 @@ class DeferredSampling:
     def cancel(self) -> None:
         """Wait for the masks, unused (the launch failed): the matchers are the engine's again."""
         if self._masks is not None:
-            self._masks.exception()  # waits; an error of the masks goes with the launch's
+            self._masks.wait()
 
 
 def _allowed_only(words: np.ndarray, x: mx.array) -> mx.array:

@@ -59,6 +59,27 @@ def test_constrained_rows_parse_and_free_rows_keep_their_tokens(make_engine, tin
         assert reason.value == "stop" and ids[-1] not in engine.eos_token_ids  # ends on its "}"
 
 
+def test_masks_from_the_grammars_thread_give_the_same_tokens(make_engine, monkeypatch):
+    """Where the host has cores to spare, llguidance's threads compute a decode's masks from a host thread
+    of their own while the engine's thread launches the forward (elsewhere the engine's thread computes
+    them after the launch): the same tokens either way, the pipeline kept."""
+    import engine.model.grammar as grammar
+
+    schema = Grammar("json_schema", json.dumps(SCHEMA))
+    params = [SamplingParams(max_tokens=40, grammar=schema), SamplingParams(max_tokens=12),
+              SamplingParams(max_tokens=40, grammar=schema, temperature=1.0, seed=2)]
+    engine = make_engine()
+    prompts = [engine.encode([{"role": "user", "content": f"item {i}"}]) for i in range(3)]
+    monkeypatch.setattr(grammar, "MIN_CORES_FOR_THREADS", 10_000)
+    on_the_engines = _run(engine, prompts, params)
+    assert engine._grammars()._masks._thread is None
+    monkeypatch.setattr(grammar, "MIN_CORES_FOR_THREADS", 1)
+    engine, records = make_engine(), []
+    assert _run(engine, prompts, params, records) == on_the_engines
+    assert engine._grammars()._masks._thread is not None and any(r.memory.pipelined for r in records if r.memory)
+    json.loads(on_the_engines[0][1])
+
+
 def test_regex_and_lark_grammars_and_a_bad_schema(make_engine):
     engine = make_engine()
     prompt = engine.encode("The answer is")
@@ -127,21 +148,21 @@ def test_a_grammar_ended_by_eos_shows_no_eos_text(make_engine, ignore_eos):
 @pytest.mark.parametrize("extra", [0, 7])  # the model's vocabulary past its tokenizer's
 def test_mask_words_expand_on_the_device(tiny_parts, extra):
     """A batch's masks are packed words (bit t of a row: token t allowed), computed on the grammars'
-    thread; the logits they allow are those numpy's unpacked bits select, whether the bits are unpacked
+    thread or on the caller's; the logits they allow are those numpy's unpacked bits select, whether the bits are unpacked
     on the host (the CPU) or expanded on the device (a GPU), also for a vocabulary that is not a
     multiple of 32 and for a row without a grammar (None: all allowed)."""
     import mlx.core as mx
     import numpy as np
 
-    from engine.model.grammar import GrammarCompiler
+    from engine.model.grammar import GrammarCompiler, MaskWorker
     from engine.model.sampling import _allowed_only, _expand_and_select
 
     _, tokenizer, config = tiny_parts
     vocab = config["vocab_size"] + extra
     compiler = GrammarCompiler(tokenizer._tokenizer, vocab, [0])
     matchers = [compiler.matcher(Grammar("regex", "[a-z]+")), None, compiler.matcher(Grammar("regex", "[0-9]"))]
-    words = matchers[0].masks.start(matchers).result()  # on the worker's thread
-    assert (words == matchers[0].masks.start(matchers, wait=True).result()).all()
+    words = MaskWorker(2).start(matchers).result()  # llguidance's threads, from the worker's thread
+    assert (words == MaskWorker(0).start(matchers).result()).all()  # on this thread, row after row
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
     assert bits[1].all() and 0 < bits[0].sum() < vocab and 0 < bits[2].sum() < bits[0].sum()
     logits = np.random.default_rng(0).standard_normal((3, vocab)).astype(np.float32)
