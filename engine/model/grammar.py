@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -128,10 +129,18 @@ class MaskWorker:
             if wait:
                 pending.result()
             return pending
-        return PendingMasks(self._thread.submit(self._fill, live, words))
+        entered = threading.Event()
+        future = self._thread.submit(self._fill, live, words, entered)
+        # The worker needs the GIL to enter llguidance's call, which then releases it: wait until it is
+        # in, or the caller's next work (building and launching the forward) could hold the GIL
+        # throughout and the masks would start only when the caller waits for them.
+        entered.wait()
+        return PendingMasks(future)
 
-    def _fill(self, live: list, words: np.ndarray) -> np.ndarray:
+    def _fill(self, live: list, words: np.ndarray, entered: Optional[threading.Event] = None) -> np.ndarray:
         size = words.shape[1] * 4
+        if entered is not None:
+            entered.set()
         if self._llguidance is not None and live:
             self._llguidance.unsafe_compute_mask_ptr(live, words.ctypes.data, size, words.shape[0])
         else:
