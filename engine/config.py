@@ -73,6 +73,21 @@ def export_max_ops_per_buffer(value: Optional[int]) -> None:
     os.environ[MAX_OPS_ENV] = str(value)
 
 
+# MLX's CUDA backend keeps a cuDNN attention graph per prompt-chunk shape in an LRU cache (256 by default)
+# and, by default, throws once the process has missed it more than twice its size in its lifetime: a
+# server meets a new (tokens, context) pair for most prompts, so the throw would fail a step of a
+# healthy replica. The engine keeps more graphs and turns the throw off (an explicit setting wins).
+CUDA_CACHE_DEFAULTS = {"MLX_CUDA_SDPA_CACHE_SIZE": "1024", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+
+
+def export_cuda_cache_defaults(backend: str) -> None:
+    """On CUDA, CUDA_CACHE_DEFAULTS where the environment does not set them; before any GPU work (MLX
+    reads them when it first builds the caches)."""
+    if backend == "cuda":
+        for name, value in CUDA_CACHE_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.config import EngineConfig, ExecutionConfig, export_max_ops_per_buffer
+from engine.config import EngineConfig, ExecutionConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import coefficients_for, with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
@@ -189,6 +189,7 @@ class Engine:
 
         # Before any GPU work: MLX reads it once per process, at its GPU backend's first commit.
         export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(mlx_backend()))
+        export_cuda_cache_defaults(mlx_backend())
         dtype = resolve_dtype(config.dtype)
         path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))
         model, tokenizer = load_model(path)

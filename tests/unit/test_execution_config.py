@@ -82,3 +82,16 @@ def test_default_step_budget_rises_to_what_the_other_fields_need():
         EngineConfig(prefill_chunk_size=1024, max_num_batched_tokens=512)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_cuda_cache_defaults_keep_an_explicit_setting_and_leave_other_backends_alone(monkeypatch):
+    from engine.config import CUDA_CACHE_DEFAULTS, export_cuda_cache_defaults
+
+    for name in CUDA_CACHE_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    export_cuda_cache_defaults("cpu")
+    assert not any(name in os.environ for name in CUDA_CACHE_DEFAULTS)
+    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "64")
+    export_cuda_cache_defaults("cuda")
+    assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "64"  # the operator's
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
