@@ -84,8 +84,11 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
 
 def fixed_bytes(sh: dict, p: dict) -> int:
     """The formula's term with no coefficient at a grid point: the copy of a viewed row's KV that a
-    chunk ending its prompt reads with its last position (MemoryModel.prefill_chunk_bytes)."""
-    copies = p["kind"] == "prefill" and p["c"] > 1 and p.get("logits") and not p.get("gathers", True)
+    chunk ending its prompt reads with its last position (MemoryModel.prefill_chunk_bytes). 0 for a
+    point of an older grid (no `copies_viewed_kv`): its engine made no copy, so its measure holds none,
+    and subtracting one would let the fit under-predict today's engine, which makes it."""
+    copies = (p["kind"] == "prefill" and p.get("copies_viewed_kv") and p["c"] > 1 and p.get("logits")
+              and not p.get("gathers", True))
     return p["n"] * sh["Hkv"] * 2 * sh["d"] * sh["s"] if copies else 0
 
 
@@ -154,7 +157,7 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
             terms = prefill_terms(shape, cc, n, logits)
             terms["prefill_gather"] *= gathers
             points.append(dict(kind="prefill", variant=label, c=cc, n=n, logits=logits, B=1, gathers=gathers,
-                               measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
+                               copies_viewed_kv=True, measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                whole_step_measured=st["whole_step_measured"], terms=terms))
         engine.abort("g")
         engine = recorder = None  # the next engine starts from nothing alive but the weights

@@ -14,9 +14,10 @@ grid = pytest.importorskip("bench_memory_grid")
 SHAPE = dict(H=32, Hkv=8, d=128, D=4096, I=14336, V=128256, L=32, s=2)
 
 
-def synthetic_grid(tmp_path, paged: bool) -> str:
+def synthetic_grid(tmp_path, paged: bool, copies: bool = True) -> str:
     """Chunks whose transient levels off with the context (0.63 MB per token + 58 MB once n >= 4c, less
-    before), and decodes linear in rows and context, like the H200's."""
+    before), and decodes linear in rows and context, like the H200's. `copies`: measured by an engine
+    that copies a viewed row's KV for a prompt's last query (False: an older grid's, without)."""
     points = []
     for c in (128, 256, 512, 1024):
         for n in range(c, 8192 + 1, c):
@@ -25,7 +26,7 @@ def synthetic_grid(tmp_path, paged: bool) -> str:
             terms = grid.prefill_terms(SHAPE, c, n, n == 8192)
             terms["prefill_gather"] = 0
             point = dict(kind="prefill", variant="m", c=c, n=n, logits=n == 8192, B=1, gathers=False,
-                         measured=0, predicted=0, terms=terms)
+                         measured=0, predicted=0, terms=terms, **({"copies_viewed_kv": True} if copies else {}))
             point["measured"] = int(measured) + grid.fixed_bytes(SHAPE, point)  # the last query's KV copy
             points.append(point)
     for b in (1, 4, 16):
@@ -34,7 +35,7 @@ def synthetic_grid(tmp_path, paged: bool) -> str:
             points.append(dict(kind="decode", variant="m", B=b, n=n, c=1, logits=True, gathers=not paged,
                                paged=paged, measured=int(measured), predicted=0,
                                terms=grid.decode_terms(SHAPE, b, n, paged)))
-    path = tmp_path / f"grid_{paged}.json"
+    path = tmp_path / f"grid_{paged}_{copies}.json"
     path.write_text(json.dumps(dict(points=points, shapes={"m": SHAPE})))
     return str(path)
 
@@ -46,7 +47,7 @@ def test_fit_from_above_hugs_each_chunk_sizes_worst_case(tmp_path):
     assert coef["prefill_scores"] == 0 and coef["prefill_mask"] == 0  # excluded
     assert coef["decode_paged"] is not None  # fitted: the grid's decodes were paged
     assert out["predicted_over_measured"]["min"] >= 1.0  # never under, every point included
-    data = json.loads(Path(tmp_path / "grid_True.json").read_text())
+    data = json.loads(Path(tmp_path / "grid_True_True.json").read_text())
     from engine.core.memory.coefficients import TransientCoefficients
     pts = data["points"]
     pred = grid.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef))
@@ -54,6 +55,23 @@ def test_fit_from_above_hugs_each_chunk_sizes_worst_case(tmp_path):
         worst = max(p["measured"] for p in pts if p["kind"] == "prefill" and p["c"] == c)
         predicted = max(pv for pv, p in zip(pred, pts) if p["kind"] == "prefill" and p["c"] == c)
         assert worst <= predicted <= 1.2 * worst, (c, predicted / worst)
+
+
+def test_a_fit_of_a_grid_measured_without_the_kv_copy_covers_the_copy(tmp_path):
+    """An older grid's chunks ending a prompt were measured by an engine that read their viewed KV with no
+    copy: the fit must not take the copy out of their measure, or the engine, which now makes it on top
+    of the same temporaries, would measure more than the fitted formula predicts."""
+    from engine.core.memory.coefficients import TransientCoefficients
+
+    path = synthetic_grid(tmp_path, paged=True, copies=False)
+    coef = grid.fit_backend(path, backend="cuda", exclude="prefill_scores,prefill_mask", chunk_maxima=True)
+    data = json.loads(Path(path).read_text())
+    pts = data["points"]
+    pred = grid.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef["coefficients"]))
+    ends = [(pv, p) for pv, p in zip(pred, pts) if p["kind"] == "prefill" and p["logits"]]
+    assert ends and all(grid.fixed_bytes(SHAPE, p) == 0 for _, p in ends)
+    copy = lambda p: p["n"] * SHAPE["Hkv"] * 2 * SHAPE["d"] * SHAPE["s"]  # noqa: E731
+    assert all(pv >= p["measured"] + copy(p) for pv, p in ends)
 
 
 def test_gathering_grid_leaves_decode_paged_unfitted(tmp_path):
