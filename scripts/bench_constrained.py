@@ -46,6 +46,13 @@ def _mean(values) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def _median_cost(result: dict, passes: dict[str, list[dict]], key: str, median_key: str, cost_key: str) -> dict:
+    """Into `result`: the median of each run kind's `key` over its passes, and mixed / free - 1 of them."""
+    median = {name: statistics.median(r[key] for r in runs) for name, runs in passes.items()}
+    result[median_key], result[cost_key] = median, median["mixed"] / median["free"] - 1
+    return median
+
+
 def constrained_cost(args) -> dict:
     from bench_serving import arrival_times, run_engine_sync
     from engine.core.types import Grammar, SamplingParams
@@ -93,19 +100,12 @@ def constrained_cost(args) -> dict:
                     f"{r['engine_thread_cpu_s_per_step'] * 1e3:.2f} ms on the engine's thread")
         for name, runs in passes.items():
             result["runs"][f"{name}@{conc}"] = runs
-        median = {name: statistics.median(r["tpot_mean_s"] for r in runs) for name, runs in passes.items()}
-        cpu = {name: statistics.median(r["cpu_s_per_step"] for r in runs) for name, runs in passes.items()}
-        result[f"tpot_median_s@{conc}"] = median
-        result[f"tpot_cost@{conc}"] = median["mixed"] / median["free"] - 1
-        itl = {name: statistics.median(r["itl_p50_s"] for r in runs) for name, runs in passes.items()}
-        result[f"itl_p50_median_s@{conc}"] = itl
-        result[f"itl_p50_cost@{conc}"] = itl["mixed"] / itl["free"] - 1
         # on a CPU host shared with other work, the process's CPU time is steadier than wall time
-        result[f"cpu_s_per_step_median@{conc}"] = cpu
-        result[f"cpu_cost@{conc}"] = cpu["mixed"] / cpu["free"] - 1
-        own = {name: statistics.median(r["engine_thread_cpu_s_per_step"] for r in runs) for name, runs in passes.items()}
-        result[f"engine_thread_cpu_s_per_step_median@{conc}"] = own
-        result[f"engine_thread_cpu_cost@{conc}"] = own["mixed"] / own["free"] - 1
+        median = _median_cost(result, passes, "tpot_mean_s", f"tpot_median_s@{conc}", f"tpot_cost@{conc}")
+        _median_cost(result, passes, "itl_p50_s", f"itl_p50_median_s@{conc}", f"itl_p50_cost@{conc}")
+        _median_cost(result, passes, "cpu_s_per_step", f"cpu_s_per_step_median@{conc}", f"cpu_cost@{conc}")
+        _median_cost(result, passes, "engine_thread_cpu_s_per_step", f"engine_thread_cpu_s_per_step_median@{conc}",
+                     f"engine_thread_cpu_cost@{conc}")
         log(f"x{conc}: {num_constrained} constrained streams cost {100 * result[f'tpot_cost@{conc}']:.1f}% of "
             f"TPOT (medians of {args.repeat} passes: {median['free'] * 1e3:.2f} -> {median['mixed'] * 1e3:.2f} ms), "
             f"{100 * result[f'itl_p50_cost@{conc}']:.1f}% of the median gap between tokens, "

@@ -275,3 +275,11 @@ def test_stopping_a_server_waits_for_what_it_started_in_other_sessions(tmp_path)
     assert set(worker) <= set(bench_http.descendants(server.proc.pid))
     server.stop(grace_s=3.0)  # the worker ignores SIGINT: killed after the grace
     assert not bench_http.alive(worker)
+
+
+def test_constrained_cost_is_the_mixed_over_the_free_median():
+    constrained = pytest.importorskip("bench_constrained")
+    passes = {"free": [{"t": 1.0}, {"t": 2.0}, {"t": 9.0}], "mixed": [{"t": 3.0}, {"t": 2.5}, {"t": 0.1}]}
+    result = {}
+    assert constrained._median_cost(result, passes, "t", "t_median", "t_cost") == {"free": 2.0, "mixed": 2.5}
+    assert result == {"t_median": {"free": 2.0, "mixed": 2.5}, "t_cost": 0.25}
