@@ -69,7 +69,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, seed: int = 0, block_size: int = 256,
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
-                 read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0):
+                 read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
+                 stage_waits: bool = False):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -88,8 +89,11 @@ class ModelRunner:
         decode_path.py's, if the model is supported (bound after fusion: their views are of the fused
         weights); else mlx-lm's modules.
         `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers).
-        `cpu_math`: the loops' attention and SwiGLU are engine/model/layers/cpu_math.py's (for MLX's CPU backend)."""
+        `cpu_math`: the loops' attention and SwiGLU are engine/model/layers/cpu_math.py's (for MLX's CPU backend).
+        `stage_waits`: `launch` waits for each stage of a forward but its last (MLX's CPU backend, `launch`
+        says why)."""
         self.model = model
+        self.stage_waits = stage_waits
         self.layout = model_layout(model)  # every shape read from the model (engine/model/families.py)
         self._backbone, self._head = self.layout.backbone, self.layout.head
         self.num_layers = len(self._backbone.layers)
@@ -258,20 +262,22 @@ class ModelRunner:
         T = len(work.token_ids)
         view = ForwardView(self.pool, [row], T)
         tokens = mx.array(work.token_ids)[None]
+        stages = [] if self.stage_waits else None  # the layers' attention and MLP apart (`launch`)
         if self.chunk_path is not None:
             self._count(T)
-            hidden = self.chunk_path.forward(tokens, view, work.sample)  # [1, 1, D], or None
+            hidden = self.chunk_path.forward(tokens, view, work.sample, stages)  # [1, 1, D], or None
         else:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
         view.advance()
+        stages = [[h] for h in stages or ()]
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
             # Handles to this chunk's pool arrays, not the pool's array objects: MLX rebinds those on
             # `a[idx] = v`, so once the next chunk's graph is built, finishing this forward would
             # evaluate that chunk too, and the host would build the one after with the device idle.
-            return Forward([[_alias(a) for a in self.pool.keys + self.pool.values]], None)
+            return Forward(stages + [[_alias(a) for a in self.pool.keys + self.pool.values]], None)
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])
-        return Forward([[token]], token)  # every layer's KV write is in its graph (attention reads it)
+        return Forward(stages + [[token]], token)  # every layer's KV write is in its graph (attention reads it)
 
     def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None,
                defer_sampling: bool = False) -> "Forward":
@@ -305,7 +311,8 @@ class ModelRunner:
         tokens = mx.array(list(work.token_ids) + [w.token_id for w in decodes])
         self._count(tokens.size)
         # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
-        hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample)
+        stages = [] if self.stage_waits else None  # the layers' attention and MLP apart (`launch`)
+        hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample, stages=stages)
         chunk_view.advance()
         decode_view.advance()
         samplers = ([self.samplers[work.request_id]] if work.sample else []) + [
@@ -313,19 +320,31 @@ class ModelRunner:
         # 2-D: MLX's matmul of a [1, n, D] slice would hold the [n, V] logits twice
         logits = self._head(hidden[0])  # [(1 +) B, V]
         sampled = sample_rows(logits, samplers)
-        return Forward([[hidden], [sampled]], sampled)
+        return Forward([[h] for h in stages or ()] + [[hidden], [sampled]], sampled)
 
-    @staticmethod
-    def launch(forward: "Forward") -> None:
+    def launch(self, forward: "Forward") -> None:
         """Start a built forward on the device without waiting. The caller must `finish` it (and drop
         it) before launching another forward: see `finish`. A deferred sampling is built while the
-        forward's first stages run (the grammars' masks are computed on a host thread meanwhile)."""
+        forward's first stages run (the grammars' masks are computed on a host thread meanwhile).
+        With `stage_waits` (MLX's CPU backend) each stage but the last is waited for: there MLX allocates
+        an operation's output when the host queues it and frees its inputs once its worker thread has run
+        it, so a head queued while the layers still run would hold its logits beside the last layer's
+        gathered KV in some runs and not in others, and a layer's MLP its intermediates beside its
+        attention's. Waiting, each stage's arrays are gone before the next stage's exist, in every run:
+        the head's after the layers', and in a prompt chunk's forward (engine/model/layers/chunk_path.py,
+        mixed.py) each layer's MLP after its attention (the memory model counts the largest stage,
+        TransientCoefficients.head_apart and phases_apart)."""
         sampling = forward.sampling
         if sampling is not None:
             sampling.start()
+        last = len(forward.stages) - 1 if sampling is None else len(forward.stages)
         try:
-            for stage in forward.stages:
-                mx.async_eval(*stage)
+            for i, stage in enumerate(forward.stages):
+                if self.stage_waits and i < last:
+                    mx.eval(*stage)
+                    forward.stages[i] = []  # its arrays live on only as long as a later stage reads them
+                else:
+                    mx.async_eval(*stage)
         except BaseException:
             if sampling is not None:
                 sampling.cancel()

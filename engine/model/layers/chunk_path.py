@@ -49,10 +49,13 @@ class ChunkPath:
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
         self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
 
-    def forward(self, tokens: mx.array, view, sample: bool) -> Optional[mx.array]:
+    def forward(self, tokens: mx.array, view, sample: bool, stages: Optional[list] = None) -> Optional[mx.array]:
         """tokens [1, T] -> the final-normed hidden state of the last position, [1, 1, D], if `sample`
         (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
-        row and T new tokens, whose KV it writes (and reads)."""
+        row and T new tokens, whose KV it writes (and reads). `stages`: a list the forward appends its
+        causal attention's blocks' outputs to (engine/model/layers/cpu_math.py), then its residual stream
+        after each layer's attention and after each MLP but the last, for a runner that evaluates them
+        one by one (ModelRunner.stage_waits)."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
         swiglu = self.ops.swiglu
         T = tokens.shape[1]
@@ -72,8 +75,12 @@ class ChunkPath:
             Tq = x.shape[1]
             q = layer.rope(layer.norm_q(layer.q(x).reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                            offset=offset + T - Tq)
-            out = self.ops.attend(view, i, q, layer.scale)
+            out = self.ops.attend(view, i, q, layer.scale, stages=stages)
             h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
+            if stages is not None:
+                stages.append(h)
             x = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
             h = h + layer.down(swiglu(layer.gate(x), layer.up(x)))
+            if stages is not None and i < last:
+                stages.append(h)
         return mx.fast.rms_norm(h, self.norm_w, self.norm_eps)

@@ -40,13 +40,16 @@ QUERY_BLOCKS = 16
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: Union[None, str, mx.array] = None, blocks: int = QUERY_BLOCKS) -> mx.array:
+              mask: Union[None, str, mx.array] = None, blocks: int = QUERY_BLOCKS,
+              stages: Optional[list] = None) -> mx.array:
     """queries [B, H, T, d], keys/values [B, H_kv, L, d] (H a multiple of H_kv) -> [B, H, T, d].
     `mask`: None (every key), "causal" (query i reads keys up to L - T + i), or a boolean array that
     broadcasts to [B, H, T, L] (True: read). A causal chunk's queries run in `blocks` blocks, one
     after another, each over the keys its last query reads: the masked keys past a block are never
-    scored, and the blocks' scores are not all alive at once (scripts/bench_cpu_math.py measures the
-    peak with one block and with the default)."""
+    scored (scripts/bench_cpu_math.py measures the peak with one block and with the default).
+    `stages`: a list each block's output is appended to, for a runner that evaluates them one by one
+    (ModelRunner.stage_waits): only then is one block's scores alive at a time; else MLX's host may
+    queue (and allocate) several blocks' while its worker thread runs an earlier one."""
     T, L = queries.shape[2], keys.shape[2]
     if isinstance(mask, str) and mask == "causal" and T > 1:
         size = -(-T // blocks)
@@ -58,6 +61,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
             if parts:  # after the previous block: MLX would otherwise score every block at once
                 block = mx.depends(block, parts[-1])
             parts.append(_attend(block, keys[:, :, :last_key], values[:, :, :last_key], scale, "causal"))
+            if stages is not None:
+                stages.append(parts[-1])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
     return _attend(queries, keys, values, scale, mask)
 

@@ -53,28 +53,42 @@ class ReferenceOps:
     def __init__(self, cpu_math: bool = False):
         self.cpu_math = cpu_math
 
-    def attention(self, queries, keys, values, scale: float, mask=None) -> mx.array:
+    def attention(self, queries, keys, values, scale: float, mask=None, stages: Optional[list] = None) -> mx.array:
+        """`stages`: cpu_math.attention's (MLX's fused attention is one operation: none)."""
         if self.cpu_math:
-            return cpu_math.attention(queries, keys, values, scale, mask)
+            return cpu_math.attention(queries, keys, values, scale, mask, stages=stages)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
         return cpu_math.swiglu(gate, up) if self.cpu_math else swiglu(gate, up)
 
-    def attend(self, view, i: int, q: mx.array, scale: float) -> mx.array:
+    def attend(self, view, i: int, q: mx.array, scale: float, kv: Optional[tuple] = None,
+               stages: Optional[list] = None) -> mx.array:
         """Layer i's attention of `q` [B, H, Tq, d] over the KV `view` holds (its new keys written):
         in the pool in place where the view is paged, else over what it reads (a view of one row, or
         the rows' gathered KV) with `attention`, causal for several queries, else masked to each row's
-        length (`view.mask`, None for one row)."""
+        length (`view.mask`, None for one row). `kv`: what `read_kv` returned for this layer (None:
+        read here); `stages`: `attention`'s."""
         out = view.attend(i, q, scale)
         if out is None:
-            keys, values = view.read(i)
+            keys, values = self.read_kv(view, i) if kv is None else kv
             if q.shape[2] == 1 and view.reads_slice:
                 # MLX's one-query attention on CUDA misreads a K/V view that starts inside the pool's
                 # buffer (an H200 gave NaN logits for a chunk's last position); a copy is read right
                 keys, values = mx.contiguous(keys), mx.contiguous(values)
-            out = self.attention(q, keys, values, scale, "causal" if q.shape[2] > 1 else view.mask)
+            out = self.attention(q, keys, values, scale, "causal" if q.shape[2] > 1 else view.mask, stages)
         return out
+
+    def read_kv(self, view, i: int) -> tuple:
+        """Layer i's keys and values as `view` reads them (a view of the pool, or gathered copies). On
+        MLX's CPU backend (`cpu_math`) the keys wait for the values: MLX allocates an operation's output
+        when the host queues it and frees its inputs when its worker thread has run it, so whether the
+        keys' copy is still alive when the values' is made would depend on how far the worker is behind
+        the host; so both are alive at the scores in every run (the memory model counts both)."""
+        keys, values = view.read(i)
+        if self.cpu_math:
+            keys = mx.depends(keys, values)
+        return keys, values
 
     def rope_qkv(self, qkv: mx.array, offsets: mx.array, rope: RopeSpec, heads: int, kv_heads: int,
                  norms: Optional[tuple] = None):

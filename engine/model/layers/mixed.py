@@ -26,6 +26,8 @@ transient is the chunk's plus 4 MB, and its time below that of the two forwards 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
 from engine.model.layers.decode_path import DecodePath, qk_norms
@@ -38,12 +40,13 @@ class MixedForward:
     def __init__(self, path: DecodePath):
         self.path = path
 
-    def forward(self, tokens: mx.array, chunk_view, decode_view, sample: bool = True) -> mx.array:
+    def forward(self, tokens: mx.array, chunk_view, decode_view, sample: bool = True,
+                stages: Optional[list] = None) -> mx.array:
         """tokens [T + B]: the chunk's T tokens, then one per decode row -> the final-normed hidden
         states of the rows that go on to the LM head, [1, (1 +) B, D]: the chunk's last position if it
         `sample`s, then the decode rows. `chunk_view`: one row, T new tokens; `decode_view`: B rows,
         one each. The last layer computes the other chunk positions' keys and values only (as
-        engine/model/layers/chunk_path.py does for a chunk alone)."""
+        engine/model/layers/chunk_path.py does for a chunk alone). `stages`: as ChunkPath.forward's."""
         path = self.path
         backbone, ops = path.backbone, path.ops
         H, H_kv, d = path.heads, path.kv_heads, path.head_dim
@@ -72,17 +75,31 @@ class MixedForward:
             v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
-            parts = [ops.attend(decode_view, i, dq, layer.scale).transpose(2, 0, 1, 3)]  # [1, B, H, d]
+            parts = []
             if Tq:
                 q = layer.rope(layer.norm_q(q[:, :Tq].reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                                offset=chunk_view.offset + q_from)
                 # the chunk's queries are its last Tq positions: causal, or (one query) every key
-                parts.insert(0, ops.attend(chunk_view, i, q, layer.scale).transpose(0, 2, 1, 3))
+                parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages).transpose(0, 2, 1, 3))
+                if stages is not None:
+                    # a runner that waits between stages (MLX's CPU backend): the rows' attention after
+                    # the chunk's (a stage too where it is one query, in the last layer), a stage of its
+                    # own: its gathered KV is made once the chunk's is gone (MemoryModel.mixed_phases)
+                    stages.append(parts[0])
+                    dq = mx.depends(dq, parts[0])
+            rows = ops.attend(decode_view, i, dq, layer.scale)  # [B, H, 1, d]
+            if stages is not None:
+                stages.append(rows)
+            parts.append(rows.transpose(2, 0, 1, 3))  # [1, B, H, d]
             # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
             # (mlx-lm's module makes the same one copy of the chunk's alone)
             out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
             if q_from:
                 h = h[:, q_from:]
             h, y = ops.add_rms_norm(h, layer.o(out), layer.post_w, layer.post_eps)
+            if stages is not None:
+                stages.append(h)
             h, y = ops.add_rms_norm(h, path.mlp(layer, y), *path.next_norm(i))
+            if stages is not None and i < len(layers) - 1:
+                stages.append(h)
         return y
