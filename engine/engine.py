@@ -140,16 +140,18 @@ class Engine:
                            compiled_decode=options.compiled_decode and backend == "cuda",
                            cpu_math=options.cpu_math and backend == "cpu",
                            read_slices=options.read_slices, max_rows=config.max_num_seqs,
-                           max_forward_tokens=config.prefill_chunk_size)
+                           max_forward_tokens=config.prefill_chunk_size, stage_waits=backend == "cpu")
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str) -> MemoryModel:
         """The memory model of this model as the runner computes it (KV heads, size and dtype from the
         loaded model; rings counted with the weights) and the coefficient set for this backend."""
         runner, layout, pool = self.runner, self.runner.layout, self.runner.pool
-        shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes),
+        shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes,
+                                                           module_forwards=runner.chunk_path is None),
                                     num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                    num_kv_layers=pool.num_layers - len(pool.ring_layers))
+                                    num_kv_layers=pool.num_layers - len(pool.ring_layers),
+                                    layer_windows=layout.layer_windows if pool.window is not None else ())
         coefficients, self.memory_coefficients_source = backend_coefficients(
             shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
             max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend))

@@ -86,14 +86,25 @@ class ConfigShape:
     num_experts_per_tok: int = 0  # MoE: experts each token runs (0: a dense model)
     num_experts: int = 0
     layer_windows: tuple = ()  # per layer: the sliding window in tokens, or None (global attention)
-    # hidden-size rows per token a layer holds beyond a llama block's: a MoE token's copies per expert
-    # (gathered in, each expert's output, unsorted back: 3 per expert); Phi-3's fused q/k/v product,
-    # alive whole until its last part is used; Qwen3's and Gemma 3's q/k head norms' outputs; one for
-    # quantized weights
-    extra_hidden_rows: int = 0
-    # float32 score-sized arrays a prompt chunk's attention holds beyond MLX's fused attention: Gemma 2
-    # computes its softcapped scores in Python, Gemma 3's sliding layers pass an explicit mask
+    # hidden-size rows per token a layer holds beyond a llama block's, in its attention: Qwen3's and Gemma
+    # 3's q/k head norms' outputs; one for quantized weights ...
+    extra_attention_rows: float = 0.0
+    # ... in its MLP: a MoE token's copies per expert (mlx-lm's SwitchGLU gathers it in, each expert's
+    # output, unsorted back, weighted: one after another, at most 2 per expert alive at once) ...
+    extra_mlp_rows: float = 0.0
+    # ... and Phi-3's fused q/k/v product, alive whole until its last part is used, where mlx-lm's module
+    # computes it (the engine's chunk loop computes q, k and v apart)
+    fused_qkv_rows: float = 0.0
+    # float32 score-sized arrays a prompt chunk's attention holds where MLX's fused attention holds none
+    # (on a backend that materializes the scores anyway, those count instead): Gemma 2 computes its
+    # softcapped scores in Python in every layer; Gemma 3's sliding layers (only) pass an explicit mask,
+    # over the keys they read
     extra_score_copies: int = 0
+    sliding_score_copies: int = 0
+
+    @property
+    def extra_hidden_rows(self) -> float:
+        return self.extra_attention_rows + self.extra_mlp_rows + self.fused_qkv_rows
 
     @classmethod
     def from_config(cls, config: dict) -> "ConfigShape":
@@ -111,24 +122,26 @@ class ConfigShape:
             moe_width = experts_per_tok * text["moe_intermediate_size"]
             dense = _dense_layers(text, num_layers)
             intermediate = max(moe_width, intermediate if dense else 0)
-        extra = 3 * experts_per_tok
         kv_heads = text.get("num_key_value_heads") or heads
+        attention, fused = 0, 0
         if name in _QK_NORM_FAMILIES:  # the q/k head norms' outputs, beside q and k themselves
-            extra += -(-(heads + kv_heads) * head_dim // hidden)
+            attention += (heads + kv_heads) * head_dim / hidden
         if config.get("quantization"):  # mlx-lm's quantized layers: on the CPU a prompt chunk measured up
-            extra += 1                  # to a row per token above the float model's prediction
+            attention += 1              # to a row per token above the float model's prediction
         if name == "phi3":
             # +1: on the CPU a chunk's peak measured up to a row above the product's own size
             # (tests/engine/test_families.py)
-            extra = -(-(heads + 2 * kv_heads) * head_dim // hidden) + 1
+            attention, fused = 0, (heads + 2 * kv_heads) * head_dim / hidden + 1
         return cls(
             model_type=name, num_layers=num_layers, hidden_size=hidden, num_heads=heads,
             num_kv_heads=text.get("num_key_value_heads") or heads, head_dim=head_dim,
             intermediate_size=intermediate, vocab_size=text["vocab_size"],
             max_position_embeddings=text.get("max_position_embeddings"),
             num_experts_per_tok=experts_per_tok, num_experts=num_experts,
-            layer_windows=_layer_windows(name, text, num_layers), extra_hidden_rows=extra,
-            extra_score_copies=1 if name in ("gemma2", "gemma3_text", "gemma3") else 0,
+            layer_windows=_layer_windows(name, text, num_layers), extra_attention_rows=attention,
+            extra_mlp_rows=2 * experts_per_tok, fused_qkv_rows=fused,
+            extra_score_copies=1 if name == "gemma2" else 0,
+            sliding_score_copies=1 if name in _SLIDING_FAMILIES else 0,
         )
 
 

@@ -60,34 +60,35 @@ import pytest  # noqa: E402
 from engine.core.memory.coefficients import (CPU_COEFFICIENTS, CPU_MLX_ATTENTION_COEFFICIENTS, CUDA_COEFFICIENTS,  # noqa: E402
                            CUDA_OPS8_COEFFICIENTS, TransientCoefficients, coefficients_for_backend)
 
-# the CPU set without its fitted per-forward constants: the CUDA terms' tests add them one at a time
+# the CPU set without its fitted per-forward constants, its forwards in one stage: the CUDA terms'
+# tests add them one at a time
 NEUTRAL = dataclasses.replace(CPU_COEFFICIENTS, step_overhead_bytes=0, prefill_overhead_bytes=0,
-                              prefill_layer_rows=0.0)
+                              prefill_layer_rows=0.0, head_apart=False, phases_apart=False,
+                              attention_query_blocks=1)
 
 
-def test_cpu_predictions_unchanged_by_the_cuda_terms():
-    # prefill values of the formulas before layers_in_flight / step_overhead_bytes existed (commit
-    # 4015f80); decode values since the decode phases are summed (the head is launched while the
-    # layers run) and decode_logits was refitted to 1.3; with the CPU set of MLX's attention (the CPU
-    # set before engine/model/layers/cpu_math.py)
-    m = MemoryModel(LLAMA3_8B, coefficients=CPU_MLX_ATTENTION_COEFFICIENTS)
-    # (the default CPU set carries its fitted per-forward constants, docs/memory.md)
+def test_cpu_sets_predictions_pinned():
+    """The shipped CPU sets' predictions of the 8B shape (the values of the refit on
+    scripts/data/cpu_i24_grid.json, docs/memory.md): a change of the formulas or the sets shows here.
+    The CUDA terms are neutral on the CPU (one layer in flight)."""
     assert CPU_MLX_ATTENTION_COEFFICIENTS.layers_in_flight == CPU_COEFFICIENTS.layers_in_flight == 1
-    assert CPU_MLX_ATTENTION_COEFFICIENTS.step_overhead_bytes == 0
-    assert m.prefill_chunk_bytes(512, 8192, samples=True) == 800573153
-    assert m.prefill_chunk_bytes(1, 100) == 1852563
-    assert m.prefill_chunk_bytes(128, 300, computes_logits=False) == 30732354
-    assert m.decode_bytes([8192] * 16, samples=True) == 595783475
-    assert m.decode_bytes([100, 4000]) == 37012070
-    assert m.decode_bytes([7]) == 1000723
-    assert m.transient_bound_bytes(16, 512, 8192) == 800573153
+    mlx_attention, loops = (MemoryModel(LLAMA3_8B, coefficients=k)
+                            for k in (CPU_MLX_ATTENTION_COEFFICIENTS, CPU_COEFFICIENTS))
+    for m, want in ((mlx_attention, (663219362, 1179118, 31413130, 575668821, 35334463, 560574)),
+                    (loops, (129627521, 604806, 15788315, 592292478, 36418330, 560686))):
+        got = (m.prefill_chunk_bytes(512, 8192, samples=True), m.prefill_chunk_bytes(1, 100),
+               m.prefill_chunk_bytes(128, 300, computes_logits=False), m.decode_bytes([8192] * 16, samples=True),
+               m.decode_bytes([100, 4000]), m.decode_bytes([7]))
+        assert got == want
+        assert m.transient_bound_bytes(16, 512, 8192) == max(got[0], got[3])
 
 
 def test_coefficients_for_backend_picks_the_set():
     assert coefficients_for_backend("cpu") is CPU_COEFFICIENTS
     assert coefficients_for_backend("cuda") is CUDA_COEFFICIENTS
     assert coefficients_for_backend("cpu", cpu_math=False) is CPU_MLX_ATTENTION_COEFFICIENTS
-    assert coefficients_for_backend("metal") is CPU_MLX_ATTENTION_COEFFICIENTS  # no Metal measurements yet
+    # no Metal measurements yet: the CPU set of MLX's attention, with the head beside the layers (no stage waits)
+    assert coefficients_for_backend("metal") == dataclasses.replace(CPU_MLX_ATTENTION_COEFFICIENTS, head_apart=False)
     assert coefficients_for_backend(" CUDA ") is CUDA_COEFFICIENTS
     assert coefficients_for_backend("cuda", 8) is CUDA_OPS8_COEFFICIENTS
     assert coefficients_for_backend("cuda", 64) is CUDA_COEFFICIENTS
@@ -263,3 +264,97 @@ def test_prefill_layer_rows_is_per_layer_in_flight_and_chunk_independent():
         assert m.prefill_chunk_bytes(c, n) - base.prefill_chunk_bytes(c, n) == pytest.approx(extra, abs=2)
     assert m.prefill_chunk_bytes(1, 4096) == base.prefill_chunk_bytes(1, 4096)  # a one-query forward
     assert m.decode_bytes([4096] * 4) == base.decode_bytes([4096] * 4)
+
+
+# --- the forward's structure: its head apart from its layers, sliding windows -----------------------
+def test_cpu_forwards_are_their_largest_stage_cuda_ones_the_sum():
+    """On the CPU the runner waits for each stage of a forward before it queues the next
+    (ModelRunner.stage_waits): a decode's layers, then its head; a prompt chunk's layers' attention, their
+    MLP, its head. The transient is the largest stage's. On CUDA the head is launched while the layers run,
+    and several layers' temporaries coexist: one stage, every term summed."""
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS, TransientTerms
+
+    assert CPU_COEFFICIENTS.head_apart and CPU_COEFFICIENTS.phases_apart
+    assert CPU_MLX_ATTENTION_COEFFICIENTS.head_apart and not CPU_MLX_ATTENTION_COEFFICIENTS.phases_apart
+    assert not CUDA_COEFFICIENTS.head_apart and not CUDA_OPS8_COEFFICIENTS.phases_apart
+    cpu, cuda = (MemoryModel(LLAMA3_8B, coefficients=k) for k in (CPU_COEFFICIENTS, CUDA_OPS8_COEFFICIENTS))
+    for rows, n in ((1, 100), (4, 8192), (16, 2048)):
+        layers, head = cpu.decode_phases([n] * rows, samples=1)
+        assert head.decode_logits == rows * 4 * LLAMA3_8B.vocab_size and layers.decode_logits == 0
+        assert cpu.decode_bytes([n] * rows, samples=1) == int(max(layers.bytes(CPU_COEFFICIENTS),
+                                                                 head.bytes(CPU_COEFFICIENTS)))
+        (one,) = cuda.decode_phases([n] * rows, samples=1)
+        assert one.decode_logits and one.decode_gather
+    attention, mlp, head = cpu.chunk_phases(512, 4096)
+    assert attention.prefill_scores and not attention.prefill_mlp and mlp.prefill_mlp and not mlp.prefill_scores
+    assert cpu.prefill_chunk_bytes(512, 4096) == int(max(t.bytes(CPU_COEFFICIENTS) for t in (attention, mlp, head)))
+    (one,) = MemoryModel(LLAMA3_8B, coefficients=NEUTRAL).chunk_phases(512, 4096)  # one stage, one layer
+    together = attention + mlp + head
+    assert one.prefill_hidden == together.prefill_hidden and one.prefill_attention_hidden == 0
+    assert one.step_overhead_bytes == one.prefill_overhead_bytes == 1
+    assert TransientTerms(prefill_mlp=2.0, fixed_bytes=5.0).bytes(CPU_COEFFICIENTS) == 2 * CPU_COEFFICIENTS.prefill_mlp + 5
+
+
+def test_cpu_mixed_forward_is_one_forward_not_the_sum_of_two():
+    """On the CPU a mixed forward runs in stages: the chunk's attention over T + B rows, then the rows'
+    attention beside the layer's residual stream (mixed.py, MIXED_STREAM_ROWS), the MLP of the T + B
+    rows, the head of the rows and the chunk's sampled position."""
+    m = MemoryModel(LLAMA3_8B, mixed=True)
+    chunk, rows = PrefillChunkPlan(128, 4096), [2000] * 4
+    attention, decode, mlp, head = m.mixed_phases(chunk, rows)
+    alone = m.chunk_phases(132, 4096, False)
+    assert attention == alone[0] and mlp == alone[1]
+    assert decode.decode_gather == m.decode_attention_terms(rows, num_layers=1).decode_gather
+    from engine.core.memory.model import MIXED_STREAM_ROWS
+
+    assert decode.fixed_bytes == MIXED_STREAM_ROWS * 132 * 4096 * 2 and not decode.prefill_scores
+    assert head.decode_logits == 5 * 4 * LLAMA3_8B.vocab_size
+    mixed = m.mixed_bytes(chunk, rows)
+    assert mixed == int(max(t.bytes(CPU_COEFFICIENTS) for t in (attention, decode, mlp, head)))
+    assert max(m.prefill_chunk_bytes(128, 4096), m.decode_bytes(rows)) <= mixed
+    assert mixed < m.prefill_chunk_bytes(128, 4096) + m.decode_bytes(rows)
+
+
+GEMMA3_LIKE = ModelShape(num_layers=12, hidden_size=1024, num_heads=8, num_kv_heads=4, head_dim=128,
+                         intermediate_size=4096, vocab_size=32000, dtype_bytes=2, sliding_score_copies=1,
+                         layer_windows=((512,) * 5 + (None,)) * 2)
+
+
+def test_sliding_layers_count_the_keys_of_their_window():
+    """Gemma 3's sliding layers read at most window - 1 + c keys of a row and only they hold its explicit
+    mask's score copy: past the window the chunk's transient grows with the global layers' terms only,
+    and is below what the same model with every layer global (and the copy over every key) would hold."""
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
+
+    everywhere = dataclasses.replace(GEMMA3_LIKE, layer_windows=(), sliding_score_copies=0, extra_score_copies=1)
+    assert GEMMA3_LIKE.sliding_window == 512 and GEMMA3_LIKE.global_layers(7) == (1, 2)
+    assert GEMMA3_LIKE.global_layers(1) == (0, 1) and everywhere.global_layers(7) == (7, 7)
+    c, w, H = 256, 512, 8
+    for coefficients in (CPU_COEFFICIENTS, CUDA_OPS8_COEFFICIENTS):
+        windowed = MemoryModel(GEMMA3_LIKE, coefficients=coefficients)
+        full = MemoryModel(everywhere, coefficients=coefficients)
+        for n in (256, 600, 4096, 16384):
+            assert windowed.prefill_chunk_bytes(c, n) <= full.prefill_chunk_bytes(c, n)
+            assert windowed.decode_bytes([n] * 4) <= full.decode_bytes([n] * 4)
+        # within the window both read every key; the copy is in the sliding layers in flight only (at
+        # most 6 of 7 on CUDA: one layer in six is global; on the CPU the one layer may be a sliding one)
+        m = windowed.layer_factor
+        sliding = m - GEMMA3_LIKE.global_layers(m)[0]
+        assert full.prefill_chunk_bytes(c, c) - windowed.prefill_chunk_bytes(c, c) == pytest.approx(
+            (m - sliding) * 4 * H * c * c, abs=4)
+    # one layer at a time, attention that holds no scores of its own (a fused one): the score copy is
+    # over the window's keys whatever the context
+    fused = dataclasses.replace(NEUTRAL, prefill_scores=0.0)
+    one = MemoryModel(GEMMA3_LIKE, coefficients=fused)
+    plain = MemoryModel(dataclasses.replace(GEMMA3_LIKE, sliding_score_copies=0), coefficients=fused)
+    grow = one.prefill_chunk_bytes(c, 16384) - one.prefill_chunk_bytes(c, 4096)
+    assert grow == pytest.approx(plain.prefill_chunk_bytes(c, 16384) - plain.prefill_chunk_bytes(c, 4096), abs=2)
+    assert one.prefill_chunk_bytes(c, 4096) - plain.prefill_chunk_bytes(c, 4096) == pytest.approx(
+        4 * H * c * (w - 1 + c), abs=2)
+    # where the backend's attention materializes a copy anyway (MLX's CPU fallback), the family's copy is
+    # that one, not one more
+    cpu = MemoryModel(GEMMA3_LIKE, coefficients=CPU_MLX_ATTENTION_COEFFICIENTS)
+    assert CPU_MLX_ATTENTION_COEFFICIENTS.prefill_scores < 1
+    extra = cpu.prefill_chunk_bytes(c, 4096) - MemoryModel(dataclasses.replace(GEMMA3_LIKE, sliding_score_copies=0),
+                                                           coefficients=CPU_MLX_ATTENTION_COEFFICIENTS).prefill_chunk_bytes(c, 4096)
+    assert extra == pytest.approx((1 - CPU_MLX_ATTENTION_COEFFICIENTS.prefill_scores) * 4 * H * c * (w - 1 + c), abs=2)

@@ -41,7 +41,8 @@ def test_gemma3_nested_text_config_and_windows():
 def test_qwen3_moe_mlp_width_is_its_experts_per_token():
     shape = ConfigShape.from_config(QWEN3_MOE)
     assert shape.intermediate_size == 8 * 768 and shape.num_experts_per_tok == 8
-    assert shape.extra_hidden_rows == 3 * 8 + 3  # per expert; the q/k head norms: ceil(36 * 128 / 2048)
+    assert shape.extra_mlp_rows == 2 * 8  # per expert a token runs
+    assert shape.extra_attention_rows == 36 * 128 / 2048  # the q/k head norms' outputs
     narrow = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0], "intermediate_size": 4096})
     assert narrow.intermediate_size == 8 * 768  # a dense layer narrower than 8 experts together
     wide = ConfigShape.from_config({**QWEN3_MOE, "mlp_only_layers": [0], "intermediate_size": 8192})
@@ -58,8 +59,11 @@ def test_head_dim_per_family():
 
 def test_model_shape_reads_the_family_shape():
     shape = ModelShape.from_config(GEMMA3_12B, dtype_bytes=2)
-    assert shape.head_dim == 256 and shape.num_layers == 48 and shape.extra_score_copies == 1
-    assert ModelShape.from_config(PHI3, 2).extra_hidden_rows == 3 + 1  # its fused q/k/v product
+    assert shape.head_dim == 256 and shape.num_layers == 48 and shape.extra_score_copies == 0
+    # its sliding layers (five in six, 1024 tokens) hold an explicit mask's score copy over their window
+    assert shape.sliding_score_copies == 1 and shape.sliding_window == 1024 and shape.global_layers(6) == (1, 1)
+    assert ModelShape.from_config(PHI3, 2).extra_hidden_rows == 3 + 1  # its fused q/k/v product (mlx-lm's module)
+    assert ModelShape.from_config(PHI3, 2, module_forwards=False).extra_hidden_rows == 0  # the engine's chunk loop
 
 
 @pytest.mark.parametrize("config", [{"model_type": "mamba"}, {"architectures": ["X"]}])

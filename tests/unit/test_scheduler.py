@@ -232,14 +232,14 @@ def test_floor_step_fits_beside_a_full_pool():
 
 
 def test_chunks_cut_to_the_free_memory_and_the_record_says_so():
-    # a 256-token chunk is predicted above what the pool leaves free beside it: it must be cut
-    s = make_tight(0, max_model_len=256, chunk=256, budget=256)
-    s.add(req("a", 250, max_tokens=2))
+    # a 1000-token chunk is predicted above what the pool leaves free beside it: it must be cut
+    s = make_tight(0, max_model_len=1024, chunk=1024, budget=1024)
+    s.add(req("a", 1000, max_tokens=2))
     out = s.schedule()
     free = out.free_transient_bytes
     assert free is not None and out.predicted_transient_bytes <= free
-    assert s.memory.prefill_chunk_bytes(250, 250, True) > free
-    assert out.memory_limited and out.prefills[0].num_tokens < 250
+    assert s.memory.prefill_chunk_bytes(1000, 1000, True) > free
+    assert out.memory_limited and out.prefills[0].num_tokens < 1000
     assert out.step_budget_tokens == out.num_batched_tokens
 
 

@@ -1,12 +1,10 @@
 """The memory model's transient coefficients: the sets per MLX backend and per model shape, each with
 where it came from (the script and data file that fitted it), and how the engine picks one.
 
-The coefficients depend on how the backend runs attention. `CPU_COEFFICIENTS` were chosen by hand on
-MLX's CPU backend from least-squares fits of measured forwards of small random llamas, rounded up until
-no measured step exceeded them (the decode ones refitted by hand on a grid of decode steps when the KV
-pool replaced per-request buffers, see docs/memory.md); scripts/calibrate_memory.py reports how they do
-on random workloads and searches others, and tests/engine/test_memory_measured.py checks them step by
-step.
+The coefficients depend on how the backend runs attention and frees its arrays. The CPU sets are fitted
+on a grid of measured forwards (below); tests/engine/test_memory_measured.py, test_step_budget.py and
+test_families.py check them step by step, and scripts/calibrate_memory.py reports how they do on random
+workloads.
 A set for CUDA depends on how many operations MLX batches per committed CUDA graph
 (`ExecutionConfig.max_ops_per_buffer`): MLX frees a kernel's temporaries only when its batch has run.
 """
@@ -46,6 +44,25 @@ class TransientCoefficients:
     # x B*H*ceil(n/kv_step)*(kv_step/64)*(d+2)*4, the paged kernel's float32 partials; None: not fitted on
     # paged decodes, which it then predicts as gathering ones (an over-estimate)
     decode_paged: Optional[float] = None
+    # The runner waits for a forward's layers before it queues its LM head (ModelRunner.stage_waits, on
+    # MLX's CPU backend): a decode's or a mixed forward's transient is then the larger of its layers' and
+    # its head's, not their sum
+    head_apart: bool = False
+    # ... and, in a prompt chunk's forward, for each layer's attention before its MLP (the engine's chunk
+    # loop, engine/model/layers/chunk_path.py and mixed.py, on the CPU): a chunk's transient is then the
+    # largest of its layers' attention (with `prefill_attention_hidden` hidden rows), their MLP (with
+    # `prefill_hidden`) and its head
+    phases_apart: bool = False
+    # x c*D*s per layer in flight: the hidden-size rows of a chunk's attention stage (`phases_apart`; else
+    # all of them are `prefill_hidden`'s)
+    prefill_attention_hidden: float = 0.0
+    # x a family's extra hidden-size rows (ModelShape.extra_attention_rows, extra_mlp_rows: q/k head norms'
+    # outputs, MoE token copies, ...): how many of those arrays the backend keeps alive at the peak
+    family_rows: float = 1.0
+    # A causal chunk's attention scores its queries in this many blocks, one after another
+    # (engine/model/layers/cpu_math.py's QUERY_BLOCKS, the engine's chunk loop on the CPU): the scores and
+    # mask terms count one block's ceil(c / blocks) queries (1: every query's at once)
+    attention_query_blocks: int = 1
     # A step's decode rows run in its first chunk's forward (engine/model/layers/mixed.py) only for models
     # with more layers than this. On CUDA, which frees per committed batch, a model no deeper than the
     # batches in flight holds every layer's temporaries at once, and there a mixed forward measured above
@@ -53,36 +70,86 @@ class TransientCoefficients:
     mixed_min_layers: int = 0
 
 
-# MLX's CPU backend with the engine's attention and SwiGLU of engine/model/layers/cpu_math.py (what the
-# engine's layer loops run there), fitted from above (`bench_memory_grid.py --fit`) on single prompt chunks
-# (16-512 tokens, contexts up to 2040, each read as a view and again as a gather) and synchronous decodes
-# (1-16 rows, 256-1800 keys) of five 2-layer shapes: the tiny model's (head_dim 16, hidden 64) and head_dim
-# 32-64 ones up to hidden 1024. A causal chunk's attention holds about 0.4 x 4*H*c*n bytes (scores by
-# blocks of queries, with their mask and exponentials), which shapes of wide hidden sizes alone hid under
-# the hidden-size term. prefill_logits is raised to what a prompt of a few tokens measures (its logits
-# row, 4*V bytes, and their argmax; the grid has few prompt ends, where the other terms dominate). The
-# decode terms are the larger of the fit's and the earlier set's: the grid's decodes run one at a time,
-# the engine's are pipelined (measured from launch to finish while the next one is built), which the
-# earlier set bounded. The fit touches its largest points; the prefill terms are 5% above it, because the
-# same chunk measures a few percent more late in a long test session than in the grid's fresh process (MLX
-# serves an allocation from a larger cached buffer and its peak counts the buffer, docs/memory.md):
+@dataclass(frozen=True)
+class TransientTerms:
+    """What each coefficient of a TransientCoefficients (the field of the same name) multiplies in one
+    forward's transient, and the bytes no coefficient scales (a family's extra arrays, `fixed_bytes`):
+    the transient is `bytes(coefficients)`. The memory model builds them (MemoryModel.chunk_terms and
+    the decode's), and a fit (scripts/bench_memory_grid.py) reads them as its columns."""
+
+    prefill_scores: float = 0.0
+    prefill_mask: float = 0.0
+    prefill_gather: float = 0.0
+    prefill_mlp: float = 0.0
+    prefill_hidden: float = 0.0
+    prefill_logits: float = 0.0
+    prefill_layer_rows: float = 0.0
+    prefill_attention_hidden: float = 0.0
+    family_rows: float = 0.0
+    decode_gather: float = 0.0
+    decode_paged: float = 0.0
+    decode_scores: float = 0.0
+    decode_logits: float = 0.0
+    decode_mlp: float = 0.0
+    decode_hidden: float = 0.0
+    sampling: float = 0.0
+    step_overhead_bytes: float = 0.0
+    prefill_overhead_bytes: float = 0.0
+    fixed_bytes: float = 0.0
+
+    def bytes(self, coefficients: "TransientCoefficients") -> float:
+        total = self.fixed_bytes
+        for f in fields(self):
+            if f.name != "fixed_bytes":
+                total += (getattr(coefficients, f.name) or 0.0) * getattr(self, f.name)
+        return total
+
+    def __add__(self, other: "TransientTerms") -> "TransientTerms":
+        return TransientTerms(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "TransientTerms") -> "TransientTerms":
+        return TransientTerms(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+
+# MLX's CPU backend with the engine's layer loops (attention and SwiGLU of engine/model/layers/cpu_math.py),
+# whose every stage the runner waits for (`head_apart`, `phases_apart`, one query block of 16 at a time:
+# docs/memory.md). Fitted from above (`bench_memory_grid.py --fit`: least squares, then each point's
+# largest stage from above) on single prompt chunks (16-512 tokens, contexts up to 2040, each read as a
+# view and again as a gather) and pipelined decodes (1-16 rows, 256-1800 keys) of the tiny model, four
+# 2-layer llama shapes (head_dim 32-64, hidden 256-1024) and the engine tests' checkpoints of the llama-
+# shaped families at hidden 256 (llama, qwen2, qwen3, phi3). The grid measures each point after clearing
+# MLX's buffer cache; a serving process allocates from a warm one, where an array served from a larger
+# cached buffer counts up to 8 KB more: the fit's coefficients are shipped 3% and its per-forward
+# constant 24 KB above it (`--margin`, `--margin-bytes`):
 #     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
-#         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 --variants --out grid.json
-#     python scripts/bench_memory_grid.py --model tiny --grids prefill-gathers --chunks 16,64,128,256,512 \
-#         --prefill-length 2040 --variants --out gathers.json   # both in scripts/data/cpu_i24_grid.json
+#         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 --grids prefill,prefill-gathers,decode \
+#         --variants --families all,qwen3:4,gemma3_text:4 --modules --pipelined \
+#         --out scripts/data/cpu_i24_grid.json
+#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu --fit-path loops \
+#         --layers-in-flight 1 --margin 1.03 --margin-bytes 24576     # scripts/data/cpu_i24_fit.json "cpu"
+CPU_COEFFICIENTS = TransientCoefficients(
+    prefill_scores=1.322, prefill_mask=10.07, prefill_mlp=3.095, prefill_hidden=4.197, prefill_logits=1.131,
+    decode_gather=1.028, decode_scores=1.921, decode_logits=1.045, decode_mlp=5.021, decode_hidden=11.6,
+    prefill_gather=1.03, step_overhead_bytes=24576, prefill_overhead_bytes=0, prefill_layer_rows=0.1453,
+    prefill_attention_hidden=11.39, family_rows=0.4595,
+    head_apart=True, phases_apart=True, attention_query_blocks=16,
+)
+# The CPU backend with forwards through mlx-lm's modules (the families the engine's loops do not take:
+# Qwen3-MoE, Gemma 1-3, quantized weights; or RunnerOptions(layer_loops=False) / cpu_math off): the
+# runner waits between a forward's layers and its head only. Fitted on the same grid's points of those
+# families and of every loop family and llama shape run through the modules:
 #     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu \
-#         --layers-in-flight 1                                                # scripts/data/cpu_i24_fit.json
-CPU_COEFFICIENTS = TransientCoefficients(  # the fit's prefill terms x 1.05 (below)
-    prefill_scores=0.2379, prefill_mask=4.223, prefill_mlp=3.131, prefill_hidden=10.75, prefill_logits=1.05,
-    decode_gather=1.038, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
-    prefill_gather=1.062, step_overhead_bytes=185, prefill_overhead_bytes=930, prefill_layer_rows=18.74,
-)
-# The CPU backend with MLX's attention (forwards through mlx-lm's modules), and Metal, which has no data
-# of its own: the set chosen by hand before cpu_math.py (docs/memory.md).
+#         --fit-path modules --layers-in-flight 1 --margin 1.03 --margin-bytes 24576
+#                                                        # scripts/data/cpu_i24_fit.json "cpu-mlx-attention"
 CPU_MLX_ATTENTION_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=1.23, prefill_mask=1.42, prefill_mlp=2.66, prefill_hidden=13.0, prefill_logits=2.4,
-    decode_gather=1.0, decode_scores=2.0, decode_logits=1.3, decode_mlp=6.0, decode_hidden=16.0,
+    prefill_scores=0.9494, prefill_mask=2.763, prefill_mlp=2.695, prefill_hidden=14.64, prefill_logits=1.02,
+    decode_gather=1.034, decode_scores=0.8015, decode_logits=1.044, decode_mlp=2.1, decode_hidden=13.52,
+    prefill_gather=1.025, step_overhead_bytes=24977, prefill_overhead_bytes=364, prefill_layer_rows=3.627,
+    family_rows=1.226, head_apart=True,
 )
+# Metal, which has no data of its own: the same, with the head's logits beside the last layer's arrays
+# (the runner waits between a forward's stages on the CPU only)
+METAL_COEFFICIENTS = replace(CPU_MLX_ATTENTION_COEFFICIENTS, head_apart=False)
 
 # Fitted on an H200 (MLX 0.32.4 CUDA, default MLX settings, KV-pool engine before slice reads and the
 # summed decode phases; 8B and three 2-layer shapes) from scripts/data/h200_pool_grid.json, from above (no
@@ -130,9 +197,13 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
     values = dict(overrides)
-    for name in ("layers_in_flight", "mixed_min_layers", "step_overhead_bytes", "prefill_overhead_bytes"):
+    for name in ("layers_in_flight", "mixed_min_layers", "step_overhead_bytes", "prefill_overhead_bytes",
+                 "attention_query_blocks"):
         if name in values:
             values[name] = int(values[name])
+    for name in ("head_apart", "phases_apart"):
+        if name in values:
+            values[name] = bool(values[name])
     return replace(base, **values)
 
 
@@ -153,12 +224,27 @@ def shape_key(shape: ModelShape) -> tuple:
 #         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
 #         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
 LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
+# The engine's tiny test model (the `tiny` model name: 2 layers, hidden 64, head_dim 16, float32), on the
+# CPU with the engine's loops, from its own points of scripts/data/cpu_i24_grid.json: its forwards of a few
+# hundred KB are where the set's fit over larger shapes is loosest (docs/memory.md). prefill_logits is
+# raised to what a prompt's last chunk measured in the engine's tests (244.5 KB: its logits row and 48 KB
+# more, which the grid's prompt ends do not show):
+#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu --fit-path loops \
+#         --fit-variants tiny --layers-in-flight 1 --margin 1.06 --margin-bytes 12288   # cpu_i24_fit.json "tiny"
+TINY_FLOAT32 = (2, 64, 4, 2, 16, 128, 49152, 4)
 SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the set)
     # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
     ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_scores=2.109,
         decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
+    ("cpu", TINY_FLOAT32): ("tiny model calibration of the cpu set", replace(
+        CPU_COEFFICIENTS,
+        prefill_scores=2.09, prefill_mask=3.142, prefill_mlp=5.38, prefill_hidden=0.4515,
+        prefill_logits=1.2, decode_gather=1.139, decode_scores=0.2484, decode_logits=1.071,
+        decode_mlp=12.59, decode_hidden=0.01522, prefill_gather=1.04, step_overhead_bytes=14563,
+        prefill_overhead_bytes=2281, prefill_layer_rows=8.732, prefill_attention_hidden=8.658,
+        family_rows=0.4872)),
 }
 
 
@@ -171,7 +257,7 @@ def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None
     most 8 picks the set fitted so. `cpu_math`: on the CPU, the engine's layer loops run engine/model/layers/cpu_math.py (else MLX's
     attention)."""
     cpu = CPU_COEFFICIENTS if cpu_math else CPU_MLX_ATTENTION_COEFFICIENTS
-    table = {"cpu": cpu, "cuda": CUDA_COEFFICIENTS, "metal": CPU_MLX_ATTENTION_COEFFICIENTS}
+    table = {"cpu": cpu, "cuda": CUDA_COEFFICIENTS, "metal": METAL_COEFFICIENTS}
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in table:
         raise ValueError(f"unknown MLX backend {name!r}: expected one of {sorted(table)}")

@@ -16,7 +16,7 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - Decode of B rows, the longest with n keys, r of them sampling:
       b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
   the hidden states, one layer's KV of the rows gathered from the pool (right-padded to n, with its
-  int32 slot index), the scores, the MLP intermediates and the logits: a sum, since the runner
+  int32 slot index), the scores, the MLP intermediates and the logits: a sum where the runner
   launches the head while the layers still run (runner.launch), so the last layer's gathered KV and
   the logits can be alive together. A paged decode (`MemoryModel(paged_decode=True)`: the engine's
   runner reads the pool in place with engine/model/kernels/paged_attention.py's kernel) makes no gathered copy; its
@@ -37,6 +37,14 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   forward (plus `prefill_overhead_bytes` to every prompt chunk of more than one token, and per layer
   `prefill_layer_rows` rows of MLP width, I*s each, whatever the chunk's size); on the CPU m = 1 and
   these constants are 0 (`coefficients_for_backend`).
+- Where the runner waits for each stage of a forward before it queues the next (the CPU:
+  ModelRunner.stage_waits), a forward's transient is its largest stage's, not the sum of its terms:
+  a decode's layers or its head (`head_apart`); a prompt chunk's layers' attention (with
+  `prefill_attention_hidden` hidden rows, one of `attention_query_blocks` query blocks' scores and
+  mask), their MLP, or its head (`phases_apart`). Each forward is built as `TransientTerms` per stage
+  (`chunk_phases`, `decode_phases`, `mixed_phases`), which a fit reads as its columns.
+- A family's extra arrays (ModelShape: q/k head norms' outputs, MoE token copies, Gemma's own score
+  arrays) and a sliding layer's window (it reads window - 1 + c keys) come from its config.
 The coefficient sets, and where each was fitted: coefficients.py.
 """
 
@@ -45,13 +53,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients
+from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients, TransientTerms
 from engine.core.memory.shape import ModelShape
 
 FLOAT32_BYTES = 4
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
 # tokens gives kv_step / PAGED_PARTIAL_KEYS partials per row and query head
 PAGED_PARTIAL_KEYS = 64
+# Hidden-size rows per token of a mixed forward (engine/model/layers/mixed.py) alive in the stage of its decode
+# rows' attention, where the runner waits between stages: the layer's residual stream, the chunk's
+# attention output and what else the host queued (its q, k and v are gone by then). Measured, not fitted
+# (no grid has mixed points on the CPU): 5 covered every mixed step of tests/engine/test_memory_measured.py's
+# workloads, 4 left one 0.1% under
+MIXED_STREAM_ROWS = 5
 # The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
 # costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
 FLOOR_CHUNK_TOKENS = 64
@@ -136,28 +150,70 @@ class MemoryModel:
         return self.kv_copy_bytes(kv_budget_bytes // self.kv_bytes_per_token)
 
     # --- transients -------------------------------------------------------------------------------
-    def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
-                            samples: bool = False, gathers: bool = True) -> int:
-        s, k, c, n = self.shape, self.coefficients, num_tokens, context_len
-        scores = FLOAT32_BYTES * s.num_heads * c * n if c > 1 else 0
-        single = FLOAT32_BYTES * s.num_heads * n if c == 1 else 0
-        gather = n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
-        paged = 0
-        if c == 1 and self.paged_decode:  # a one-query forward: the paged kernel, no gather
-            gather, paged = 0, self.paged_partials_bytes(1, n)
-        per_layer = (
-            (k.prefill_scores + s.extra_score_copies) * scores + k.decode_scores * single + k.prefill_mask * c * n
-            + k.prefill_gather * gather + (k.decode_paged or 0.0) * paged
-            + (k.prefill_layer_rows if c > 1 else 0.0) * s.intermediate_size * s.dtype_bytes
-            + k.prefill_mlp * c * s.intermediate_size * s.dtype_bytes
-            + (k.prefill_hidden + s.extra_hidden_rows) * c * s.hidden_size * s.dtype_bytes
-        )
-        head = (k.prefill_logits * computes_logits + k.sampling * samples) * FLOAT32_BYTES * s.vocab_size
-        overhead = k.step_overhead_bytes + (k.prefill_overhead_bytes if c > 1 else 0)
+    def _over_layers(self, per_layer, context_len: int, num_tokens: int, num_layers: Optional[int] = None) -> float:
+        """A per-layer amount that grows with the keys a layer reads, `per_layer(keys)`, summed over
+        `num_layers` (default: the layers in flight) consecutive layers, the most global-attention
+        layers among them reading `context_len` keys and the others their window - 1 + `num_tokens`
+        (ModelShape.layer_windows): the most any such run of layers holds."""
+        m = self.layer_factor if num_layers is None else num_layers
+        window = self.shape.sliding_window
+        if window is None:
+            return m * per_layer(context_len)
+        most = self.shape.global_layers(m)[1]
+        return most * per_layer(context_len) + (m - most) * per_layer(min(context_len, window - 1 + num_tokens))
+
+    def _sliding_layers(self, num_layers: int) -> int:
+        """The most sliding-window layers among `num_layers` consecutive layers."""
+        return num_layers - self.shape.global_layers(num_layers)[0] if self.shape.sliding_window else 0
+
+    def chunk_phases(self, num_tokens: int, context_len: int, computes_logits: bool = True,
+                     samples: bool = False, gathers: bool = True) -> tuple[TransientTerms, ...]:
+        """A prompt chunk's forward (`prefill_chunk_bytes`, module docstring) as the stages that hold its
+        transient: with `phases_apart` (the runner waits for each layer's attention and MLP apart, and
+        for the layers before the head: the engine's chunk loop on the CPU) the layers' attention, their
+        MLP and the head, whose largest is the transient; else one, every term together."""
+        s, c, n, m = self.shape, num_tokens, context_len, self.layer_factor
+        kv_row = s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and the int32 index, per key
+        paged = c == 1 and self.paged_decode  # a one-query forward: the paged kernel, no gather
+        block = -(-c // self.coefficients.attention_query_blocks)  # the queries scored at once
+
+        def scores(keys: int) -> int:
+            return FLOAT32_BYTES * s.num_heads * block * keys if c > 1 else 0
+
+        # a family's own score arrays replace the backend attention's (prefill_scores copies), not add to them
+        window, own = s.sliding_window, self.coefficients.prefill_scores
+        extra_scores = (max(0.0, s.extra_score_copies - own) * self._over_layers(scores, n, c)
+                        + max(0.0, s.sliding_score_copies - own) * self._sliding_layers(m)
+                        * scores(n if window is None else min(n, window - 1 + c)))
+        rows = m * c * s.hidden_size * s.dtype_bytes
+        overheads = dict(step_overhead_bytes=1, prefill_overhead_bytes=1 if c > 1 else 0)
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
         copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
         last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
-        return int(self.layer_factor * per_layer + head + overhead + last_copy)
+        attention = TransientTerms(
+            prefill_scores=self._over_layers(scores, n, c),
+            decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * s.num_heads * keys, n, c) if c == 1 else 0,
+            prefill_mask=self._over_layers(lambda keys: block * keys, n, c),
+            prefill_gather=0 if paged or not gathers else self._over_layers(lambda keys: keys * kv_row, n, c),
+            decode_paged=m * self.paged_partials_bytes(1, n) if paged else 0,
+            prefill_attention_hidden=rows, family_rows=s.extra_attention_rows * rows,
+            fixed_bytes=extra_scores + last_copy, **overheads)
+        mlp = TransientTerms(
+            prefill_layer_rows=m * s.intermediate_size * s.dtype_bytes if c > 1 else 0,
+            prefill_mlp=m * c * s.intermediate_size * s.dtype_bytes, prefill_hidden=rows,
+            family_rows=s.extra_mlp_rows * rows, **overheads)
+        head = TransientTerms(prefill_logits=FLOAT32_BYTES * s.vocab_size * computes_logits,
+                              sampling=FLOAT32_BYTES * s.vocab_size * samples, **overheads)
+        if self.coefficients.phases_apart:  # the head a stage of its own
+            return attention, mlp, head
+        # together: the hidden rows are prefill_hidden's alone, the constants counted once
+        return (attention + mlp + head - TransientTerms(prefill_attention_hidden=rows, **overheads)
+                - TransientTerms(**overheads),)
+
+    def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
+                            samples: bool = False, gathers: bool = True) -> int:
+        return _largest(self.chunk_phases(num_tokens, context_len, computes_logits, samples, gathers),
+                        self.coefficients)
 
     def paged_partials_bytes(self, num_rows: int, context_len: int) -> int:
         """One layer's float32 partials of the paged decode kernel (engine/model/kernels/paged_attention.py): per row,
@@ -167,20 +223,41 @@ class MemoryModel:
         spans = -(-context_len // self.kv_step) * max(1, self.kv_step // PAGED_PARTIAL_KEYS)
         return num_rows * s.num_heads * spans * (s.head_dim + 2) * FLOAT32_BYTES
 
-    def _decode_attention_bytes(self, context_lens: Sequence[int], gathers: Optional[bool] = None) -> float:
-        """One layer's attention temporaries of decoding rows: their KV as attention reads it (a gathered
-        copy, or the paged kernel's partials) and their scores."""
-        s, k, b, n = self.shape, self.coefficients, len(context_lens), max(context_lens)
+    def decode_attention_terms(self, context_lens: Sequence[int], gathers: Optional[bool] = None,
+                               num_layers: Optional[int] = None) -> TransientTerms:
+        """`num_layers` (default: the layers in flight) layers' attention temporaries of decoding rows:
+        their KV as attention reads it (a gathered copy, or the paged kernel's partials) and their
+        scores."""
+        s, b, n = self.shape, len(context_lens), max(context_lens)
+        m = self.layer_factor if num_layers is None else num_layers
         if gathers is None:
             gathers = not self.paged_decode
-        gather = b * n * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4) * gathers  # K, V, int32 index
-        paged = self.paged_partials_bytes(b, n) if self.paged_decode and not gathers else 0
-        return (k.decode_gather * gather + (k.decode_paged or 0.0) * paged
-                + k.decode_scores * FLOAT32_BYTES * b * s.num_heads * n)
+        kv_row = s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and the int32 index, per key
+        paged = self.paged_decode and not gathers
+        return TransientTerms(
+            decode_gather=self._over_layers(lambda keys: b * keys * kv_row, n, 1, m) if gathers else 0,
+            decode_paged=m * self.paged_partials_bytes(b, n) if paged else 0,
+            decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * b * s.num_heads * keys, n, 1, m),
+        )
 
-    def _decode_head_bytes(self, num_rows: int, samples: int = 0) -> float:
-        k = self.coefficients
-        return (k.decode_logits * num_rows + k.sampling * samples) * FLOAT32_BYTES * self.shape.vocab_size
+    def decode_phases(self, context_lens: Sequence[int], samples: int = 0,
+                      gathers: Optional[bool] = None) -> tuple[TransientTerms, ...]:
+        """A decode forward (module docstring): its layers (the rows' hidden states, attention temporaries
+        and MLP intermediates over the layers in flight) and its head (their logits, and one sampling's
+        temporaries per row that samples), apart where the runner waits for the layers before it queues
+        the head (`head_apart`); else one stage: the head is launched while the layers still run
+        (runner.launch), so the last layer's gathered KV and the logits can be alive together."""
+        s, b, m = self.shape, len(context_lens), self.layer_factor
+        layers = self.decode_attention_terms(context_lens, gathers) + TransientTerms(
+            decode_mlp=m * b * s.intermediate_size * s.dtype_bytes, decode_hidden=m * b * s.hidden_size * s.dtype_bytes,
+            family_rows=m * s.extra_hidden_rows * b * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1)
+        head = self.decode_head_terms(b, samples)
+        return (layers, head + TransientTerms(step_overhead_bytes=1)) if self.coefficients.head_apart else (layers + head,)
+
+    def decode_head_terms(self, num_rows: int, samples: int = 0) -> TransientTerms:
+        """The LM head of `num_rows` rows: their logits, and one sampling's temporaries per row that samples."""
+        v = FLOAT32_BYTES * self.shape.vocab_size
+        return TransientTerms(decode_logits=num_rows * v, sampling=samples * v)
 
     def decode_bytes(self, context_lens: Sequence[int], samples: int = 0, gathers: Optional[bool] = None) -> int:
         """Hidden states, the rows' KV as attention reads it, scores, MLP and logits (module docstring).
@@ -189,34 +266,48 @@ class MemoryModel:
         points recorded when one-row decodes read a view of the pool."""
         if not context_lens:
             return 0
-        s, k, b = self.shape, self.coefficients, len(context_lens)
-        m = self.layer_factor
-        layers = m * (self._decode_attention_bytes(context_lens, gathers)
-                      + k.decode_mlp * b * s.intermediate_size * s.dtype_bytes)
-        hidden = m * (k.decode_hidden + s.extra_hidden_rows) * b * s.hidden_size * s.dtype_bytes
-        # A sum, not the larger of the two phases: the head's graph is launched while the layers' still
-        # runs (runner.launch), so the last layer's gathered KV and the logits can be alive together.
-        return int(hidden + layers + self._decode_head_bytes(b, samples) + k.step_overhead_bytes)
+        return _largest(self.decode_phases(context_lens, samples, gathers), self.coefficients)
+
+    def mixed_phases(self, chunk: PrefillChunkPlan, context_lens: Sequence[int],
+                     samples: int = 0) -> tuple[TransientTerms, ...]:
+        """One forward of a prompt chunk (T tokens) and B decoding rows (engine/model/layers/mixed.py) as
+        the chunk's forward over T + B rows (no layer's MLP skipped) with one layer's attention
+        temporaries of the rows and the logits of the rows and of the chunk's sampled position; in
+        stages where the runner waits between them (`chunk_phases`, `decode_phases`): then the rows'
+        attention is a stage of its own, after the chunk's."""
+        k, b = self.coefficients, len(context_lens)
+        # the rows' attention temporaries of as many layers as are in flight (m: on CUDA the rows'
+        # partials outlive their layer like the chunk's intermediates; on the CPU one)
+        rows = self.decode_attention_terms(context_lens)
+        if not k.head_apart:  # one stage
+            return (self.chunk_phases(chunk.num_tokens + b, chunk.context_len, True, chunk.samples, chunk.gathers)[0]
+                    + rows + self.decode_head_terms(b, samples),)
+        phases = self.chunk_phases(chunk.num_tokens + b, chunk.context_len, False, False, chunk.gathers)
+        head = (self.decode_head_terms(b + chunk.computes_logits, samples + chunk.samples)
+                + TransientTerms(step_overhead_bytes=1, prefill_overhead_bytes=1))
+        if k.phases_apart:  # the rows' attention a stage of its own, after the chunk's: beside the
+            # layer's residual stream of the T + B rows and the chunk's attention output (MIXED_STREAM_ROWS)
+            s = self.shape
+            stream = TransientTerms(fixed_bytes=MIXED_STREAM_ROWS * self.layer_factor * (chunk.num_tokens + b)
+                                    * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1, prefill_overhead_bytes=1)
+            return (phases[0], stream + rows, phases[1], head)
+        return (phases[0] + rows, head)
 
     def mixed_bytes(self, chunk: PrefillChunkPlan, context_lens: Sequence[int], samples: int = 0) -> int:
-        """One forward of a prompt chunk (T tokens) and B decoding rows (engine/model/layers/mixed.py): the larger of
-        - the chunk's forward over T + B rows up to the LM head (no layer's MLP skipped), with the
-          rows' attention temporaries of as many layers as are in flight (m: on CUDA the rows'
-          partials outlive their layer like the chunk's intermediates) and their logits;
-        - the rows' decode forward with one layer's share of the chunk's: the peak among the rows'
-          attention temporaries, which on CUDA coexist over layers like a decode step's.
-        On the CPU (one layer at a time, m = 1) the second is the plain sum of the two forwards. Measured
-        on an H200 (docs/memory.md): 68 mixed steps of an 8B llama and an 8-layer one, predicted /
-        measured >= 1.28; in a tight burst a 384-token chunk with 16 rows of long contexts measured 1.13 x
-        the formula with one layer of the rows' temporaries, whence m of them."""
+        """One forward of a prompt chunk and B decoding rows (engine/model/layers/mixed.py): the larger of
+        - its stages (`mixed_phases`): the peak among the MLPs over T + B rows;
+        - where layers coexist (layers_in_flight > 1: CUDA), the rows' decode forward with one layer's
+          share of the chunk's: the peak among the rows' attention temporaries, which there coexist
+          over layers like a decode step's. One layer at a time (CPU), the first holds it.
+        Measured on an H200 (docs/memory.md): 68 mixed steps of an 8B llama and an 8-layer one,
+        predicted / measured >= 1.28; in a tight burst a 384-token chunk with 16 rows of long contexts
+        measured 1.13 x the formula with one layer of the rows' temporaries, whence m of them."""
         if not context_lens:
             return self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                             chunk.samples, chunk.gathers)
-        b = len(context_lens)
-        rows = (self.prefill_chunk_bytes(chunk.num_tokens + b, chunk.context_len, True, chunk.samples,
-                                         chunk.gathers)
-                + self.layer_factor * self._decode_attention_bytes(context_lens)
-                + self._decode_head_bytes(b, samples))
+        rows = _largest(self.mixed_phases(chunk, context_lens, samples), self.coefficients)
+        if self.layer_factor == 1 and self.coefficients.head_apart:
+            return rows
         alone = self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                          chunk.samples, chunk.gathers)
         attention = self.decode_bytes(context_lens, samples) + alone / self.layer_factor
@@ -257,3 +348,8 @@ class MemoryModel:
             self.prefill_chunk_bytes(chunk, max_model_len, samples=True),
             self.decode_bytes([max_model_len] * max_num_seqs, samples=max_num_seqs),
         )
+
+
+def _largest(phases: Sequence[TransientTerms], coefficients: TransientCoefficients) -> int:
+    """The transient of a forward run in `phases` one after another: the largest phase's."""
+    return int(max(p.bytes(coefficients) for p in phases))

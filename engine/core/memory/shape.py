@@ -25,23 +25,55 @@ class ModelShape:
     weights_bytes: int = 0
 
     # hidden-size rows per token a layer of this family holds beyond a llama block's (engine/core/
-    # model_config.py: Qwen3-MoE's token copies per expert, Phi-3's fused q/k/v product), counted once each
-    extra_hidden_rows: int = 0
-    # float32 score-sized arrays [H, c, n] a prompt chunk's attention holds beyond MLX's fused attention
-    # (engine/core/model_config.py: Gemma 2's softcapped scores in Python, Gemma 3's windowed masks)
+    # model_config.py), counted once each: in its attention (Qwen3's q/k head norms' outputs, Phi-3's
+    # fused q/k/v product through mlx-lm's module) and in its MLP (Qwen3-MoE's token copies per expert)
+    extra_attention_rows: float = 0.0
+    extra_mlp_rows: float = 0.0
+    # float32 score-sized arrays [H, c, keys] a prompt chunk's attention holds where MLX's fused
+    # attention holds none, in every layer (engine/core/model_config.py: Gemma 2's softcapped scores in
+    # Python; a backend whose attention materializes `prefill_scores` copies anyway counts the larger) ...
     extra_score_copies: int = 0
+    # ... and in its sliding-window layers only, over the keys they read (Gemma 3's explicit masks)
+    sliding_score_copies: int = 0
     # layers whose KV grows with a request (None: all); a model's sliding-window layers may keep theirs in
     # fixed rings instead (engine/model/kv_pool.py), counted with the weights
     num_kv_layers: Optional[int] = None
+    # per layer its sliding window in tokens, or None (global attention); () : every layer global. A
+    # sliding layer's forward of T tokens per row reads at most window - 1 + T keys of each row.
+    layer_windows: tuple = ()
+
+    @property
+    def extra_hidden_rows(self) -> float:
+        return self.extra_attention_rows + self.extra_mlp_rows
 
     @classmethod
-    def from_config(cls, config: dict, dtype_bytes: int, weights_bytes: int = 0) -> "ModelShape":
+    def from_config(cls, config: dict, dtype_bytes: int, weights_bytes: int = 0,
+                    module_forwards: bool = True) -> "ModelShape":
         """From an mlx-lm / HF config.json dict, read per family (engine/core/model_config.py: a nested
-        text_config, head_dim, MoE experts). `dtype_bytes`: the activations' (and KV's) float size."""
+        text_config, head_dim, MoE experts, windows). `dtype_bytes`: the activations' (and KV's) float size;
+        `module_forwards`: prompt chunks run mlx-lm's modules (else the engine's chunk loop, which
+        computes q, k and v apart: no fused product of Phi-3's)."""
         c = ConfigShape.from_config(config)
         return cls(
             num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size, dtype_bytes=dtype_bytes, weights_bytes=weights_bytes,
-            extra_hidden_rows=c.extra_hidden_rows, extra_score_copies=c.extra_score_copies,
+            extra_attention_rows=c.extra_attention_rows + c.fused_qkv_rows * module_forwards,
+            extra_mlp_rows=c.extra_mlp_rows, extra_score_copies=c.extra_score_copies,
+            sliding_score_copies=c.sliding_score_copies,
+            layer_windows=c.layer_windows if any(w is not None for w in c.layer_windows) else (),
         )
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The window of the sliding layers (the largest, if several), None without any."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
+
+    def global_layers(self, num_layers: int) -> tuple[int, int]:
+        """(fewest, most) global-attention layers among any `num_layers` consecutive layers (the layers
+        whose intermediates coexist, `MemoryModel.layer_factor`)."""
+        if not self.layer_windows:
+            return num_layers, num_layers
+        flags = [w is None for w in self.layer_windows]
+        counts = [sum(flags[i:i + num_layers]) for i in range(len(flags) - num_layers + 1)]
+        return min(counts), max(counts)
