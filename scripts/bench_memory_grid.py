@@ -67,11 +67,61 @@ TEST_VARIANTS = {
 }
 
 
-def shape_of(config: dict, dtype_bytes: int) -> dict:
-    h = config["num_attention_heads"]
-    return dict(H=h, Hkv=config.get("num_key_value_heads") or h, d=config.get("head_dim") or config["hidden_size"] // h,
-                D=config["hidden_size"], I=config["intermediate_size"], V=config["vocab_size"],
-                L=config["num_hidden_layers"], s=dtype_bytes)
+def family_variants(spec: str) -> dict:
+    """--families: families (model_type, or model_type:bits for mlx-lm's quantized format; all: every one) ->
+    the configs of the engine tests' tiny checkpoints of them at hidden size 256
+    (tests/engine/test_families.py's memory test; head_dim 64 where the family's config gives it)."""
+    from tests.engine.family_checkpoints import FAMILY_CONFIGS, family_config
+
+    names = []
+    for name in (n for n in spec.split(",") if n):  # mistral: llama's module and shape
+        names += [f for f in FAMILY_CONFIGS if f != "mistral"] if name == "all" else [name]
+    out = {}
+    for name in names:
+        family, _, bits = name.partition(":")
+        extra = {} if family in ("llama", "mistral", "qwen2", "phi3") else {"head_dim": 64}
+        config = family_config(family, hidden_size=256, intermediate_size=512, **extra)
+        if bits:
+            config["quantization"] = {"group_size": 32, "bits": int(bits)}
+        out[f"{family}{'-q' + bits if bits else ''}-d256"] = config
+    return out
+
+
+def loops_family(config: dict) -> bool:
+    """Whether the engine's layer loops run this config's model (llama-shaped blocks, float weights:
+    engine/model/layers/bound.py)."""
+    return config.get("model_type", "llama") in ("llama", "mistral", "qwen2", "qwen3", "phi3") \
+        and not config.get("quantization")
+
+
+def random_model(label: str, config: dict, base: LoadedModel, init: str, seed: int) -> LoadedModel:
+    """A random model of `config` (quantized as its "quantization" says) with `base`'s tokenizer and dtype."""
+    from mlx.utils import tree_flatten
+
+    config = dict(config)
+    quantization = config.pop("quantization", None)
+    model = build_random_llama(config, base.dtype, init, seed)
+    if quantization:
+        from mlx_lm.utils import quantize_model
+
+        model, config = quantize_model(model, config, group_size=quantization["group_size"],
+                                       bits=quantization["bits"])
+        mx.eval(model.parameters())  # quantized now, not in the first measured forward
+    params = tree_flatten(model.parameters())
+    return LoadedModel(label, model, base.tokenizer, config, base.dtype, None,
+                       sum(p.nbytes for _, p in params), sum(p.size for _, p in params), 0.0)
+
+
+def shape_of(config: dict, dtype_bytes: int, layer_loops: bool = True) -> dict:
+    """The shape's dimensions as the grid's terms read them, and `model_shape`: the engine's ModelShape
+    of the model (engine/core/memory/shape.py: a family's extra arrays, its windows), which the fit
+    predicts with."""
+    from engine.core.memory.shape import ModelShape
+
+    shape = ModelShape.from_config(config, dtype_bytes, module_forwards=not (layer_loops and loops_family(config)))
+    return dict(H=shape.num_heads, Hkv=shape.num_kv_heads, d=shape.head_dim, D=shape.hidden_size,
+                I=shape.intermediate_size, V=shape.vocab_size, L=shape.num_layers, s=dtype_bytes,
+                model_shape=dataclasses.asdict(shape))
 
 
 def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
@@ -106,16 +156,20 @@ def decode_terms(sh: dict, b: int, n: int, paged: bool = False, block: int = 256
 
 
 def run_steps(engine, recorder, meter, until) -> list[dict]:
-    """Step the engine until `until()`; one record per step (predicted, measured, time, plan)."""
+    """Step the engine until `until()`; one record per step (predicted, measured, time, plan). `meter`:
+    also measures each whole step (None: not, as for pipelined decodes, whose engine measurement spans
+    steps and which a reset of MLX's peak in between would cut)."""
     out = []
     while not until():
-        meter.begin(engine.stats().kv_allocated_bytes)
+        if meter is not None:
+            meter.begin(engine.stats().kv_allocated_bytes)
         t = time.perf_counter()
         record = recorder.step()
         outputs = record.outputs
-        mx.synchronize()
+        if meter is not None:
+            mx.synchronize()
         dt = time.perf_counter() - t
-        whole = meter.end(engine.stats().kv_allocated_bytes)
+        whole = meter.end(engine.stats().kv_allocated_bytes) if meter is not None else None
         for o in outputs:
             if o.error:
                 raise RuntimeError(f"{o.request_id}: {o.error}")
@@ -132,9 +186,16 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
     return out
 
 
+def forward_path(engine) -> str:
+    """Which forwards the engine runs: "loops" (the engine's layer loops) or "modules" (mlx-lm's), which
+    the CPU's two coefficient sets are for (coefficients_for's cpu_math)."""
+    return "loops" if engine.execution_paths().chunk_loop else "modules"
+
+
 def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, label: str,
-                 read_slices: bool = True) -> list[dict]:
-    """`read_slices`: False reads every chunk's KV as a gather (RunnerOptions.read_slices)."""
+                 read_slices: bool = True, layer_loops: bool = True) -> list[dict]:
+    """`read_slices`: False reads every chunk's KV as a gather (RunnerOptions.read_slices);
+    `layer_loops`: False runs mlx-lm's modules (RunnerOptions.layer_loops)."""
     from engine.core.types import SamplingParams
 
     points = []
@@ -142,7 +203,8 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
         prompt = random_prompts([length], lm.config["vocab_size"], seed=c)[0]
         # a budget of one chunk: every step is one chunk's forward (a larger one takes further chunks)
         engine = make_engine(lm, [length], 4, chunk=c, max_num_batched_tokens=c, max_num_seqs=min(16, c),
-                             read_slices=read_slices)
+                             read_slices=read_slices, layer_loops=layer_loops)
+        path = forward_path(engine)
         recorder = StepRecorder(engine)
         meter = Meter()
         engine.add_request("g", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -156,7 +218,7 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
             gathers = "g" not in st["slice_reads"]
             terms = prefill_terms(shape, cc, n, logits)
             terms["prefill_gather"] *= gathers
-            points.append(dict(kind="prefill", variant=label, c=cc, n=n, logits=logits, B=1, gathers=gathers,
+            points.append(dict(kind="prefill", variant=label, path=path, c=cc, n=n, logits=logits, B=1, gathers=gathers,
                                copies_viewed_kv=True, measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                whole_step_measured=st["whole_step_measured"], terms=terms))
         engine.abort("g")
@@ -188,7 +250,9 @@ def keep_rows(recorder, alive: list[str], b: int, grid: str) -> list[str]:
 
 
 def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: dict, label: str,
-                steps_per_point: int = 3) -> list[dict]:
+                steps_per_point: int = 3, layer_loops: bool = True, pipelined: bool = False) -> list[dict]:
+    """`pipelined`: the engine's pipelined decode steps (each measured from its launch to its end, while
+    the next one's graph is built), else one synchronous decode forward per point."""
     points = []
     rows = sorted(rows, reverse=True)
     for n in contexts:
@@ -196,9 +260,11 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         prompts = random_prompts([n] * b_max, lm.config["vocab_size"], seed=n)
         # Rows that finish their prompt first decode while the others prefill: room for those tokens.
         max_tokens = steps_per_point * (len(rows) + 1) + (n * b_max) // 256 + 8
-        # Synchronous decode steps: one forward's transient per point (a pipelined step's window
-        # holds parts of two decodes; the engine predicts those as two decodes together).
-        engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=False)
+        # Synchronous decode steps: one forward's transient per point, unless `pipelined` (a pipelined
+        # step's window also holds what building the next decode's graph allocates: its KV indices).
+        engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=pipelined,
+                             layer_loops=layer_loops)
+        path = forward_path(engine)
         recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
         for b in rows:
             alive = keep_rows(recorder, alive, b, "decode")
@@ -209,14 +275,14 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 done[0] += 1
                 return done[0] > steps_per_point
 
-            for st in run_steps(engine, recorder, meter, until):
+            for st in run_steps(engine, recorder, None if pipelined else meter, until):
                 if st["chunks"] or st["decodes"] != b:
                     continue
                 ctx = max(recorder.num_tokens[i] for i in alive) - 1
                 paged = engine.memory.paged_decode  # else decode gathers (engine/model/kv_pool.py)
                 terms = decode_terms(shape, b, ctx, paged, engine.memory.kv_step)
-                points.append(dict(kind="decode", variant=label, B=b, n=ctx, c=1, logits=True, gathers=not paged,
-                                   paged=paged,
+                points.append(dict(kind="decode", variant=label, path=path, B=b, n=ctx, c=1, logits=True,
+                                   gathers=not paged, paged=paged, pipelined=pipelined,
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                    whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)
@@ -224,6 +290,58 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         engine = recorder = None
         free_memory()
     return points
+
+
+# The engine tests' workloads (tests/engine/test_families.py's memory test, a mixed arrival): prompt
+# lengths, max_tokens, the step of arrival of each prompt, prefill_chunk_size, max_num_batched_tokens.
+STEP_WORKLOADS = (((165, 100, 275), 4, (0, 0, 0), 128, 256), ((5, 40, 200, 90), 6, (0, 0, 1, 3), 128, 256),
+                  ((700, 300, 60, 2), 5, (0, 1, 2, 2), 64, 256), ((900, 520, 33), 3, (0, 0, 4), 256, 1024))
+
+
+def steps_grid(lm: LoadedModel, label: str) -> list[dict]:
+    """Every engine step of `STEP_WORKLOADS` (prompt chunks, decodes, mixed forwards together, as the
+    engine schedules them): its plan, its prediction with the coefficients of the time of recording and
+    its measured transient (`--check-steps` reads them)."""
+    from engine.core.types import SamplingParams
+
+    points = []
+    for w, (lengths, max_tokens, arrivals, chunk, budget) in enumerate(STEP_WORKLOADS):
+        prompts = random_prompts(list(lengths), lm.config["vocab_size"], seed=w)
+        engine = make_engine(lm, list(lengths), max_tokens, chunk=chunk, max_num_batched_tokens=budget,
+                             max_num_seqs=4)
+        path = forward_path(engine)
+        free_memory()
+        step, pending = 0, sorted(range(len(lengths)), key=lambda i: arrivals[i])
+        while pending or engine.has_unfinished():
+            while pending and arrivals[pending[0]] <= step:
+                i = pending.pop(0)
+                engine.add_request(f"w{w}-{i}", prompts[i], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            record, step = engine.step(), step + 1
+            if record.memory is None or record.plan is None:
+                continue
+            plan = record.plan
+            points.append(dict(kind="step", variant=label, path=path, workload=w, decodes=len(plan.decodes),
+                               chunks=[(c.num_tokens, c.start + c.num_tokens, c.completes_prompt) for c in plan.prefills],
+                               mixed=plan.mixed, pipelined=record.memory.pipelined,
+                               predicted=record.memory.predicted_bytes, measured=record.memory.measured_bytes))
+        engine = None
+        free_memory()
+    return points
+
+
+def check_steps(path: str, slack_bytes: int = 0) -> dict:
+    """Predicted / measured of a grid's engine steps (--grids steps) per variant, as recorded: min,
+    median, max, and the steps above 1.2 x measured + `slack_bytes`."""
+    data = json.loads(Path(path).read_text())
+    pts = [p for p in data["points"] if p["kind"] == "step" and p["measured"] > 0]
+    out = {}
+    for v in sorted({p["variant"] for p in pts}):
+        sel = [p for p in pts if p["variant"] == v]
+        out[v] = dict(_ratio_stats([p["predicted"] for p in sel], [p["measured"] for p in sel]),
+                      underpredicted=sum(p["predicted"] < p["measured"] for p in sel),
+                      above_1_2x_plus_slack=sum(p["predicted"] > 1.2 * p["measured"] + slack_bytes for p in sel),
+                      smallest_measured_bytes=min(p["measured"] for p in sel))
+    return out
 
 
 def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,
@@ -303,37 +421,40 @@ def measure(args) -> dict:
     rows = [int(x) for x in args.decode_rows.split(",")]
     contexts = [int(x) for x in args.decode_contexts.split(",")]
     grids = set(args.grids.split(","))
-    if grids - {"prefill", "prefill-gathers", "decode", "mixed"}:
-        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,prefill-gathers,decode,mixed")
+    if grids - {"prefill", "prefill-gathers", "decode", "mixed", "steps"}:
+        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,prefill-gathers,decode,mixed,steps")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     result = dict(bench="memory_grid", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
                   environment=environment(), points=[], shapes={})
+    if args.append and args.out and Path(args.out).exists():  # one more run's points in the same grid
+        result = {**json.loads(Path(args.out).read_text()), f"argv_{args.grids.replace(',', '_')}": sys.argv[1:]}
     models = [(args.model, lm)]
     if args.variants:
         table = VARIANTS if args.model == "llama-8b" else TEST_VARIANTS
         for name, cfg in table.items():
             models.append((name, cfg))
+    models += [(name, cfg) for name, cfg in family_variants(args.families).items()]
+    if args.modules:  # the same models through mlx-lm's modules, where the engine's loops take them
+        models += [(f"{name}/modules", m) for name, m in models if loops_family(m if isinstance(m, dict) else m.config)]
     # Warm-up (kernels compile on first use): a short prefill and a 2-row decode.
     prefill_grid(lm, [min(chunks)], min(chunks) * 2, shape_of(lm.config, DTYPES[lm.dtype].size), "warmup")
     decode_grid(lm, [2], [min(contexts)], shape_of(lm.config, DTYPES[lm.dtype].size), "warmup", 1)
     for label, m in models:
         t = time.perf_counter()
+        loops = not label.endswith("/modules")
         if isinstance(m, dict):
-            model = build_random_llama(m, lm.dtype, args.init, args.seed)
-            from mlx.utils import tree_flatten
-
-            params = tree_flatten(model.parameters())
-            m = LoadedModel(label, model, lm.tokenizer, m, lm.dtype, None,
-                            sum(p.nbytes for _, p in params), sum(p.size for _, p in params), 0.0)
-        sh = shape_of(m.config, DTYPES[m.dtype].size)
+            m = random_model(label, m, lm, args.init, args.seed)
+        sh = shape_of(m.config, DTYPES[m.dtype].size, loops)
         result["shapes"][label] = sh
         for _ in range(args.repeat - 1 if "prefill" in grids else 0):  # earlier passes build each shape's kernels: time the last
-            prefill_grid(m, chunks, args.prefill_length, sh, label)
-        pts = prefill_grid(m, chunks, args.prefill_length, sh, label) if "prefill" in grids else []
+            prefill_grid(m, chunks, args.prefill_length, sh, label, layer_loops=loops)
+        pts = prefill_grid(m, chunks, args.prefill_length, sh, label, layer_loops=loops) if "prefill" in grids else []
         if "prefill-gathers" in grids:  # the same chunks, each reading its KV as a gathered copy
-            pts += prefill_grid(m, chunks, args.prefill_length, sh, label, read_slices=False)
+            pts += prefill_grid(m, chunks, args.prefill_length, sh, label, read_slices=False, layer_loops=loops)
         if "decode" in grids:
-            pts += decode_grid(m, rows, contexts, sh, label)
+            pts += decode_grid(m, rows, contexts, sh, label, layer_loops=loops, pipelined=args.pipelined)
+        if "steps" in grids:
+            pts += steps_grid(m, label)
         if "mixed" in grids:
             pts += mixed_grid(m, [int(x) for x in args.mixed_chunks.split(",")],
                               [int(x) for x in args.mixed_rows.split(",")],
@@ -357,7 +478,8 @@ def base_coefficients():
     from engine.core.memory import coefficients as coefs
 
     return dataclasses.replace(coefs.CPU_COEFFICIENTS, step_overhead_bytes=0, prefill_overhead_bytes=0,
-                               prefill_layer_rows=0.0)
+                               prefill_layer_rows=0.0, head_apart=False, phases_apart=False,
+                               prefill_attention_hidden=0.0, attention_query_blocks=1)
 
 
 def nnls(a, b, iters: int = 5000):
@@ -448,6 +570,8 @@ BACKEND_COLUMNS = (
     ("prefill_gather", "prefill", "prefill_gather", True), ("prefill_mlp", "prefill", "prefill_mlp", True),
     ("prefill_hidden", "prefill", "prefill_hidden", True), ("prefill_logits", "prefill", "prefill_logits", False),
     ("prefill_layer_rows", "prefill", "prefill_layer_rows", True),
+    ("prefill_attention_hidden", "prefill", "prefill_attention_hidden", True),
+    ("family_rows", "both", "family_rows", True),
     ("decode_gather", "decode", "decode_gather", True), ("decode_paged", "decode", "decode_paged", True),
     ("decode_scores", "decode", "decode_scores", True),
     ("decode_mlp", "decode", "decode_mlp", True), ("decode_hidden", "decode", "decode_hidden", True),
@@ -456,16 +580,21 @@ BACKEND_COLUMNS = (
 
 
 def _model_shape(sh: dict):
+    """The ModelShape of a grid's shape (`shape_of`; grids recorded before it: llamas, from their dimensions)."""
     from engine.core.memory.model import ModelShape
 
+    if "model_shape" in sh:
+        fields = dict(sh["model_shape"], layer_windows=tuple(sh["model_shape"].get("layer_windows") or ()))
+        return ModelShape(**fields)
     return ModelShape(num_layers=sh["L"], hidden_size=sh["D"], num_heads=sh["H"], num_kv_heads=sh["Hkv"],
                       head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
 
 
-def _model_of(sh: dict, coefficients, paged: bool = False):
+def _model_of(sh: dict, coefficients, paged: bool = False, copies_viewed_kv: bool = True):
     from engine.core.memory.model import MemoryModel
 
-    return MemoryModel(_model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True)
+    return MemoryModel(_model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True,
+                       copies_viewed_kv=copies_viewed_kv)
 
 
 def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
@@ -538,6 +667,34 @@ def _ratio_stats(pred, meas) -> dict:
                 num_points=int(r.size))
 
 
+def nnls_active_set(a, b, max_iter: int = 500):
+    """Non-negative least squares, exactly (Lawson and Hanson's active set method; numpy only), on the
+    column-scaled problem."""
+    import numpy as np
+
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    s = a / scale
+    n = s.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(max_iter):
+        grad = s.T @ (b - s @ x)
+        if free.all() or grad[~free].max(initial=-np.inf) <= 1e-10 * max(1.0, np.abs(grad).max()):
+            break
+        free[np.argmax(np.where(free, -np.inf, grad))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(s[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            shrink = free & (z <= 0)
+            alpha = np.min(x[shrink] / np.maximum(x[shrink] - z[shrink], 1e-300))
+            x = x + alpha * (z - x)
+            free &= x > 1e-12
+            x[~free] = 0.0
+    return x / scale
+
+
 def envelope_fit(a, x0=None, penalties=(10.0, 1e3, 1e5), iters: int = 8000):
     """x >= 0 minimizing sum((r - 1)^2) + lam * sum(min(r - 1, 0)^2) with r = a @ x, for growing lam:
     `a`'s rows are divided by the measured bytes, so r is predicted / measured and the fit hugs the
@@ -557,49 +714,118 @@ def envelope_fit(a, x0=None, penalties=(10.0, 1e3, 1e5), iters: int = 8000):
     return x / scale
 
 
+def point_phases(p: dict, shapes: dict, coefficients) -> tuple:
+    """The TransientTerms of a grid point's stages as engine/core/memory/model.py builds them with
+    `coefficients` (its layers_in_flight, and which stages it runs apart: the transient is the largest
+    stage's), a family's extra arrays and windows included."""
+    paged = bool(p.get("paged"))
+    if paged and coefficients.decode_paged is None:  # a set not fitted on paged decodes yet: fit one
+        coefficients = dataclasses.replace(coefficients, decode_paged=1.0)
+    # the copy of a viewed row's KV only where the point's engine made it (`fixed_bytes`)
+    m = _model_of(shapes[p["variant"]], coefficients, paged, copies_viewed_kv=bool(p.get("copies_viewed_kv")))
+    gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
+    if p["kind"] == "prefill":
+        return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)
+    return m.decode_phases([p["n"]] * p["B"], gathers=gathers)
+
+
+def _fit_row(p: dict, shapes: dict, coef, names: list, stage_index: Optional[int] = None) -> tuple:
+    """(the point's fit row: its terms per coefficient of `names`, then the per-chunk and per-forward
+    constants; its measured bytes less what no coefficient scales). A point whose forward runs in stages
+    (`head_apart`, `phases_apart`) is fitted on stage `stage_index`, else on the stage `coef` predicts
+    largest: its transient."""
+    phases = point_phases(p, shapes, coef)
+    stage = phases[stage_index] if stage_index is not None else max(phases, key=lambda t: t.bytes(coef))
+    row = [getattr(stage, n) for n in names] + [stage.prefill_overhead_bytes, stage.step_overhead_bytes]
+    return row, p["measured"] - stage.fixed_bytes
+
+
 def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, exclude=()) -> tuple:
     """Joint fit (`envelope_fit`, from NNLS on relative error) of prefill and decode points with the
     per-layer terms counted min(L, layers_in_flight) times, one constant per forward and one more per
     prompt chunk; then every byte coefficient scaled up (and rounded up) until engine_predictions()
     under-predicts no point. A coefficient whose term is zero at every point (e.g. prefill_gather when
     every chunk read a view) keeps `base`'s value; one named in `exclude` is 0 (its term left out of the
-    formula). Returns (coefficients, predictions)."""
+    formula). Where the forwards run in stages (`base.head_apart`, `phases_apart`) each point is fitted on
+    its largest stage (`_fit_row`) as the previous pass's fit predicts it: the first pass on the stages
+    `_mlp_stages` guesses, by least squares (NNLS) alone, the next ones from above; the pass whose scaled
+    fit has the least mean log ratio is kept. Returns (coefficients, predictions)."""
     import numpy as np
 
-    rows = []
-    for p in pts:
-        m = min(shapes[p["variant"]]["L"], layers_in_flight)
-        prompt_chunk = p["kind"] == "prefill" and p["c"] > 1
-        rows.append([(m if scaled else 1) * p["terms"].get(term, 0) if kind == p["kind"] else 0
-                     for _, kind, term, scaled in BACKEND_COLUMNS] + [float(prompt_chunk), 1.0])
-    a = np.array(rows, dtype=float)
-    b = np.array([p["measured"] for p in pts], dtype=float)
-    # the fitted terms explain what the formula's fixed terms leave (never below a byte)
-    target = np.maximum(b - [fixed_bytes(shapes[p["variant"]], p) for p in pts], 1.0)
-    seen = np.abs(a).max(axis=0) > 0
-    for i, name in enumerate([c[0] for c in BACKEND_COLUMNS] + ["prefill_overhead_bytes", "step_overhead_bytes"]):
-        if name in exclude:
-            a[:, i] = 0
-    fit_cols = np.abs(a).max(axis=0) > 0
-    x = np.zeros(a.shape[1])
-    x[fit_cols] = envelope_fit(a[:, fit_cols] / target[:, None],
-                               nnls(a[:, fit_cols] / target[:, None], np.ones_like(target)))
     names = [c[0] for c in BACKEND_COLUMNS]
-    fields = {n: float(v) if ok or n in exclude else getattr(base, n)
-              for n, v, ok in zip(names, x[:-2], seen[:-2])}  # base's None (decode_paged) stays None
-    fields.update(layers_in_flight=layers_in_flight, prefill_overhead_bytes=float(x[-2]),
-                  step_overhead_bytes=float(x[-1]))
-    kinds = [p["kind"] for p in pts]
+    coef = dataclasses.replace(base, layers_in_flight=layers_in_flight)
+    stages = _mlp_stages(pts) if base.phases_apart else [None] * len(pts)
+    best = None
+    for first in [True] + [False] * (4 if base.head_apart or base.phases_apart else 0):
+        rows, b = zip(*(_fit_row(p, shapes, coef, names, k) for p, k in zip(pts, stages)))
+        a, b = np.array(rows, dtype=float), np.maximum(np.array(b, dtype=float), 1.0)
+        seen = np.abs(a).max(axis=0) > 0
+        for i, name in enumerate(names + ["prefill_overhead_bytes", "step_overhead_bytes"]):
+            if name in exclude:
+                a[:, i] = 0
+        fit_cols = np.abs(a).max(axis=0) > 0
+        x = np.zeros(a.shape[1])
+        rel = a[:, fit_cols] / b[:, None]
+        if base.head_apart or base.phases_apart:  # least squares of the ratios first: the stages' split
+            start = nnls_active_set(rel, np.ones_like(b))
+            x[fit_cols] = start if first else envelope_fit(rel, start)
+        else:
+            x[fit_cols] = envelope_fit(rel, nnls(rel, np.ones_like(b)))
+        fields = {n: float(v) if ok or n in exclude else getattr(base, n)
+                  for n, v, ok in zip(names, x[:-2], seen[:-2])}  # base's None (decode_paged) stays None
+        fields.update(layers_in_flight=layers_in_flight, prefill_overhead_bytes=float(x[-2]),
+                      step_overhead_bytes=float(x[-1]))
+        coef = dataclasses.replace(base, **fields)
+        scaled, pred = _scale_above(pts, shapes, base, fields)
+        score = float(np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts])))
+        if best is None or score < best[0]:
+            best = (score, scaled, pred)
+        stages = [None] * len(pts)  # the next pass: each point on the stage this fit predicts largest
+    return best[1], best[2]
+
+
+def _mlp_stages(pts: list[dict]) -> list:
+    """The first pass's stage of each point of a fit whose prompt chunks run their layers' attention
+    and MLP apart: a chunk measured within 5% of the least of its series (one variant, chunk size and
+    kind of read, over contexts) is fitted on its MLP stage (1), which does not grow with the context;
+    the others on their attention stage (0); decodes and a prompt's last chunks (a chunk size of their
+    own) on their largest stage as the base predicts it."""
+    series: dict = {}
+    for p in pts:
+        if p["kind"] == "prefill":
+            series.setdefault((p["variant"], p["c"], p.get("gathers", True)), []).append(p["measured"])
+    stages = []
+    for p in pts:
+        measured = series.get((p["variant"], p["c"], p.get("gathers", True)), [])
+        if len(measured) < 3:  # a decode, or a prompt's last chunk (its own size): as the base predicts
+            stages.append(None)
+        else:
+            stages.append(1 if p["measured"] <= 1.05 * min(measured) else 0)
+    return stages
+
+
+def _scale_above(pts: list[dict], shapes: dict, base, fields: dict) -> tuple:
+    """Scale a fit's coefficients up, round up and re-check (int truncation, decode's max) until
+    engine_predictions() under-predicts no point: (coefficients, predictions). Each coefficient by the
+    largest measured / predicted of the points where its term is in the stage that holds their transient
+    (one stage per forward where they run together: then by that kind's largest, prefill or decode)."""
+    import numpy as np
+
+    names = [c[0] for c in BACKEND_COLUMNS] + ["prefill_overhead_bytes", "step_overhead_bytes"]
+    b = np.array([p["measured"] for p in pts], dtype=float)
+    staged = base.head_apart or base.phases_apart
     group = {c[0]: c[1] for c in BACKEND_COLUMNS}
     group["prefill_overhead_bytes"] = "prefill"
-    for _ in range(20):  # scale each kind's terms, round up, re-check (int truncation, decode's max)
+    for _ in range(20):
         coef = dataclasses.replace(base, **fields)
         pred = np.maximum(np.array(engine_predictions(pts, shapes, coef), dtype=float), 1)
-        margins = {kind: max(float(max((bv / pv for bv, pv, kd in zip(b, pred, kinds) if kd == kind),
-                                        default=1.0)), 1.0) for kind in ("prefill", "decode")}
-        margins["both"] = max(margins.values())  # the constant is in both kinds' forwards
-        fields = {k: (v if k == "layers_in_flight" or v is None
-                      else _ceil_sig(v * margins[group.get(k, "both")] * (1 + 1e-9)))
+        margin = dict.fromkeys(names, 1.0)
+        for p, bv, pv in zip(pts, b, pred):
+            stage = max(point_phases(p, shapes, coef), key=lambda t: t.bytes(coef)) if staged else None
+            for n in names:
+                if (getattr(stage, n) if staged else group.get(n, p["kind"]) == p["kind"]):
+                    margin[n] = max(margin[n], bv / pv)
+        fields = {k: (v if k not in margin or v is None else _ceil_sig(v * margin[k] * (1 + 1e-9)))
                   for k, v in fields.items()}
         for k in ("step_overhead_bytes", "prefill_overhead_bytes"):
             fields[k] = math_ceil(fields[k])
@@ -633,7 +859,8 @@ def largest_per_chunk(pts: list[dict], shapes: dict) -> list[dict]:
 
 
 def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0,
-                exclude: str = "", chunk_maxima: bool = False, layers_in_flight: int = 0) -> dict:
+                exclude: str = "", chunk_maxima: bool = False, layers_in_flight: int = 0,
+                forward_path: str = "", margin_bytes: int = 0, margin: float = 1.0) -> dict:
     """Fit a backend's TransientCoefficients (engine/core/memory/model.py's formulas, with layers_in_flight and
     step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
     grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
@@ -648,7 +875,8 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     data = json.loads(Path(path).read_text())
     keep = set(v for v in variants.split(",") if v)
     pts = [p for p in data["points"] if p["variant"] != "warmup" and p["measured"] > 0
-           and (not keep or p["variant"] in keep)]
+           and p["kind"] in ("prefill", "decode")
+           and (not keep or p["variant"] in keep) and (not forward_path or p.get("path", "loops") == forward_path)]
     shapes = data["shapes"]
     for p in pts:  # grids measured before a term existed: its value from the point's shape
         if p["kind"] == "prefill":
@@ -661,7 +889,15 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     candidates = list(range(1, top + 1)) if len(depths) > 1 else [depths[-1]]
     if layers_in_flight:
         candidates = [layers_in_flight]
-    base = base_coefficients()  # sampling: the CPU value (no sampled rows in the grid)
+    # sampling: the CPU value (no sampled rows in the grid); a decode's head apart from its layers on the
+    # CPU (the runner waits between a forward's stages there)
+    # and, through the engine's loops, each layer's attention apart from its MLP, its queries in blocks
+    phases = backend == "cpu" and forward_path == "loops"
+    from engine.model.layers.cpu_math import QUERY_BLOCKS
+
+    base = dataclasses.replace(base_coefficients(), head_apart=backend == "cpu", phases_apart=phases,
+                               prefill_attention_hidden=base_coefficients().prefill_hidden * phases,
+                               attention_query_blocks=QUERY_BLOCKS if phases else 1)
     best = None
     scan = {}
     for k in candidates:
@@ -671,14 +907,21 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
         if best is None or score < best[0]:
             best = (score, coef, pred)
     _, coef, pred = best
+    if margin_bytes or margin != 1.0:  # beyond the grid's points: every byte coefficient and the constant raised
+        scaled = {c[0]: _ceil_sig(getattr(coef, c[0]) * margin) for c in BACKEND_COLUMNS
+                  if getattr(coef, c[0]) is not None}
+        coef = dataclasses.replace(coef, **scaled, prefill_overhead_bytes=math_ceil(coef.prefill_overhead_bytes * margin),
+                                   step_overhead_bytes=math_ceil(coef.step_overhead_bytes * margin) + margin_bytes)
+        pred = engine_predictions(pts, shapes, coef)
     if chunk_maxima:  # checked on every point of the grid
         pts = every
         pred = engine_predictions(pts, shapes, coef)
         if any(pv < p["measured"] for pv, p in zip(pred, pts)):
             raise RuntimeError("a point below its chunk size's largest is under-predicted")
     meas = [p["measured"] for p in pts]
-    out = dict(grid=path, backend=backend, variants=sorted({p["variant"] for p in pts}), excluded_terms=exclude,
-               chunk_maxima=chunk_maxima,
+    out = dict(grid=path, backend=backend, forward_path=forward_path or None,
+               variants=sorted({p["variant"] for p in pts}), excluded_terms=exclude,
+               chunk_maxima=chunk_maxima, margin=margin, margin_bytes=margin_bytes,
                environment_mlx_env=data.get("environment", {}).get("mlx_env"),
                geometric_mean_ratio_by_layers_in_flight=scan,
                predicted_over_measured=_ratio_stats(pred, meas), by_group={})
@@ -731,17 +974,24 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     the CPU (the CPU set) and for one with `memory_coefficients` in its config (complete sets, as the fit
     prints them), or the CPU set for GPU runs from before the CUDA sets; for other runs
     `recorded_predictions_reproduced` is None."""
+    from bench_common import RANDOM_SHAPES
+
     from engine.core.memory import coefficients as coefs, model as mem
 
+    path, _, key = path.partition(":")  # FILE:KEY: the run under KEY of a file of several
     data = json.loads(Path(path).read_text())
-    if data["model"] != "llama-8b":  # the JSON records the model's name, not its shape
-        raise ValueError(f"model {data['model']!r}: only llama-8b's shape is known here")
-    shape = mem.ModelShape.from_config(LLAMA_8B, DTYPES[data["dtype"]].size)
+    data = data[key] if key else data
+    if data["model"] not in RANDOM_SHAPES:  # the JSON records the model's name, not its shape
+        raise ValueError(f"model {data['model']!r}: only the random shapes' are known here ({sorted(RANDOM_SHAPES)})")
+    config = RANDOM_SHAPES[data["model"]]
+    shape = mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size,
+                                       module_forwards=not loops_family(config))
     engine = data["ways"]["engine"]
     steps, config = engine["steps"], engine.get("config", {})
     on_gpu = "gpu" in str(data["environment"].get("device", ""))
     # recorded before EngineConfig.execution: a top-level field
-    paged = bool(config.get("execution", {}).get("paged_attention", config.get("paged_attention"))) and on_gpu
+    paged = bool(config.get("execution", {}).get("paged_attention", config.get("paged_attention"))) and on_gpu \
+        and loops_family(RANDOM_SHAPES[data["model"]])  # only the engine's loops read the pool in place
     plans = prefill_bench_plans(data, views)
     mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
     recorded = None
@@ -804,10 +1054,19 @@ def main(argv=None):
     p.add_argument("--merge", default=None, metavar="GRID,DECODE_GRID",
                    help="write (--out) one grid of both's prefill points and the second's decode points")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
+    p.add_argument("--fit-path", default="", choices=["", "loops", "modules"],
+                   help="--backend: only the points of forwards through the engine's layer loops, or mlx-lm's "
+                        "modules (the CPU's two sets; grids recorded before the label: loops)")
     p.add_argument("--layer-scaled", action="store_true", help="--fit: the layer-aware CUDA formula")
     p.add_argument("--backend", default=None,
                    help="--fit: fit a whole TransientCoefficients set for this backend (e.g. cuda) with "
                         "layers_in_flight and step_overhead_bytes; prints its Python literal")
+    p.add_argument("--check-steps", default=None, metavar="GRID_JSON",
+                   help="predicted / measured of a grid's engine steps (--grids steps) per variant")
+    p.add_argument("--slack-bytes", type=int, default=0,
+                   help="--check-steps: count the steps predicted above 1.2 x measured + this")
+    p.add_argument("--append", action="store_true",
+                   help="measure mode: add the points and shapes to --out's grid instead of replacing it")
     p.add_argument("--check-mixed", default=None, metavar="GRID_JSON",
                    help="predicted / measured of grids' mixed points (comma-separated) with --backend's set "
                         "(default cuda, the ops-8 set)")
@@ -826,6 +1085,11 @@ def main(argv=None):
     p.add_argument("--layers-in-flight", type=int, default=0,
                    help="--backend: fit with this layers_in_flight only (default: scan, or the grid's depth)")
     p.add_argument("--max-layers-in-flight", type=int, default=0, help="--backend: scan 1..this (default: deepest)")
+    p.add_argument("--margin", type=float, default=1.0,
+                   help="--backend: the fit's byte coefficients and constants times this (see --margin-bytes)")
+    p.add_argument("--margin-bytes", type=int, default=0,
+                   help="--backend: added to the fit's step_overhead_bytes (what the grid's fresh process does "
+                        "not see: a long-running one serves arrays from larger cached buffers)")
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--layers", type=int, default=None)
@@ -835,13 +1099,22 @@ def main(argv=None):
     p.add_argument("--decode-rows", default="16,8,4,2,1")
     p.add_argument("--decode-contexts", default="1024,4096,8192")
     p.add_argument("--grids", default="prefill,decode",
-                   help="which grids to measure: some of prefill,prefill-gathers,decode,mixed (prefill-gathers: "
+                   help="which grids to measure: some of prefill,prefill-gathers,decode,mixed,steps (prefill-gathers: "
                         "the prefill grid with every chunk's KV gathered; mixed: a chunk's forward with decoding "
-                        "rows, engine/model/layers/mixed.py, beside the same step apart)")
+                        "rows, engine/model/layers/mixed.py, beside the same step apart; steps: every engine step "
+                        "of the engine tests' workloads, STEP_WORKLOADS)")
     p.add_argument("--mixed-chunks", default="16,128,512,2048")
     p.add_argument("--mixed-rows", default="32,8,2")
     p.add_argument("--mixed-contexts", default="1024,8192")
     p.add_argument("--variants", action="store_true", help="also 2-layer models of other shapes")
+    p.add_argument("--families", default="",
+                   help="also the engine tests' tiny checkpoints of these families at hidden size 256 "
+                        "(comma-separated model types, model_type:bits for quantized ones, or all)")
+    p.add_argument("--modules", action="store_true",
+                   help="also every model through mlx-lm's modules (RunnerOptions.layer_loops off): the "
+                        "forwards the CPU's cpu-mlx-attention set is for")
+    p.add_argument("--pipelined", action="store_true",
+                   help="decode grid: the engine's pipelined decode steps, not synchronous ones")
     p.add_argument("--repeat", type=int, default=1, help="prefill passes per model (the last is kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -850,6 +1123,9 @@ def main(argv=None):
     if args.merge:
         result = merge_grids(*args.merge.split(","))
         emit(result, args.json, args.out)
+        return
+    if args.check_steps:
+        emit(check_steps(args.check_steps, args.slack_bytes), True, None)
         return
     if args.check_mixed:
         from engine.core.memory import coefficients as coefs, model as mem
@@ -870,7 +1146,8 @@ def main(argv=None):
                   for f in args.replay_prefill.split(",")]
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
-                             args.exclude_terms, args.chunk_maxima, args.layers_in_flight)
+                             args.exclude_terms, args.chunk_maxima, args.layers_in_flight, args.fit_path,
+                             args.margin_bytes, args.margin)
         if not args.json:
             print(result.pop("python"))
     else:

@@ -11,6 +11,7 @@ import gc
 import json
 import pathlib
 import random
+import statistics
 
 import pytest
 
@@ -139,28 +140,49 @@ def test_gemma3_sliding_window_changes_the_output(checkpoints):
 
 
 MEMORY_VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("qwen3", 4), ("gemma3_text", 4)]
+# What a step's prediction may exceed 1.2x its measurement by, in bytes: MLX's allocator serves an array
+# from a cached buffer up to two 4 KB pages larger and counts the whole buffer, so the CPU sets carry a
+# per-forward constant (24 KB) that a step of a few hundred KB (a one-row decode) shows (docs/memory.md)
+STEP_SLACK_BYTES = 64 << 10
+# Steps that miss 1.2x (docs/memory.md): a mixed forward's (a prompt chunk and decode rows in one; its
+# stages are predicted from a chunk's and a decode's, no grid point fits them apart), and every step of
+# the families whose forwards run mlx-lm's modules (Qwen3-MoE, Gemma 1-3, quantized weights): a prompt
+# chunk's forward is there one graph the runner cannot wait inside, so which of a layer's arrays coexist
+# still depends on how far MLX's worker is behind the host, and one set covers the worst run
+MIXED_STEP_RATIO = 1.4
+MODULES_STEP_RATIO, MODULES_MEDIAN_RATIO = 1.7, 1.5
 
 
 @pytest.mark.parametrize("family,bits", MEMORY_VARIANTS, ids=[f"{f}-{b or 'float'}" for f, b in MEMORY_VARIANTS])
-def test_family_memory_prediction_never_under_measured(checkpoints, family, bits):
-    """Every step's measured transient (MLX's peak) stays within the memory model's prediction, on a
-    shape large enough that the allocator's rounding does not decide the peak (hidden 256)."""
+def test_family_memory_prediction_tight_on_every_step(checkpoints, family, bits):
+    """Every step's measured transient (MLX's peak) stays within the memory model's prediction, and the
+    prediction within 1.2x the measurement (+ STEP_SLACK_BYTES; mixed forwards MIXED_STEP_RATIO), the
+    median step's within 1.2x (families through mlx-lm's modules: MODULES_STEP_RATIO and
+    MODULES_MEDIAN_RATIO), on a shape large enough that the allocator's rounding does not decide the
+    peak (hidden 256): prompt chunks alone and several in a step, decodes, and a prompt arriving while
+    others decode (a mixed forward where the family's loops take it)."""
     extra = {} if family in ("llama", "mistral", "qwen2", "phi3") else {"head_dim": 64}
     folder = checkpoints(family, bits, hidden_size=256, intermediate_size=512, **extra)
     engine, _ = _engine(folder, prefill_chunk_size=128, max_num_batched_tokens=256, max_num_seqs=4)
     gc.collect()  # earlier engines collected mid-step would hide part of a step's transient
     rng = random.Random(1)
-    for i in range(3):
-        prompt = [rng.randrange(3, 40000) for _ in range(rng.randint(100, 400))]
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    steps = []
-    while engine.has_unfinished():
-        memory = engine.step().memory
-        if memory is not None:  # None: nothing was scheduled
-            steps.append(memory)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(100, 400))] for _ in range(3)] + [
+        [rng.randrange(3, 40000) for _ in range(90)]]
+    steps, step = [], 0
+    while step == 0 or engine.has_unfinished():
+        for i in [i for i, arrival in enumerate((0, 0, 0, 3)) if arrival == step]:
+            engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=4, ignore_eos=True))
+        record, step = engine.step(), step + 1
+        if record.memory is not None:  # None: nothing was scheduled
+            steps.append((record.memory, record.plan.mixed))
     assert len(steps) > 4
-    for step in steps:
-        assert step.measured_bytes <= step.predicted_bytes <= engine.scheduler.transient_bound_bytes, step
+    loops = engine.runner.chunk_path is not None  # the engine's layer loops: every stage waited for
+    for s, mixed in steps:
+        assert s.measured_bytes <= s.predicted_bytes <= engine.scheduler.transient_bound_bytes, s
+        ratio = (MIXED_STEP_RATIO if mixed else 1.2) if loops else MODULES_STEP_RATIO
+        assert s.predicted_bytes <= ratio * s.measured_bytes + STEP_SLACK_BYTES, (s, mixed)
+    median = statistics.median(s.predicted_bytes / s.measured_bytes for s, _ in steps)
+    assert median <= (1.2 if loops else MODULES_MEDIAN_RATIO), median
 
 
 # ----------------------------------------------------------------------------- refusals

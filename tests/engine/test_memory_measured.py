@@ -5,13 +5,12 @@ The model is small but not degenerate (head_dim 64, hidden 256, vocab 32000) and
 chunks every array is a few KB and the CPU allocator's rounding, not the formula, decides the peak.
 
 The model counts a gathered copy of each forward's KV. Every step's measured peak must stay under its
-prediction. The prediction is also checked to be tight: the median step within 1.5x, nine steps in ten
-within 2x. On the CPU a step's peak depends on timing: MLX's worker thread frees an operation's inputs
-when it has run it, the main thread when it has queued its consumers, so a tiny model's step measures
-lower in some runs than in others. Locally a step's ratio reached 1.9x; on CI one pipelined one-row
-decode measured 0.49 MB, against a 1.18 MB prediction (2.4x); here the same step measures 1.00-1.13 MB.
-With slice reads (a row in consecutive blocks is read as a view, no copy) the prediction must stay an
-upper bound, and is looser by the gather it counts.
+prediction. The prediction is also checked to be tight: the median step within 1.2x, nine steps in ten
+within 1.35x. On the CPU MLX allocates an operation's output when the host queues it and frees its
+inputs when its worker thread has run it, so a step's peak would depend on how far the worker is
+behind; the runner waits between a forward's stages (ModelRunner.stage_waits) so that it does not. With
+slice reads (a row in consecutive blocks is read as a view, no copy) the prediction must stay an upper
+bound.
 """
 
 from __future__ import annotations
@@ -64,5 +63,5 @@ def test_measured_step_peak_within_prediction(small_llama, tiny_parts, read_slic
             pipelined += step.pipelined
     assert checked > 20 and pipelined > 5
     ratios.sort()
-    assert ratios[len(ratios) // 2] <= 1.5, ratios  # the median step
-    assert ratios[int(0.9 * len(ratios)) - 1] <= 2, ratios  # nine steps in ten
+    assert ratios[len(ratios) // 2] <= 1.2, ratios  # the median step
+    assert ratios[int(0.9 * len(ratios)) - 1] <= 1.35, ratios  # nine steps in ten

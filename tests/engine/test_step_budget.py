@@ -3,21 +3,31 @@ weights, every step's measured transient stays within its prediction and its pre
 memory the KV pool leaves free; every request finishes; KV gets most of what the weights leave.
 
 Random mixes (hypothesis) of prompt lengths, decode rows and arrival order, kept few and short so the
-test runs in seconds on a loaded 2-core machine. On the CPU a step's measured peak can only come out
-lower than what its arrays need (MLX's worker frees an operation's inputs as soon as it has run it), so
-the property asserted on every step is one-sided; the tightness (median step) is asserted on a fixed
-workload.
+test runs in seconds on a loaded 2-core machine. Every step: measured <= predicted <= 1.7x measured;
+every example of ten steps or more: the median step's prediction within 1.25x (a fixed burst: 1.2x).
+On the CPU the runner waits between a forward's stages (ModelRunner.stage_waits: a decode's layers and
+its head, a chunk's attention blocks and its layers' attention and MLP), so a step's peak does not
+depend on how far MLX's worker is behind the host and the prediction can be tight.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 
+import mlx.core as mx
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.core.types import SamplingParams
 
 MAX_MODEL_LEN = 1024
+# Every step's prediction within this of its measurement: the tiny model's smallest prompt chunks (a few
+# hundred KB) are where its calibration is loosest (docs/memory.md)
+MAX_STEP_RATIO = 1.7
+# ... and the median step's of a random example: the tiny model's prompt chunks are predicted 1.1-1.3x,
+# its decodes 1.05-1.15x, so a mix of mostly chunks lands near 1.2; a burst of mostly decodes (below)
+# within 1.2x
+MEDIAN_STEP_RATIO = 1.25
 
 
 def run_burst(make_engine, headroom: int, requests, chunk: int = 128, max_num_seqs: int = 8) -> tuple[list, object]:
@@ -35,6 +45,10 @@ def run_burst(make_engine, headroom: int, requests, chunk: int = 128, max_num_se
             i, (n, m, _) = pending.pop(0)
             engine.add_request(f"r{i}", [3 + (i * 7 + k) % 900 for k in range(n)],
                                SamplingParams(max_tokens=m, ignore_eos=True))
+        # on a fresh buffer cache, as the grid measured: a buffer MLX serves from its cache may be up to two
+        # pages larger than asked and counts whole, which the tiny model's steps of a few hundred KB show
+        # (docs/memory.md, "Measured peaks in a long-running process")
+        mx.clear_cache()
         records.append(engine.step())
         step += 1
         assert step < 5000
@@ -66,23 +80,24 @@ def check_steps(records, engine) -> list[float]:
        headroom=st.sampled_from([6 << 20, 12 << 20, 64 << 20]), chunk=st.sampled_from([64, 128, 256]))
 def test_property_every_step_within_prediction_and_free_memory(make_engine, requests, headroom, chunk):
     records, engine = run_burst(make_engine, headroom, requests, chunk)
-    check_steps(records, engine)
+    ratios = check_steps(records, engine)
     assert not engine.has_unfinished()
+    assert max(ratios) <= MAX_STEP_RATIO, sorted(ratios)
+    if len(ratios) >= 10:  # the median of a few steps is one of them
+        assert statistics.median(ratios) <= MEDIAN_STEP_RATIO, sorted(ratios)
 
 
 def test_tight_burst_kv_share_and_tightness(make_engine):
     """A burst that fills the KV pool: KV gets >= 75% of what the weights leave, some steps are cut to
-    the free memory, and the prediction stays within 2x at the median step. Most steps of this burst
-    decode: the same decode step of the tiny model measures up to 1.4x apart from one run to the next
-    (how early MLX's worker frees its inputs), and the prediction must cover the largest."""
+    the free memory, and the prediction stays within 1.2x at the median step."""
     requests = [(300 + (i * 137) % 700, 4 + (i * 5) % 20, 0) for i in range(24)]
-    records, engine = run_burst(make_engine, 16 << 20, requests, chunk=256, max_num_seqs=16)
+    records, engine = run_burst(make_engine, 12 << 20, requests, chunk=256, max_num_seqs=16)
     ratios = sorted(check_steps(records, engine))
     stats = engine.stats()
     assert stats.kv_budget_bytes >= 0.75 * (stats.memory_limit_bytes - stats.weights_bytes)
     assert any(r.plan is not None and r.plan.memory_limited for r in records)
     assert max(r.plan.num_batched_tokens for r in records if r.plan is not None) > 256  # not the floor only
-    assert ratios[len(ratios) // 2] <= 2.0, ratios
+    assert statistics.median(ratios) <= 1.2, ratios
 
 
 def test_default_step_budget_is_resolved_for_the_device(make_engine):
