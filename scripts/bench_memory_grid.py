@@ -219,7 +219,8 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
             terms = prefill_terms(shape, cc, n, logits)
             terms["prefill_gather"] *= gathers
             points.append(dict(kind="prefill", variant=label, path=path, c=cc, n=n, logits=logits, B=1, gathers=gathers,
-                               copies_viewed_kv=True, measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
+                               copies_viewed_kv=engine.memory.copies_viewed_kv, measured=st["measured"],
+                               predicted=st["predicted"], step_s=st["step_s"],
                                whole_step_measured=st["whole_step_measured"], terms=terms))
         engine.abort("g")
         engine = recorder = None  # the next engine starts from nothing alive but the weights

@@ -89,10 +89,13 @@ def test_a_mixed_forward_that_fails_to_build_runs_apart(make_engine, tiny_parts,
 
 def test_scheduler_mixes_only_within_the_bound(make_engine):
     def plan_with_bound(shrink: int):
-        """The second step of a decoding row and a new prompt, with the bound lowered by `shrink`."""
-        engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=24, max_num_seqs=4,
+        """The second step of a decoding row and a new prompt, with the bound lowered by `shrink`. The
+        chunk is long enough (96 tokens) that its layers, not the decode row's head, are the mixed
+        forward's largest stage (on the CPU a shorter chunk's mixed forward predicts exactly the decode
+        row's head: the same as the separate forwards)."""
+        engine = make_engine(prefill_chunk_size=96, max_num_batched_tokens=104, max_num_seqs=4,
                              prefix_cache_fraction=0.0)
-        prompts = prompts_of([3, 40], engine.memory.shape.vocab_size, seed=1)
+        prompts = prompts_of([3, 150], engine.memory.shape.vocab_size, seed=1)
         engine.add_request("a", prompts[0], SamplingParams(max_tokens=5, ignore_eos=True))
         engine.step()  # "a" prefilled: it decodes from now on
         engine.add_request("b", prompts[1], SamplingParams(max_tokens=5, ignore_eos=True))

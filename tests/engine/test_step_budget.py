@@ -3,8 +3,8 @@ weights, every step's measured transient stays within its prediction and its pre
 memory the KV pool leaves free; every request finishes; KV gets most of what the weights leave.
 
 Random mixes (hypothesis) of prompt lengths, decode rows and arrival order, kept few and short so the
-test runs in seconds on a loaded 2-core machine. Every step: measured <= predicted <= 1.7x measured;
-every example of ten steps or more: the median step's prediction within 1.25x (a fixed burst: 1.2x).
+test runs in seconds on a loaded 2-core machine. Every step: measured <= predicted <= 1.8x measured;
+every example of ten steps or more: the median step's prediction within 1.3x (a fixed burst: 1.2x).
 On the CPU the runner waits between a forward's stages (ModelRunner.stage_waits: a decode's layers and
 its head, a chunk's attention blocks and its layers' attention and MLP), so a step's peak does not
 depend on how far MLX's worker is behind the host and the prediction can be tight.
@@ -22,12 +22,12 @@ from engine.core.types import SamplingParams
 
 MAX_MODEL_LEN = 1024
 # Every step's prediction within this of its measurement: the tiny model's smallest prompt chunks (a few
-# hundred KB) are where its calibration is loosest (docs/memory.md)
-MAX_STEP_RATIO = 1.7
-# ... and the median step's of a random example: the tiny model's prompt chunks are predicted 1.1-1.3x,
-# its decodes 1.05-1.15x, so a mix of mostly chunks lands near 1.2; a burst of mostly decodes (below)
+# hundred KB) are where the CPU set, fitted over larger shapes too, is loosest (docs/memory.md)
+MAX_STEP_RATIO = 1.8
+# ... and the median step's of a random example: the tiny model's prompt chunks are predicted 1.1-1.4x,
+# its decodes 1.15-1.2x, so a mix of mostly chunks lands above 1.2; a burst of mostly decodes (below)
 # within 1.2x
-MEDIAN_STEP_RATIO = 1.25
+MEDIAN_STEP_RATIO = 1.3
 
 
 def run_burst(make_engine, headroom: int, requests, chunk: int = 128, max_num_seqs: int = 8) -> tuple[list, object]:

@@ -224,27 +224,12 @@ def shape_key(shape: ModelShape) -> tuple:
 #         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
 #         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
 LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
-# The engine's tiny test model (the `tiny` model name: 2 layers, hidden 64, head_dim 16, float32), on the
-# CPU with the engine's loops, from its own points of scripts/data/cpu_i24_grid.json: its forwards of a few
-# hundred KB are where the set's fit over larger shapes is loosest (docs/memory.md). prefill_logits is
-# raised to what a prompt's last chunk measured in the engine's tests (244.5 KB: its logits row and 48 KB
-# more, which the grid's prompt ends do not show):
-#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu --fit-path loops \
-#         --fit-variants tiny --layers-in-flight 1 --margin 1.06 --margin-bytes 12288   # cpu_i24_fit.json "tiny"
-TINY_FLOAT32 = (2, 64, 4, 2, 16, 128, 49152, 4)
 SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the set)
     # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
     ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_scores=2.109,
         decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
-    ("cpu", TINY_FLOAT32): ("tiny model calibration of the cpu set", replace(
-        CPU_COEFFICIENTS,
-        prefill_scores=2.09, prefill_mask=3.142, prefill_mlp=5.38, prefill_hidden=0.4515,
-        prefill_logits=1.2, decode_gather=1.139, decode_scores=0.2484, decode_logits=1.071,
-        decode_mlp=12.59, decode_hidden=0.01522, prefill_gather=1.04, step_overhead_bytes=14563,
-        prefill_overhead_bytes=2281, prefill_layer_rows=8.732, prefill_attention_hidden=8.658,
-        family_rows=0.4872)),
 }
 
 

@@ -11,7 +11,8 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   (attention scores and their softmax, the causal mask, one layer's KV of the row gathered from the
   pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last
   position's logits); a chunk that reads its row's KV as a view of the pool and ends the prompt adds
-  one copy of that KV (n*H_kv*2*d*s), read by its last position's one query. Rows prefill one after
+  one copy of that KV (n*H_kv*2*d*s), read by its last position's one query (the engine's chunk
+  loop, but not with cpu_math's attention on MLX's CPU backend, which reads the view). Rows prefill one after
   another, each evaluated before the next, so a step's prefill transient is the largest chunk's.
 - Decode of B rows, the longest with n keys, r of them sampling:
       b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
@@ -101,8 +102,9 @@ class MemoryModel:
         of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
         the same forward as its first prompt chunk (engine/model/layers/mixed.py); the scheduler has it do so when
         that forward's transient, both's, stays within the bound of separate forwards.
-        `copies_viewed_kv`: a chunk ending its prompt copies its viewed KV for its last query (False:
-        runs recorded by an engine that did not, replayed by scripts/bench_memory_grid.py)."""
+        `copies_viewed_kv`: a chunk ending its prompt copies its viewed KV for its last query (the
+        engine's chunk loop but with cpu_math's attention; False: also runs recorded by an engine that
+        did not, replayed by scripts/bench_memory_grid.py)."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -252,7 +254,9 @@ class MemoryModel:
             decode_mlp=m * b * s.intermediate_size * s.dtype_bytes, decode_hidden=m * b * s.hidden_size * s.dtype_bytes,
             family_rows=m * s.extra_hidden_rows * b * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1)
         head = self.decode_head_terms(b, samples)
-        return (layers, head + TransientTerms(step_overhead_bytes=1)) if self.coefficients.head_apart else (layers + head,)
+        if self.coefficients.head_apart:
+            return layers, head + TransientTerms(step_overhead_bytes=1)
+        return (layers + head,)
 
     def decode_head_terms(self, num_rows: int, samples: int = 0) -> TransientTerms:
         """The LM head of `num_rows` rows: their logits, and one sampling's temporaries per row that samples."""
@@ -282,7 +286,9 @@ class MemoryModel:
         if not k.head_apart:  # one stage
             return (self.chunk_phases(chunk.num_tokens + b, chunk.context_len, True, chunk.samples, chunk.gathers)[0]
                     + rows + self.decode_head_terms(b, samples),)
-        phases = self.chunk_phases(chunk.num_tokens + b, chunk.context_len, False, False, chunk.gathers)
+        # the chunk's stages over T + B rows, its head apart (the last query's copy of a viewed row kept)
+        phases = self.chunk_phases(chunk.num_tokens + b, chunk.context_len, chunk.computes_logits, False,
+                                   chunk.gathers)
         head = (self.decode_head_terms(b + chunk.computes_logits, samples + chunk.samples)
                 + TransientTerms(step_overhead_bytes=1, prefill_overhead_bytes=1))
         if k.phases_apart:  # the rows' attention a stage of its own, after the chunk's: beside the
@@ -291,7 +297,8 @@ class MemoryModel:
             stream = TransientTerms(fixed_bytes=MIXED_STREAM_ROWS * self.layer_factor * (chunk.num_tokens + b)
                                     * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1, prefill_overhead_bytes=1)
             return (phases[0], stream + rows, phases[1], head)
-        return (phases[0] + rows, head)
+        together = phases[0] - TransientTerms(prefill_logits=phases[0].prefill_logits)  # the head is apart
+        return (together + rows, head)
 
     def mixed_bytes(self, chunk: PrefillChunkPlan, context_lens: Sequence[int], samples: int = 0) -> int:
         """One forward of a prompt chunk and B decoding rows (engine/model/layers/mixed.py): the larger of

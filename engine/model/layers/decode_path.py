@@ -72,9 +72,11 @@ class ReferenceOps:
         out = view.attend(i, q, scale)
         if out is None:
             keys, values = self.read_kv(view, i) if kv is None else kv
-            if q.shape[2] == 1 and view.reads_slice:
+            if q.shape[2] == 1 and view.reads_slice and not self.cpu_math:
                 # MLX's one-query attention on CUDA misreads a K/V view that starts inside the pool's
-                # buffer (an H200 gave NaN logits for a chunk's last position); a copy is read right
+                # buffer (an H200 gave NaN logits for a chunk's last position); a copy is read right.
+                # cpu_math's attention (MLX's CPU backend) reads the view: the copy would be the largest
+                # array of a long row's last stage (MemoryModel copies_viewed_kv)
                 keys, values = mx.contiguous(keys), mx.contiguous(values)
             out = self.attention(q, keys, values, scale, "causal" if q.shape[2] > 1 else view.mask, stages)
         return out
