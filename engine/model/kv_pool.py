@@ -202,7 +202,12 @@ class KVPool:
         dst = mx.array(self.rows(dst_slots).reshape(-1), mx.int32)
         for arrays in (self.keys, self.values):
             for i in range(self.num_layers):
-                arrays[i][dst] = arrays[i][src]  # [H_kv * n, D]
+                # the rows read first: a write into a pool array that a pending read still holds
+                # copies the whole array instead of writing it in place
+                rows = arrays[i][src]  # [H_kv * n, D]
+                mx.eval(rows)
+                arrays[i][dst] = rows
+                del rows
                 mx.eval(arrays[i])
 
 

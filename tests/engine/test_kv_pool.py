@@ -265,3 +265,30 @@ def test_sliding_layers_in_rings_read_their_window_from_the_row_s_ring():
     assert keys[0, 0, :, 0].tolist() == [-1.0 if p >= 40 else float(r) for p, r in zip(range(33, 45), expected)]
     with pytest.raises(ValueError, match="ring_tokens=4 must hold the window of 8"):
         KVPool(2, 1, 4, mx.float32, 16, layer_windows=(8, None), ring_rows=2, ring_tokens=4)
+
+
+def test_prefix_copy_writes_the_pool_in_place():
+    """A prefix-cache copy's transient is the copied rows and their indices (MemoryModel.kv_copy_bytes),
+    not a copy of the pool's array: its rows are read before the write (KVPool.copy)."""
+    import numpy as np
+
+    from engine.core.memory.model import MemoryModel, ModelShape
+    from engine.model.kv_pool import KVPool
+
+    pool = KVPool(2, 2, 16, mx.float32, 256)
+    pool.grow(4)
+    src, dst = np.arange(24), np.arange(256, 280)
+    before = np.array(pool.keys[0])
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    pool.copy(src, dst)
+    mx.synchronize()
+    transient = mx.get_peak_memory() - base
+    shape = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, vocab_size=100, dtype_bytes=4)
+    assert transient <= MemoryModel(shape).kv_copy_bytes(24) < pool.keys[0].nbytes // 10
+    after = np.array(pool.keys[0])
+    rows = lambda slots: pool.rows(slots).reshape(-1)  # noqa: E731
+    assert np.array_equal(after[rows(dst)], before[rows(src)])

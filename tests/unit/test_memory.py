@@ -48,8 +48,9 @@ def test_kv_budget_leaves_room_for_the_pool_growth_copy():
         growth = m.kv_growth_bound_bytes(budget)
         assert budget + max(forward, growth) <= available
         assert budget + max(forward, growth) >= available - m.kv_bytes_per_token  # nothing wasted
-    # growth of a full pool: one layer's K (or V) of the pool and its indices
-    assert m.kv_copy_bytes(1000) == 1000 * (8 * 128 * 2 + 8)
+    # growth of a full pool: one layer's K (or V) of the pool; a prefix copy's also its int32 source and
+    # destination rows, one per KV head and token
+    assert m.kv_copy_bytes(1000) == 1000 * 8 * (128 * 2 + 8)
 
 
 # --- backend coefficient sets ------------------------------------------------------------------------

@@ -135,9 +135,10 @@ class MemoryModel:
 
     def kv_copy_bytes(self, num_tokens: int) -> int:
         """Transient of copying one layer's K (or V) of `num_tokens` slots of the pool (growth of a
-        pool of that size, or a prefix-cache copy), with its int32 source and destination slots."""
+        pool of that size, or a prefix-cache copy), with its int32 source and destination rows (one
+        per KV head and token: engine/model/kv_pool.py `KVPool.copy`)."""
         s = self.shape
-        return num_tokens * (s.num_kv_heads * s.head_dim * s.dtype_bytes + 8)
+        return num_tokens * s.num_kv_heads * (s.head_dim * s.dtype_bytes + 8)
 
     def kv_budget_bytes(self, available_bytes: int, forward_bound_bytes: int) -> int:
         """KV budget out of `available_bytes` (memory limit less weights) such that
