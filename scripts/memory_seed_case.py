@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The seed case of docs/memory.md, computed by the memory model: 4 concurrent 8192-token prompts on a
+"""The seed case of docs/memory_cuda.md, computed by the memory model: 4 concurrent 8192-token prompts on a
 Llama-3-8B shape (bf16) at the engine's default configuration. Prints JSON.
 
     python scripts/memory_seed_case.py [--lengths 8192,8192,8192,8192]
