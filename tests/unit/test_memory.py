@@ -107,7 +107,7 @@ def test_a_shape_calibration_replaces_the_backend_set_for_that_shape_only():
     # tighter on the 8B's default 512-token chunk, and still an upper bound the scheduler bounds with
     models = [MemoryModel(bf16, coefficients=c, paged_decode=True) for c in (calibrated, CUDA_OPS8_COEFFICIENTS)]
     tight, generic = (m.prefill_chunk_bytes(512, 8192, computes_logits=False, gathers=False) for m in models)
-    assert 335_562_440 <= tight < generic  # 335.56 MB: that chunk measured on an H200 (docs/memory.md)
+    assert 335_562_440 <= tight < generic  # 335.56 MB: that chunk measured on an H200 (docs/memory_cuda.md)
     # the terms no 8B grid point fits (a fragmented row's gathered KV) count as in the backend's set: the
     # bound, and so the KV budget, is no worse than with it
     assert models[0].transient_bound_bytes(16, 512, 131072) <= models[1].transient_bound_bytes(16, 512, 131072)
