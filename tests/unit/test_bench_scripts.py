@@ -283,3 +283,20 @@ def test_constrained_cost_is_the_mixed_over_the_free_median():
     result = {}
     assert constrained._median_cost(result, passes, "t", "t_median", "t_cost") == {"free": 2.0, "mixed": 2.5}
     assert result == {"t_median": {"free": 2.0, "mixed": 2.5}, "t_cost": 0.25}
+
+
+def test_long_span_attention_fills_the_device_and_takes_head_sizes_a_warp_splits():
+    """The long-span decode kernel's span (engine/model/kernels/split_attention.py): the longest power of
+    two from 64 to 1024 keys that still gives about four thread blocks per multiprocessor; head sizes whose
+    rows split into 16-byte loads over a divisor of a warp's lanes."""
+    from engine.model.kernels.split_attention import span_keys, supports
+
+    assert span_keys(64, 8, 768) == 512  # 64 rows x 8 KV heads x 2 spans = 1024 blocks >= 4 x 132
+    assert span_keys(128, 8, 768) == 1024
+    assert span_keys(16, 8, 768) == 128
+    assert span_keys(1, 8, 256) == 64  # a lone short row: the shortest span
+    for rows, heads, length in ((64, 8, 768), (16, 8, 768), (8, 8, 2304)):
+        keys = span_keys(rows, heads, length)
+        assert rows * heads * -(-length // keys) >= 4 * 132 or keys == 64
+        assert keys == 1024 or rows * heads * -(-length // (2 * keys)) < 4 * 132
+    assert [supports(d) for d in (64, 96, 128, 256, 80)] == [True, False, True, True, False]

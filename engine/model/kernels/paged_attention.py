@@ -12,6 +12,10 @@ PagedAttention, with the split over the sequence of flash-decoding):
    queries over that span's keys;
 2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output.
 
+Where the head size allows (engine/model/kernels/split_attention.py `supports`), the first kernel is
+the long-span one of that module instead: spans of up to 1024 keys with 16-byte loads and an online
+softmax per warp, as many keys per span as still give the device about four blocks per multiprocessor.
+
 The engine's own layer loops (engine/model/layers/decode_path.py, mixed.py, chunk_path.py) call the
 kernel explicitly, through their `ForwardView` (engine/model/kv_pool.py), for their one-query
 forwards; forwards through mlx-lm's modules gather (the runner enables the kernel only where its loops
@@ -28,6 +32,7 @@ from typing import Optional
 import mlx.core as mx
 
 from engine.core.memory.model import PAGED_PARTIAL_KEYS
+from engine.model.kernels import split_attention
 
 _HEADER = """
 __device__ __forceinline__ float pa_warp_max(float v) {
@@ -223,10 +228,14 @@ class ReferenceAttention(PagedAttention):
 class CudaPagedAttention(PagedAttention):
     """The two CUDA kernels (module docstring)."""
 
-    def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS):
-        """`keys_per_partial` and `threads` other than the defaults are for timing variants
-        (scripts/check_paged_attention.py --variants): the memory model counts PAGED_PARTIAL_KEYS."""
+    def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS,
+                 spans: bool = True, keys_per_span: Optional[int] = None):
+        """`keys_per_partial` and `threads`: the short-span kernel's; `spans`: where the head size allows,
+        the long-span kernel (engine/model/kernels/split_attention.py) with as many keys per span as
+        still fill the device (fewer partials than the memory model's PAGED_PARTIAL_KEYS spans count);
+        `keys_per_span` fixes that length (timing variants, scripts/bench_decode_attention.py)."""
         super().__init__(num_kv_heads, block_size)
+        self.spans, self.keys_per_span = spans, keys_per_span
         if block_size % keys_per_partial or keys_per_partial % (threads // 32):
             raise ValueError(f"keys_per_partial={keys_per_partial} must divide block_size={block_size} "
                              f"and be a multiple of threads / 32 = {threads // 32}")
@@ -236,6 +245,9 @@ class CudaPagedAttention(PagedAttention):
             name="pool_attention_partial",
             input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
             output_names=["part", "stats"], source=_PARTIAL, header=_HEADER)
+        self._span_partial = mx.fast.cuda_kernel(
+            name="pool_attention_span", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            output_names=["part", "stats"], source=split_attention.SPAN_PARTIAL)
         self._combine = mx.fast.cuda_kernel(
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
@@ -244,12 +256,17 @@ class CudaPagedAttention(PagedAttention):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
         B, hq, _, d = queries.shape
-        ch, threads = self.keys_per_partial, self.threads
-        hkv, np_ = self.num_kv_heads, table.shape[1] * (self.block_size // ch)
-        nrep = hq // hkv
+        hkv, nrep, span = self.num_kv_heads, hq // self.num_kv_heads, self.spans and split_attention.supports(d)
+        if span:
+            threads, kernel = split_attention.SPAN_THREADS, self._span_partial
+            ch = self.keys_per_span or split_attention.span_keys(B, hkv, table.shape[1] * self.block_size)
+            np_ = -(-table.shape[1] * self.block_size // ch)
+        else:
+            ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
+            np_ = table.shape[1] * (self.block_size // ch)
         template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
                     ("CH", ch), ("THREADS", threads)]
-        part, stats = self._partial(
+        part, stats = kernel(
             inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
             grid=(B * hkv * np_ * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)],
