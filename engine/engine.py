@@ -116,7 +116,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,
-                            mix_beyond_bound=step_options.mix_beyond_bound, max_memory_bytes=max_memory),
+                            mix_beyond_bound=step_options.mix_beyond_bound, max_memory_bytes=max_memory,
+                            pad_last_chunk=config.execution.resolved_pad_last_chunk(backend)),
             self.memory, self.kv, view_reads=self.runner.pool.read_slices)
         # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
         # next step: what measured best (StepOptions' defaults).

@@ -153,8 +153,8 @@ class StepExecutor:
         views, gathers = set(), set()
         for c in plan.prefills:
             done = before.get(c.request_id, 0)
-            if c.num_tokens > 1:  # a one-token chunk always gathers (Scheduler.predict counts it so)
-                reads_view = self.runner.reads_slice(c.request_id, done + c.num_tokens)
+            if c.num_forward_tokens > 1:  # a one-token chunk always gathers (Scheduler.predict counts it so)
+                reads_view = self.runner.reads_slice(c.request_id, done + c.num_forward_tokens)
                 (views if reads_view else gathers).add(c.request_id)
             before[c.request_id] = done + c.num_tokens
         return frozenset(views - gathers)
@@ -201,7 +201,7 @@ class StepExecutor:
         first chunk, engine/model/layers/mixed.py), then each prompt chunk."""
         requests = self.scheduler.requests
         works = [PrefillWork(c.request_id, requests[c.request_id].prompt_token_ids[c.start:c.start + c.num_tokens],
-                             c.start, c.completes_prompt) for c in plan.prefills]
+                             c.start, c.completes_prompt, c.num_pad_tokens) for c in plan.prefills]
         builds = []
         if plan.mixed:  # if that forward cannot be built, the two run apart: a chunk's error fails its row only
             try:

@@ -181,7 +181,7 @@ def run_steps(engine, recorder, meter, until) -> list[dict]:
         out.append(dict(step_s=dt, measured=own.measured_bytes if own is not None else whole,
                         whole_step_measured=whole, predicted=plan.predicted_transient_bytes,
                         decodes=len(plan.decodes), context_lens=None,
-                        chunks=[(c.num_tokens, c.start + c.num_tokens, c.completes_prompt) for c in plan.prefills],
+                        chunks=[(c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt) for c in plan.prefills],
                         outputs=len(outputs), slice_reads=slices))
     return out
 
@@ -322,7 +322,7 @@ def steps_grid(lm: LoadedModel, label: str) -> list[dict]:
                 continue
             plan = record.plan
             points.append(dict(kind="step", variant=label, path=path, workload=w, decodes=len(plan.decodes),
-                               chunks=[(c.num_tokens, c.start + c.num_tokens, c.completes_prompt) for c in plan.prefills],
+                               chunks=[(c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt) for c in plan.prefills],
                                mixed=plan.mixed, pipelined=record.memory.pipelined,
                                predicted=record.memory.predicted_bytes, measured=record.memory.measured_bytes))
         engine = None

@@ -308,7 +308,7 @@ def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], 
             step_s=round(step_s, 6), predicted=predicted, plan_predicted=plan.predicted_transient_bytes,
             measured=measured,
             whole_step_measured=whole_step,
-            decodes=len(plan.decodes), chunks=[(c.num_tokens, c.start + c.num_tokens) for c in plan.prefills],
+            decodes=len(plan.decodes), chunks=[(c.num_forward_tokens, c.start + c.num_forward_tokens) for c in plan.prefills],
             mixed=getattr(plan, "mixed", False),
             # (launch, launched, wait, waited) of each forward, seconds from the step's start
             forwards_s=forwards,

@@ -11,9 +11,10 @@ process:
 - engine: this engine with `memory_limit_bytes` = what is alive before it (the weights) + the headroom;
   run until every request finished. Per step (`--steps`) its record: the plan's free memory for the
   transient (`free_transient_bytes`), the step's token budget, its chunks ([tokens, context, read as a
-  view]) and decode rows, predicted and measured transient, its duration and its forwards' timings; the
-  run's peak (MLX's, across the engine's own peak resets) against the limit; `num_chunk_shapes` (distinct
-  (tokens, context) pairs of its prompt chunks) and how many of them no earlier run of the process had
+  view, pad]) and decode rows, predicted and measured transient, its duration and its forwards' timings;
+  the run's peak (MLX's, across the engine's own peak resets) against the limit; `num_chunk_shapes`
+  (distinct (tokens, context) pairs its prompt chunks' forwards ran, a padded last chunk's pad included:
+  `--pad-last-chunk`) and how many of them no earlier run of the process had
   (`num_new_chunk_shapes`: on MLX's CUDA backend the first forward of a pair builds its attention graph).
 - mlx_lm: mlx-lm's BatchGenerator with mlx_lm.server's defaults on the same burst (no memory limit:
   its peak is what the burst needs there).
@@ -56,8 +57,9 @@ def step_entry(record, kv_allocated: int) -> dict:
         free_transient_bytes=plan.free_transient_bytes, step_budget_tokens=plan.step_budget_tokens,
         memory_limited=plan.memory_limited, tokens=plan.num_batched_tokens, decodes=len(plan.decodes),
         chunks=len(plan.prefills), kv_allocated_bytes=kv_allocated, pipelined=memory.pipelined,
-        chunk_shapes=[[c.num_tokens, c.start + c.num_tokens, int(c.request_id in record.slice_reads)]
-                      for c in plan.prefills],
+        # the shape each chunk's forward ran (a padded last chunk's pad included) and its pad
+        chunk_shapes=[[c.num_forward_tokens, c.start + c.num_forward_tokens, int(c.request_id in record.slice_reads),
+                       c.num_pad_tokens] for c in plan.prefills],
         mixed=plan.mixed, duration_s=round(record.duration_s, 5), schedule_s=round(record.schedule_s, 5),
         # per forward: seconds from the step's start to its launch and to the end of its wait (None: left
         # running into the next step)
@@ -77,6 +79,8 @@ def step_summary(steps: list[dict], seen_shapes: Optional[set]) -> dict:
         num_steps=len(steps), num_memory_limited_steps=sum(s["memory_limited"] for s in steps),
         num_forwards=sum(len(s["forwards"]) for s in steps), num_chunks=sum(s["chunks"] for s in steps),
         num_chunk_shapes=len(shapes), num_new_chunk_shapes=len(new_shapes),
+        num_padded_chunks=sum(c[3] > 0 for s in steps for c in s["chunk_shapes"]),
+        num_pad_tokens=sum(c[3] for s in steps for c in s["chunk_shapes"]),
         max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
         max_measured_bytes=max((s["measured"] for s in steps), default=0),
         num_underpredicted_steps=sum(s["measured"] > s["predicted"] for s in steps),
@@ -94,6 +98,8 @@ def build_engine(lm, limit: int, args, budget: Optional[int]):
 
     fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, **json.loads(args.engine_config or "{}"))
+    if args.pad_last_chunk != "auto":
+        fields["execution"] = {**fields.get("execution", {}), "pad_last_chunk": args.pad_last_chunk == "on"}
     if budget:
         fields["max_num_batched_tokens"] = budget
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
@@ -189,6 +195,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's max_model_len (default: the model's); prompts are clipped to fit it")
     p.add_argument("--engine-config", default=None, help="JSON of further EngineConfig fields")
+    p.add_argument("--pad-last-chunk", default="auto", choices=["auto", "on", "off"],
+                   help="ExecutionConfig.pad_last_chunk (auto: the engine's choice for the backend)")
     p.add_argument("--budgets", default="",
                    help="max_num_batched_tokens values to run each headroom with (comma-separated; default: "
                         "the engine's)")
@@ -237,7 +245,8 @@ def main(argv=None) -> dict:
                 f"{r['wall_s']:.2f} s, {r['num_refused']} refused, {r['num_finished']} finished, "
                 f"{r['num_underpredicted_steps']} steps under-predicted, {r['num_memory_limited_steps']} of "
                 f"{r['num_steps']} steps cut by memory, {r['num_forwards']} forwards, "
-                f"{r['num_new_chunk_shapes']} of {r['num_chunk_shapes']} chunk shapes new to the process")
+                f"{r['num_new_chunk_shapes']} of {r['num_chunk_shapes']} chunk shapes new to the process, "
+                f"{r['num_padded_chunks']} chunks padded")
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if "mlx_lm" in ways:

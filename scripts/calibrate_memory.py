@@ -93,7 +93,7 @@ def sample_shape(model, shape, tokenizer, rng, num_workloads):
             plan, peak = record.plan, record.memory.measured_bytes
             if len(plan.prefills) == 1 and not plan.decodes:
                 c = plan.prefills[0]
-                prefill.append((("prefill", shape, (c.num_tokens, c.start + c.num_tokens, c.completes_prompt)), peak))
+                prefill.append((("prefill", shape, (c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt)), peak))
             elif plan.decodes and not plan.prefills and not finished.intersection(plan.decodes):
                 lens = [num_tokens[i] - 1 for i in plan.decodes]  # KV after the forward
                 decode.append((("decode", shape, lens), peak))

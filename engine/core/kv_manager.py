@@ -79,6 +79,11 @@ class KVManager:
         """Blocks the pool must hold for every block handed out so far."""
         return self.allocator.num_blocks
 
+    def num_slots(self, request_id: str) -> int:
+        """Token positions the request's placed blocks hold (0: none placed): a padded last prompt chunk
+        (scheduler.py `_pad_tokens`) computes no position past them, so it needs no block of its own."""
+        return len(self._blocks.get(request_id, ())) * self.block_size
+
     def consecutive(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's first `num_tokens` positions lie in consecutive placed blocks (the
         runner then reads them as a view of the pool, engine/model/kv_pool.py)."""

@@ -8,7 +8,8 @@ Every step:
    always progresses; shorter prompts behind it share what is left of the budget. A budget that every
    prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
    chunk is its own forward, evaluated after the previous one: the memory bound is per chunk). A
-   chunk cut short of a whole one (by the budget or the memory) ends on a grid (`CHUNK_GRANULE`).
+   chunk cut short of a whole one (by the budget or the memory) ends on a grid, and with
+   `pad_last_chunk` a prompt's last chunk computes up to it past the prompt's end (chunk_grid.py).
 
 Memory policy (docs/memory.md): each step is sized to the memory free now. With
 `SchedulerConfig.max_memory_bytes` (memory limit - weights - a safety margin), a step's predicted
@@ -34,29 +35,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
+from engine.core.chunk_grid import aligned_chunk, padded_ends
 from engine.core.kv_manager import KVManager
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledChunk, SchedulerOutput,
                                processed)
-
-# A prompt chunk that stops short of both its prompt's end and `prefill_chunk_size` (cut by the free
-# memory or by what the step's budget leaves) ends on a multiple of this many tokens, or of a smaller power
-# of two where this one would take more than a quarter of it. So chunk shapes repeat from prompt to prompt:
-# on MLX's CUDA backend attention builds a cuDNN graph on the host for every new (query, key) length pair
-# (docs/benchmarks.md).
-CHUNK_GRANULE = 128
-
-
-def aligned_chunk(start: int, num_tokens: int) -> int:
-    """Tokens of a chunk of at most `num_tokens` (>= 1) from `start` that ends on a multiple of the
-    largest power of two <= CHUNK_GRANULE that keeps at least three quarters of it (never 0)."""
-    grid = CHUNK_GRANULE
-    while True:
-        tokens = (start + num_tokens) // grid * grid - start
-        if 4 * tokens >= 3 * num_tokens or grid == 1:
-            return tokens
-        grid //= 2
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -68,6 +51,10 @@ class SchedulerConfig:
     # Memory for the KV pool and one step's transient (memory limit - weights - margin); None: steps
     # are not sized to free memory (the transient bound alone).
     max_memory_bytes: Optional[int] = None
+    # A prompt's last chunk computes up to the grid past the prompt's end (chunk_grid.py;
+    # ExecutionConfig.pad_last_chunk), within the chunk size, the step's budget, the row's blocks,
+    # max_model_len and the free memory.
+    pad_last_chunk: bool = False
 
 
 class Scheduler:
@@ -202,7 +189,7 @@ class Scheduler:
         if mixed and (beyond or not self._fits(predicted, room)):
             limited = limited or not beyond
             mixed, predicted = False, self.predict(decodes, prefills)
-        tokens = len(decodes) + sum(c.num_tokens for c in prefills)
+        tokens = len(decodes) + sum(c.num_forward_tokens for c in prefills)
         return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=new_rows,
                                predicted_transient_bytes=predicted, mixed=mixed,
                                num_pool_blocks=self.kv.num_pool_blocks, free_transient_bytes=room,
@@ -256,12 +243,13 @@ class Scheduler:
             # one row that is not a plain argmax sends the whole batch through the sampler's processing
             # path ([B, V] float32 arrays), so every row is then counted as sampled
             decode_samples=len(decodes) if any(processed(requests[i].sampling) for i in decodes) else 0,
-            prefill_chunks=tuple(
-                PrefillChunkPlan(c.num_tokens, c.start + c.num_tokens, c.completes_prompt,
+            prefill_chunks=tuple(  # the tokens a chunk computes, a padded last chunk's pad included
+                PrefillChunkPlan(c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt,
                                  c.completes_prompt and processed(requests[c.request_id].sampling),
-                                 gathers=(c.request_id not in slice_reads or c.num_tokens < 2)
+                                 gathers=(c.request_id not in slice_reads or c.num_forward_tokens < 2)
                                  if slice_reads is not None
-                                 else not self._reads_view(c.request_id, c.start + c.num_tokens, c.num_tokens))
+                                 else not self._reads_view(c.request_id, c.start + c.num_forward_tokens,
+                                                           c.num_forward_tokens))
                 for c in prefills),
         )
         return self.memory.step_transient_bytes(plan, mixed=mixed)
@@ -298,8 +286,25 @@ class Scheduler:
             fitted = aligned_chunk(start, fitted)
         if fitted < at_least:
             return 0, cut
-        out.append(ScheduledChunk(request.request_id, start, fitted, fitted == remaining))
-        return fitted, cut
+        pad = self._pad_tokens(request, start, fitted, budget, room) if fitted == remaining else 0
+        out.append(ScheduledChunk(request.request_id, start, fitted, fitted == remaining, pad))
+        return fitted + pad, cut
+
+    def _pad_tokens(self, request: Request, start: int, num_tokens: int, budget: int, room: Optional[int]) -> int:
+        """Positions past the prompt's end its last chunk [start, start + num_tokens) computes (0: none):
+        up to the coarsest grid (chunk_grid.padded_ends) within `prefill_chunk_size` (a sliding-window
+        ring holds window - 1 + that: a pad never overwrites a key a real position reads), the step's
+        `budget`, the row's own blocks (never more KV than its reservation), max_model_len, and whose
+        chunk fits the free memory `room`."""
+        if not self.config.pad_last_chunk:
+            return 0
+        end = start + num_tokens
+        max_end = min(start + min(self.config.prefill_chunk_size, budget), self.config.max_model_len,
+                      self.kv.num_slots(request.request_id))
+        for padded in padded_ends(end, max_end):
+            if room is None or padded == end or self._chunk_bytes(request, start, padded - start, end) <= room:
+                return padded - end
+        return 0
 
     def _chunk_tokens(self, request: Request, start: int, num_tokens: int, room: Optional[int]) -> int:
         """The chunk `_add_chunk` would schedule from `start` with no budget limit: the largest of at
@@ -309,10 +314,11 @@ class Scheduler:
             return aligned_chunk(start, fitted)
         return fitted
 
-    def _chunk_bytes(self, request: Request, start: int, num_tokens: int) -> int:
-        """A prompt chunk's predicted transient (read as a view where `_reads_view`)."""
+    def _chunk_bytes(self, request: Request, start: int, num_tokens: int, real_end: Optional[int] = None) -> int:
+        """A prompt chunk's predicted transient (read as a view where `_reads_view`): `num_tokens` computed
+        from `start`, the prompt's real ones ending at `real_end` (default: all of them)."""
         end = start + num_tokens
-        ends = end == request.num_prompt_tokens
+        ends = (end if real_end is None else real_end) == request.num_prompt_tokens
         return self.memory.prefill_chunk_bytes(num_tokens, end, ends, ends and processed(request.sampling),
                                                gathers=not self._reads_view(request.request_id, end, num_tokens))
 

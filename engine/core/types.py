@@ -225,12 +225,20 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `request_id` starting at position `start`."""
+    """`num_tokens` tokens of `request_id` starting at position `start`; a prompt's last chunk may also
+    compute `num_pad_tokens` positions past the prompt's end (engine/core/chunk_grid.py): their KV lands
+    in the row's own slots, which decode overwrites before reading; the sample is the last real one's."""
 
     request_id: str
     start: int
     num_tokens: int
     completes_prompt: bool  # the chunk ends the prompt: sample the first output token
+    num_pad_tokens: int = 0
+
+    @property
+    def num_forward_tokens(self) -> int:
+        """Positions its forward computes (the shape it runs, what the memory model and budget count)."""
+        return self.num_tokens + self.num_pad_tokens
 
 
 @dataclass(frozen=True)
@@ -271,7 +279,8 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        """Tokens the step computes (what its budget counts): decode rows and chunks, pads included."""
+        return len(self.decodes) + sum(c.num_forward_tokens for c in self.prefills)
 
     @property
     def is_empty(self) -> bool:

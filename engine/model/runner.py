@@ -51,12 +51,18 @@ class RunnerOptions:
 
 @dataclass(frozen=True)
 class PrefillWork:
-    """Compute `token_ids` of one row at positions [start, start + len); sample if it ends the prompt."""
+    """Compute `token_ids` of one row at positions [start, start + len), then `num_pad_tokens` more
+    (ScheduledChunk's); sample the last real position if it ends the prompt."""
 
     request_id: str
     token_ids: list[int]
     start: int
     sample: bool
+    num_pad_tokens: int = 0
+
+    def forward_token_ids(self) -> list[int]:
+        """The tokens, then the pad (the last token repeated: any valid id would do)."""
+        return list(self.token_ids) + list(self.token_ids[-1:]) * self.num_pad_tokens
 
 
 @dataclass(frozen=True)
@@ -259,16 +265,18 @@ class ModelRunner:
         """Build (only: nothing runs) one prompt chunk's forward; `launch` runs it. Its `tokens` is
         the sampled token ([1]) when the chunk ends the prompt, else None."""
         row = self._chunk_row(work)
-        T = len(work.token_ids)
+        tokens = mx.array(work.forward_token_ids())[None]  # [1, T]
+        T, pad = tokens.shape[1], work.num_pad_tokens
         view = ForwardView(self.pool, [row], T)
-        tokens = mx.array(work.token_ids)[None]
         stages = [] if self.stage_waits else None  # the layers' attention and MLP apart (`launch`)
         if self.chunk_path is not None:
             self._count(T)
-            hidden = self.chunk_path.forward(tokens, view, work.sample, stages)  # [1, 1, D], or None
+            hidden = self.chunk_path.forward(tokens, view, work.sample, stages, num_pad=pad)  # [1, 1, D], or None
         else:
             hidden = self._forward(tokens, view.layers())  # [1, T, D]
+            hidden = hidden[:, : T - pad] if pad else hidden
         view.advance()
+        row.offset -= pad  # the pad's slots hold no position's KV: the next token is written over them
         stages = [[h] for h in stages or ()]
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
             # Handles to this chunk's pool arrays, not the pool's array objects: MLX rebinds those on
@@ -305,15 +313,17 @@ class ModelRunner:
         must be set). Its `tokens`: the chunk's sampled token if it ends the prompt, then one per
         decode row, in `decodes` order."""
         row = self._chunk_row(work)
-        T = len(work.token_ids)
-        chunk_view = ForwardView(self.pool, [row], T)
+        chunk_ids = work.forward_token_ids()
+        chunk_view = ForwardView(self.pool, [row], len(chunk_ids))
         decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1)
-        tokens = mx.array(list(work.token_ids) + [w.token_id for w in decodes])
+        tokens = mx.array(chunk_ids + [w.token_id for w in decodes])
         self._count(tokens.size)
         # the prompt's last position only if it samples, then the decode rows: [1, (1 +) B, D]
         stages = [] if self.stage_waits else None  # the layers' attention and MLP apart (`launch`)
-        hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample, stages=stages)
+        hidden = self.mixed.forward(tokens, chunk_view, decode_view, sample=work.sample, stages=stages,
+                                    num_pad=work.num_pad_tokens)
         chunk_view.advance()
+        row.offset -= work.num_pad_tokens  # as in `prefill`
         decode_view.advance()
         samplers = ([self.samplers[work.request_id]] if work.sample else []) + [
             self.samplers[w.request_id] for w in decodes]

@@ -67,9 +67,26 @@ def test_step_budget_defaults_per_device_and_an_explicit_value_wins(backend, bud
     resolved = cfg.for_backend(backend)
     assert resolved.max_num_batched_tokens == budget and resolved.max_num_seqs == cfg.max_num_seqs
     assert cfg.max_num_batched_tokens is None  # a new object: the configuration is never written into
-    explicit = EngineConfig(max_num_batched_tokens=1024)
+    explicit = EngineConfig(max_num_batched_tokens=1024, execution=ExecutionConfig(pad_last_chunk=False))
     assert explicit.resolved_max_num_batched_tokens(backend) == 1024
     assert explicit.for_backend(backend) is explicit
+
+
+@pytest.mark.parametrize("backend, padded", [("cuda", True), ("metal", False), ("cpu", False)])
+def test_last_chunk_padding_on_cuda_only_unless_set(backend, padded):
+    """Padding a prompt's last chunk to the grid pays where each new chunk shape builds an attention graph
+    (MLX's CUDA backend); elsewhere the pad is extra compute. An explicit value wins; the engine's
+    `config` holds the value it runs with."""
+    cfg = EngineConfig()
+    assert cfg.execution.pad_last_chunk is None
+    assert cfg.execution.resolved_pad_last_chunk(backend) is padded
+    assert cfg.for_backend(backend).execution.pad_last_chunk is padded
+    for value in (True, False):
+        explicit = EngineConfig(execution={"pad_last_chunk": value})  # as serve.yaml gives it
+        assert explicit.execution.resolved_pad_last_chunk(backend) is value
+        assert explicit.for_backend(backend).execution.pad_last_chunk is value
+    with pytest.raises(ValueError, match="pad_last_chunk"):
+        EngineConfig(execution={"pad_last_chunk": "sometimes"})
 
 
 def test_default_step_budget_rises_to_what_the_other_fields_need():

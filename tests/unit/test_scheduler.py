@@ -6,16 +6,17 @@ from hypothesis import given, settings, strategies as st
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.types import FinishReason, Request, SamplingParams
 from engine.core.kv_manager import KVManager
-from engine.core.scheduler import CHUNK_GRANULE, Scheduler, SchedulerConfig, aligned_chunk
+from engine.core.chunk_grid import CHUNK_GRANULE, aligned_chunk
+from engine.core.scheduler import Scheduler, SchedulerConfig
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                    intermediate_size=128, vocab_size=1000, dtype_bytes=4)
 STEP = 16
 
 
-def make(max_num_seqs=8, budget=32, chunk=8, max_model_len=512, kv_tokens=4096) -> Scheduler:
+def make(max_num_seqs=8, budget=32, chunk=8, max_model_len=512, kv_tokens=4096, pad=False) -> Scheduler:
     memory = MemoryModel(SHAPE, kv_step=STEP)
-    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len)
+    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, pad_last_chunk=pad)
     kv = KVManager(STEP, memory.kv_bytes_per_token, kv_tokens * memory.kv_bytes_per_token)
     return Scheduler(cfg, memory, kv)
 
@@ -214,14 +215,16 @@ def test_mix_beyond_bound_mixes_a_step_the_bound_would_split():
         assert (out.predicted_transient_bytes > s.transient_bound_bytes) == beyond
 
 
-def make_tight(free_bytes: int, max_num_seqs=8, budget=64, chunk=32, max_model_len=256, view_reads=False):
+def make_tight(free_bytes: int, max_num_seqs=8, budget=64, chunk=32, max_model_len=256, view_reads=False,
+               pad=False):
     """A scheduler whose memory beside the KV pool is the floor step + `free_bytes`: the KV budget
     is what the engine gives it (MemoryModel.kv_budget_bytes against the floor)."""
     memory = MemoryModel(SHAPE, kv_step=STEP)
     floor = memory.floor_transient_bytes(chunk, max_model_len)
     max_memory = 64 * max_model_len * memory.kv_bytes_per_token // 8 + floor + free_bytes
     kv = KVManager(STEP, memory.kv_bytes_per_token, memory.kv_budget_bytes(max_memory, floor))
-    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, max_memory_bytes=max_memory)
+    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, max_memory_bytes=max_memory,
+                          pad_last_chunk=pad)
     return Scheduler(cfg, memory, kv, view_reads=view_reads)
 
 

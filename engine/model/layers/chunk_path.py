@@ -49,13 +49,15 @@ class ChunkPath:
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
         self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
 
-    def forward(self, tokens: mx.array, view, sample: bool, stages: Optional[list] = None) -> Optional[mx.array]:
+    def forward(self, tokens: mx.array, view, sample: bool, stages: Optional[list] = None,
+                num_pad: int = 0) -> Optional[mx.array]:
         """tokens [1, T] -> the final-normed hidden state of the last position, [1, 1, D], if `sample`
         (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
         row and T new tokens, whose KV it writes (and reads). `stages`: a list the forward appends its
         causal attention's blocks' outputs to (engine/model/layers/cpu_math.py), then its residual stream
         after each layer's attention and after each MLP but the last, for a runner that evaluates them
-        one by one (ModelRunner.stage_waits)."""
+        one by one (ModelRunner.stage_waits). `num_pad`: the last tokens are a pad past the prompt's end
+        (engine/core/chunk_grid.py): the sampled position is the one before them, which reads no pad key."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
         swiglu = self.ops.swiglu
         T = tokens.shape[1]
@@ -67,15 +69,17 @@ class ChunkPath:
             k = layer.rope(layer.norm_k(layer.k(x).reshape(1, T, H_kv, d)).transpose(0, 2, 1, 3), offset=offset)
             v = layer.v(x).reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             view.write(i, k, v)
+            at = 0  # the first position whose query this layer computes
             if i == last:
                 if not sample:
                     return None
-                if T > 1:  # the last position's query, attention and MLP alone
-                    x, h = x[:, -1:], h[:, -1:]
+                if T > 1:  # the last real position's query, attention and MLP alone
+                    at = T - 1 - num_pad
+                    x, h = x[:, at:at + 1], h[:, at:at + 1]
             Tq = x.shape[1]
             q = layer.rope(layer.norm_q(layer.q(x).reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
-                           offset=offset + T - Tq)
-            out = self.ops.attend(view, i, q, layer.scale, stages=stages)
+                           offset=offset + at)
+            out = self.ops.attend(view, i, q, layer.scale, stages=stages, drop_keys=num_pad if at else 0)
             h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
             if stages is not None:
                 stages.append(h)

@@ -63,15 +63,18 @@ class ReferenceOps:
         return cpu_math.swiglu(gate, up) if self.cpu_math else swiglu(gate, up)
 
     def attend(self, view, i: int, q: mx.array, scale: float, kv: Optional[tuple] = None,
-               stages: Optional[list] = None) -> mx.array:
+               stages: Optional[list] = None, drop_keys: int = 0) -> mx.array:
         """Layer i's attention of `q` [B, H, Tq, d] over the KV `view` holds (its new keys written):
         in the pool in place where the view is paged, else over what it reads (a view of one row, or
         the rows' gathered KV) with `attention`, causal for several queries, else masked to each row's
         length (`view.mask`, None for one row). `kv`: what `read_kv` returned for this layer (None:
-        read here); `stages`: `attention`'s."""
+        read here); `stages`: `attention`'s; `drop_keys`: one row's last keys left out (a padded prompt
+        chunk's pad, for the one query of its last real position)."""
         out = view.attend(i, q, scale)
         if out is None:
             keys, values = self.read_kv(view, i) if kv is None else kv
+            if drop_keys:
+                keys, values = keys[:, :, :-drop_keys], values[:, :, :-drop_keys]
             if q.shape[2] == 1 and view.reads_slice and not self.cpu_math:
                 # MLX's one-query attention on CUDA misreads a K/V view that starts inside the pool's
                 # buffer (an H200 gave NaN logits for a chunk's last position); a copy is read right.

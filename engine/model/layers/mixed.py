@@ -41,12 +41,13 @@ class MixedForward:
         self.path = path
 
     def forward(self, tokens: mx.array, chunk_view, decode_view, sample: bool = True,
-                stages: Optional[list] = None) -> mx.array:
+                stages: Optional[list] = None, num_pad: int = 0) -> mx.array:
         """tokens [T + B]: the chunk's T tokens, then one per decode row -> the final-normed hidden
         states of the rows that go on to the LM head, [1, (1 +) B, D]: the chunk's last position if it
         `sample`s, then the decode rows. `chunk_view`: one row, T new tokens; `decode_view`: B rows,
         one each. The last layer computes the other chunk positions' keys and values only (as
-        engine/model/layers/chunk_path.py does for a chunk alone). `stages`: as ChunkPath.forward's."""
+        engine/model/layers/chunk_path.py does for a chunk alone). `stages`, `num_pad` (the chunk's last
+        tokens are a pad: it samples the position before them): as ChunkPath.forward's."""
         path = self.path
         backbone, ops = path.backbone, path.ops
         H, H_kv, d = path.heads, path.kv_heads, path.head_dim
@@ -59,13 +60,14 @@ class MixedForward:
         y = mx.fast.rms_norm(h, layers[0].in_w, layers[0].in_eps)
         for i, layer in enumerate(layers):
             # chunk positions whose queries, attention, MLP this layer computes: all but in the last
-            # layer, where only the sampled one's output is read
-            q_from = T - int(sample) if i == len(layers) - 1 else 0
+            # layer, where only the sampled one's output is read (the one before a pad)
+            last = i == len(layers) - 1
+            Tq = int(sample) if last else T
+            q_from = T - num_pad - Tq if last else 0
             # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
             # are then a contiguous array, where slices of one fused product would be copied per layer
-            q = layer.q(y[:, q_from:] if q_from else y)  # [1, T - q_from + B, H d]
+            q = layer.q(_query_rows(y, q_from, Tq, T))  # [1, Tq + B, H d]
             k, v = layer.k(y), layer.v(y)  # [1, T + B, H_kv d]
-            Tq = T - q_from
             # the decode rows: [B, 1, ...] each at its own position
             dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
             dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv, qk_norms(layer))
@@ -80,7 +82,8 @@ class MixedForward:
                 q = layer.rope(layer.norm_q(q[:, :Tq].reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                                offset=chunk_view.offset + q_from)
                 # the chunk's queries are its last Tq positions: causal, or (one query) every key
-                parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages).transpose(0, 2, 1, 3))
+                parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages,
+                                        drop_keys=num_pad if last else 0).transpose(0, 2, 1, 3))
                 if stages is not None:
                     # a runner that waits between stages (MLX's CPU backend): the rows' attention after
                     # the chunk's (a stage too where it is one query, in the last layer), a stage of its
@@ -94,8 +97,7 @@ class MixedForward:
             # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
             # (mlx-lm's module makes the same one copy of the chunk's alone)
             out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
-            if q_from:
-                h = h[:, q_from:]
+            h = _query_rows(h, q_from, Tq, T)
             h, y = ops.add_rms_norm(h, layer.o(out), layer.post_w, layer.post_eps)
             if stages is not None:
                 stages.append(h)
@@ -103,3 +105,11 @@ class MixedForward:
             if stages is not None and i < len(layers) - 1:
                 stages.append(h)
         return y
+
+
+def _query_rows(a: mx.array, first: int, num: int, T: int) -> mx.array:
+    """a [1, T + B, ...] -> its rows whose queries a layer computes: the chunk's [first, first + num),
+    then the B decode rows' (a itself where that is every row)."""
+    if first + num == T:
+        return a[:, first:] if first else a
+    return mx.concatenate([a[:, first:first + num], a[:, T:]], axis=1)

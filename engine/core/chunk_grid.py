@@ -1,0 +1,43 @@
+"""The grid prompt chunks end on, so their (tokens, context) shapes repeat from prompt to prompt. No mlx.
+
+On MLX's CUDA backend attention builds a cuDNN graph on the host for every new (query, key) length pair
+of a prompt chunk (docs/benchmarks.md). The scheduler (scheduler.py) therefore
+- ends a chunk cut short of both its prompt's end and `prefill_chunk_size` (by the free memory or by the
+  step's budget) on the grid (`aligned_chunk`);
+- where `SchedulerConfig.pad_last_chunk`, computes a prompt's last chunk up to the grid past the prompt's
+  end (`padded_ends`): the padded positions come after every real one, so causal attention keeps them
+  out of the prompt's outputs; their KV lands in the row's own slots past the prompt, which decode
+  overwrites before it reads them.
+"""
+
+from __future__ import annotations
+
+# A chunk ends on a multiple of this many tokens, or of a smaller power of two where this one would take
+# more than a quarter of a cut chunk or reach past what a padded one may compute.
+CHUNK_GRANULE = 128
+
+
+def aligned_chunk(start: int, num_tokens: int) -> int:
+    """Tokens of a chunk of at most `num_tokens` (>= 1) from `start` that ends on a multiple of the
+    largest power of two <= CHUNK_GRANULE that keeps at least three quarters of it (never 0)."""
+    grid = CHUNK_GRANULE
+    while True:
+        tokens = (start + num_tokens) // grid * grid - start
+        if 4 * tokens >= 3 * num_tokens or grid == 1:
+            return tokens
+        grid //= 2
+
+
+def padded_ends(end: int, max_end: int) -> list[int]:
+    """Where a prompt's last chunk, ending the prompt at `end`, may compute up to, most preferred first:
+    `end` rounded up to a multiple of CHUNK_GRANULE, then of each smaller power of two, those that stay
+    <= `max_end`; `end` itself last (no pad). A chunk that starts on the grid so gets both its tokens and
+    its context on it."""
+    ends = []
+    grid = CHUNK_GRANULE
+    while grid > 1:
+        padded = -(-end // grid) * grid
+        if end < padded <= max_end and padded not in ends:
+            ends.append(padded)
+        grid //= 2
+    return ends + [end]
