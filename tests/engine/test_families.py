@@ -286,3 +286,17 @@ def test_gemma3_sliding_layers_keep_kv_in_rings(checkpoints):
     want = [reference_greedy_ids(model, p, MAX_TOKENS) for p in prompts]
     assert _serve(engine, prompts) == want
     assert pool.keys[0].shape[0] == kv_heads * 2 * ring_tokens  # the rings never grew
+
+
+def test_gemma3_rings_keep_every_key_a_padded_last_chunk_leaves_decode(checkpoints):
+    """A padded last prompt chunk (ExecutionConfig.pad_last_chunk) writes its pad into the row's ring too:
+    the pad (at most a chunk) lands in slots of keys no later query's window reaches, since the ring
+    holds window - 1 + a chunk's tokens. mlx-lm's tokens, with prompts that pass the window."""
+    engine, model = _engine(checkpoints("gemma3_text"), max_num_seqs=2, execution={"pad_last_chunk": True})
+    pads = []
+    prefill = engine.runner.prefill
+    engine.runner.prefill = lambda work: pads.append(work.num_pad_tokens) or prefill(work)
+    prompts = _prompts((57, 40, 23, 45), seed=3)
+    want = [reference_greedy_ids(model, p, 30) for p in prompts]  # decodes pass the pad's slots
+    assert _serve(engine, prompts, max_tokens=30) == want
+    assert sum(p > 0 for p in pads) == 4  # every prompt off the 16-token grid ended in a padded chunk

@@ -32,8 +32,10 @@ def small_llama(random_llama):
     return random_llama(hidden_size=256, intermediate_size=512, vocab_size=VOCAB)
 
 
-@pytest.mark.parametrize("read_slices", [False, True], ids=["gather", "slices"])
-def test_measured_step_peak_within_prediction(small_llama, tiny_parts, read_slices):
+@pytest.mark.parametrize("read_slices, pad", [(False, False), (True, False), (True, True)],
+                         ids=["gather", "slices", "slices-padded"])
+def test_measured_step_peak_within_prediction(small_llama, tiny_parts, read_slices, pad):
+    """`pad`: prompts' last chunks padded up to the grid (ExecutionConfig.pad_last_chunk)."""
     model, model_config = small_llama
     tokenizer = tiny_parts[1]
     rng = random.Random(0)
@@ -42,7 +44,8 @@ def test_measured_step_peak_within_prediction(small_llama, tiny_parts, read_slic
     for trial in range(4):
         chunk = rng.choice([128, 256, 512])
         cfg = EngineConfig(model="tiny", prefill_chunk_size=chunk, max_num_batched_tokens=chunk * 2,
-                           max_num_seqs=rng.randint(2, 8), memory_limit_bytes=2 << 30)
+                           max_num_seqs=rng.randint(2, 8), memory_limit_bytes=2 << 30,
+                           execution={"pad_last_chunk": pad})
         engine = Engine(model, tokenizer, cfg, model_config)
         engine.runner.pool.read_slices = read_slices
         # Earlier engines (reference cycles) must not be collected mid-step: their freed pool would

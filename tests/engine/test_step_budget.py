@@ -30,13 +30,16 @@ MAX_STEP_RATIO = 1.8
 MEDIAN_STEP_RATIO = 1.3
 
 
-def run_burst(make_engine, headroom: int, requests, chunk: int = 128, max_num_seqs: int = 8) -> tuple[list, object]:
-    """`requests`: (prompt length, max_tokens, arrival step). Returns (step records, engine)."""
+def run_burst(make_engine, headroom: int, requests, chunk: int = 128, max_num_seqs: int = 8,
+              pad: bool = False) -> tuple[list, object]:
+    """`requests`: (prompt length, max_tokens, arrival step); `pad`: prompts' last chunks padded up to
+    the grid (ExecutionConfig.pad_last_chunk). Returns (step records, engine)."""
     engine = make_engine(memory_limit_bytes=1 << 30)  # the model's weights, as the engine counts them
     weights = engine.memory.shape.weights_bytes
     del engine
     engine = make_engine(memory_limit_bytes=weights + headroom, max_model_len=MAX_MODEL_LEN, prefill_chunk_size=chunk,
-                         max_num_batched_tokens=4 * chunk, max_num_seqs=max_num_seqs)
+                         max_num_batched_tokens=4 * chunk, max_num_seqs=max_num_seqs,
+                         execution={"pad_last_chunk": pad})
     gc.collect()  # earlier engines freed now, not mid-step (their pool would hide the step's transient)
     pending = sorted(enumerate(requests), key=lambda r: r[1][2])
     records, step = [], 0
@@ -77,9 +80,10 @@ def check_steps(records, engine) -> list[float]:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.integers(2, 700), st.integers(1, 6), st.integers(0, 4)),
                          min_size=1, max_size=6),
-       headroom=st.sampled_from([6 << 20, 12 << 20, 64 << 20]), chunk=st.sampled_from([64, 128, 256]))
-def test_property_every_step_within_prediction_and_free_memory(make_engine, requests, headroom, chunk):
-    records, engine = run_burst(make_engine, headroom, requests, chunk)
+       headroom=st.sampled_from([6 << 20, 12 << 20, 64 << 20]), chunk=st.sampled_from([64, 128, 256]),
+       pad=st.booleans())
+def test_property_every_step_within_prediction_and_free_memory(make_engine, requests, headroom, chunk, pad):
+    records, engine = run_burst(make_engine, headroom, requests, chunk, pad=pad)
     ratios = check_steps(records, engine)
     assert not engine.has_unfinished()
     assert max(ratios) <= MAX_STEP_RATIO, sorted(ratios)

@@ -79,7 +79,7 @@ class ChunkPath:
             Tq = x.shape[1]
             q = layer.rope(layer.norm_q(layer.q(x).reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                            offset=offset + at)
-            out = self.ops.attend(view, i, q, layer.scale, stages=stages, drop_keys=num_pad if at else 0)
+            out = self.ops.attend(view, i, q, layer.scale, stages=stages, drop_keys=num_pad if i == last else 0)
             h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
             if stages is not None:
                 stages.append(h)
