@@ -60,7 +60,7 @@ def test_padded_last_chunks_give_mlx_lm_greedy_tokens(make_engine, tiny_parts, r
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         if record.memory is not None:
             assert record.memory.measured_bytes <= record.memory.predicted_bytes, record
-        for c in record.prefill_chunks:  # what the step ran: the pad within the row's own KV blocks
+        for c in record.prefill_chunks:  # a pad only after a prompt's end, within the chunk size
             assert c.num_pad_tokens == 0 or c.completes_prompt and c.num_forward_tokens <= chunk
         if step >= 3 and not engine.has_unfinished():
             break
