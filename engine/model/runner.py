@@ -273,8 +273,7 @@ class ModelRunner:
             self._count(T)
             hidden = self.chunk_path.forward(tokens, view, work.sample, stages, num_pad=pad)  # [1, 1, D], or None
         else:
-            hidden = self._forward(tokens, view.layers())  # [1, T, D]
-            hidden = hidden[:, : T - pad] if pad else hidden
+            hidden = self._forward(tokens, view.layers())[:, : T - pad]  # [1, T - pad, D]: the real positions
         view.advance()
         row.offset -= pad  # the pad's slots hold no position's KV: the next token is written over them
         stages = [[h] for h in stages or ()]
