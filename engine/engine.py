@@ -98,8 +98,10 @@ class Engine:
         # self-check) changes the memory model's decode term, and so the floor step and KV budget.
         self.runner = self._build_runner(model, config, runner_options, backend)
         pool = self.runner.pool
-        # sliding-window layers' rings: a fixed allocation, counted with the weights (engine/model/kv_pool.py)
-        weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + pool.ring_bytes
+        # sliding-window layers' rings: a fixed allocation, counted with the weights (engine/model/kv_pool.py),
+        # as are what the layer loops bound beyond views of the weights (Gemma's 1 + weight norms)
+        bound_bytes = self.runner.bound.extra_bytes if self.runner.bound is not None else 0
+        weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + pool.ring_bytes + bound_bytes
         self.memory = self._build_memory_model(config, model_config, weights_bytes, backend)
         model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)

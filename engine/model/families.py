@@ -1,4 +1,5 @@
-"""The model families the runner serves through mlx-lm's modules, and what it reads from a loaded model.
+"""The model families the runner serves (through the engine's layer loops, engine/model/layers/block.py,
+or mlx-lm's modules), and what it reads from a loaded model.
 
 Every shape is read from the model itself, never guessed from the config: the head size from the key
 projection's rows (or Phi-3's fused q/k/v rows), the KV dtype from what the embedding produces (the

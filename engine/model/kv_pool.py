@@ -238,6 +238,7 @@ class ForwardView:
             raise ValueError("a forward of several rows computes one token per row")
         self.pool = pool
         self.rows = rows
+        self.num_new = num_new
         lengths = [r.offset + num_new for r in rows]  # KV length after this forward
         self._lengths = lengths
         self._masks: dict = {}  # (return_array, window_size) -> the mask mlx-lm's modules asked for
@@ -273,7 +274,9 @@ class ForwardView:
         self.mask = None
         if len(rows) > 1 and self._read is not None:
             self.mask = padding_mask(lengths)
-        self._windowed = None if pool.window is None or self._paged is not None else window_reads(self, num_new)
+        # a paged forward's sliding layers gather their window (the kernel reads a row's blocks from its
+        # first key; a ring layer's KV is not in the blocks at all)
+        self._windowed = None if pool.window is None else window_reads(self, num_new)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """The attention mask of this forward's `n` queries per row over the keys `read` returns (mlx-lm's
@@ -306,6 +309,17 @@ class ForwardView:
         if mask is not None and self.pool.grouped_masks:
             mask = mask[:, :, None]  # [B, 1, 1, 1, L]: scores are [B, H_kv, repeats, 1, L]
         return mask
+
+    def layer_mask(self, layer: int, num_queries: int):
+        """The mask of the engine's layer loops: `num_queries` queries per row (the last positions of
+        this forward's) over what `read(layer)` returns: a sliding layer's window mask (or padding), else
+        "causal" for several queries, else the rows' padding mask (None for one row)."""
+        if self._windowed is not None and self.pool.layer_windows[layer] is not None:
+            key = ("loops", num_queries)  # built once a forward, for all its sliding layers
+            if key not in self._masks:
+                self._masks[key] = window_mask(self, num_queries, self.pool.window, grouped=False)
+            return self._masks[key]
+        return "causal" if num_queries > 1 else self.mask
 
     def layers(self) -> list[_ViewLayer]:
         return [_ViewLayer(self, i) for i in range(self.pool.num_layers)]
@@ -343,7 +357,7 @@ class ForwardView:
     def attend(self, layer: int, queries: mx.array, scale: float) -> Optional[mx.array]:
         """queries [B, H, 1, D] -> attention over each row's KV in the pool, [B, H, 1, D]; None if this
         forward is not paged. Called after the layer's write: the pool holds the new keys."""
-        if self._paged is None:
+        if self._paged is None or self.pool.layer_windows[layer] is not None:
             return None
         table, lengths = self._paged
         return self.pool.paged(queries, self.pool.keys[layer], self.pool.values[layer], table, lengths, scale)

@@ -50,15 +50,18 @@ def window_reads(view, num_new: int) -> WindowReads:
     return WindowReads(firsts, None, index, padding_mask(spans) if len(view.rows) > 1 else None)
 
 
-def window_mask(view, n: int, window: int):
-    """The mask of a sliding layer over what it reads (`window_reads`): a chunk's queries each within
-    its window and causal; one query per row: every key read is in its window, so only padding."""
-    if n > 1:
+def window_mask(view, n: int, window: int, grouped: bool = True):
+    """The mask of a sliding layer's `n` last queries per row over what it reads (`window_reads`): one
+    row's queries each within its window and causal (a prompt chunk's, or its last position's alone);
+    one query per row of a forward of one token per row: every key read is in its window, so only
+    padding. `grouped`: shaped for scores grouped as [B, H_kv, repeats, T, L] where the pool's are
+    (mlx-lm's gemma2 module)."""
+    if n > 1 or (len(view.rows) == 1 and view.num_new > 1):
         first, end = view._windowed.firsts[0], view._lengths[0]
         keys = mx.arange(first, end)[None]  # [1, L_w] positions
         queries = mx.arange(end - n, end)[:, None]  # [n, 1]
         return (keys <= queries) & (keys > queries - window)  # [n, L_w]
     mask = view._windowed.mask
-    if mask is not None and view.pool.grouped_masks:
+    if mask is not None and grouped and view.pool.grouped_masks:
         mask = mask[:, :, None]  # [B, 1, 1, 1, L_w]: scores are [B, H_kv, repeats, 1, L_w]
     return mask

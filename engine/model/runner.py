@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.model.layers.bound import BoundModel, language_model
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
 from engine.model.layers.decode_path import DecodePath, ReferenceOps
@@ -113,25 +114,25 @@ class ModelRunner:
                            grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows, ring_rows=rings,
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
-        self.fused = fuse and loops_unsupported(model) is None and fuse_projections(model) > 0
+        loops_why_not = loops_unsupported(model)
+        self.fused = fuse and loops_why_not is None and fuse_projections(language_model(model)) > 0
+        self.bound = BoundModel(model) if loops_why_not is None else None  # after fusion; the loops share it
         self.decode_path: Optional[DecodePath] = None
         self.mixed: Optional[MixedForward] = None
         self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
         why_not = decode_unsupported(self.model)
         if layer_loops and self.fused and why_not is None:
-            self.decode_path = DecodePath(self.model, self.ops, compiled=compiled_decode)
+            self.decode_path = DecodePath(self.model, self.ops, compiled=compiled_decode, bound_model=self.bound)
         if mixed and self.fused and why_not is None:
-            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops, bound_model=self.bound))
         elif mixed and self.fused:
             logger.info("prompt chunks and decodes run as separate forwards (%s)", why_not)
         self.chunk_path: Optional[ChunkPath] = None
-        if layer_loops:
-            why_not = loops_unsupported(self.model)
-            if why_not is None:
-                self.chunk_path = ChunkPath(self.model, self.ops)
-            else:
-                logger.info("prompt chunks run mlx-lm's modules (%s)", why_not)
-        if paged_attention:  # only the engine's decode loop reads it, so never a sliding-window model
+        if layer_loops and loops_why_not is None:
+            self.chunk_path = ChunkPath(self.model, self.ops, bound_model=self.bound)
+        elif layer_loops:
+            logger.info("prompt chunks run mlx-lm's modules (%s)", loops_why_not)
+        if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
@@ -142,7 +143,8 @@ class ModelRunner:
                              dtype) -> None:
         """The CUDA kernel for one-query forwards, if this model's shape allows it and it passes its
         self-check here; else decode gathers (logged)."""
-        why_not = self._loops_why_not() or unsupported(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        why_not = self._loops_why_not() or self._kernel_why_not() or unsupported(
+            num_heads, num_kv_heads, head_dim, block_size, dtype)
         if why_not is None:
             try:
                 kernel = CudaPagedAttention(num_kv_heads, block_size)
@@ -157,11 +159,11 @@ class ModelRunner:
         """Decode forwards run engine/model/layers/decode_path.py's loop with `ops` (None: mlx-lm's modules,
         which gather: the pool's paged kernel is dropped), its layers `compiled` where they can be.
         ValueError if the model is not supported."""
-        self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled)
+        self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled, self.bound)
         if self.decode_path is None:
             self.pool.paged = None
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
-            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops))
+            self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops, bound_model=self.bound))
 
     @property
     def paged_attention(self) -> bool:
@@ -175,10 +177,16 @@ class ModelRunner:
             return "decodes or one-token prompt chunks run mlx-lm's modules, which gather"
         return None
 
+    def _kernel_why_not(self) -> Optional[str]:
+        """Why the paged kernel cannot compute the model's attention (None: it can; sliding layers gather)."""
+        if any(layer.softcap is not None for layer in self.bound.layers):
+            return "attention logits are soft-capped (Gemma 2): decode gathers"
+        return None
+
     def use_paged_attention(self, impl: Optional[PagedAttention]) -> None:
         """One-query forwards of the engine's layer loops compute attention with `impl` over the pool in
-        place (None: they gather). ValueError if they run mlx-lm's modules."""
-        why_not = self._loops_why_not() if impl is not None else None
+        place (None: they gather). ValueError if they run mlx-lm's modules or soft-cap their logits."""
+        why_not = (self._loops_why_not() or self._kernel_why_not()) if impl is not None else None
         if why_not is not None:
             raise ValueError(f"{type(self.model).__name__}: paged attention not possible ({why_not})")
         self.pool.paged = impl

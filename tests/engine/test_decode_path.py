@@ -130,18 +130,29 @@ def test_compiled_layers_give_the_same_logits_and_greedy_tokens(make_engine, tin
         assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, [10, 4, 10][i])
 
 
-def test_compiled_layers_refuse_layers_that_one_trace_cannot_serve(make_engine):
-    engine = make_engine()
-    runner = engine.runner
-    runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
-    layer = engine.model.model.layers[-1]
-    eps = layer.post_attention_layernorm.eps
-    layer.post_attention_layernorm.eps = eps * 2
+def test_compiled_layers_trace_each_layer_structure_once(random_llama):
+    """Layers of one structure share a compiled trace; a layer whose norm epsilon differs (a structure of
+    its own) gets its own, and the decode's hidden states stay those of the Python-built loop."""
+    from engine.model.layers.bound import BoundModel
+    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.runner import ModelRunner
+
+    model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256, num_hidden_layers=4)
+    runner = ModelRunner(model, block_size=4)  # fuses q/k/v and gate/up
+    assert len(DecodePath(model, ReferenceOps(), compiled=True).compiled._traces) == 2  # the middle layers', the last's
+    norm = model.model.layers[1].post_attention_layernorm
+    eps = norm.eps
+    norm.eps = eps * 2
     try:
-        runner.use_decode_path(ReferenceOps(), compiled=True)
-        assert runner.decode_path.compiled is None  # built in Python instead
-        assert "epsilons" in CompiledLayers.unsupported(runner.decode_path)
+        bound = BoundModel(model)
     finally:
-        layer.post_attention_layernorm.eps = eps
-    runner.use_decode_path(ReferenceOps(), compiled=True)
-    assert runner.decode_path.compiled is not None
+        norm.eps = eps
+    compiled = DecodePath(model, ReferenceOps(), compiled=True, bound_model=bound)
+    assert len(compiled.compiled._traces) == 3
+    runner.grow_pool(4)
+    outs = []
+    for path in (compiled, DecodePath(model, ReferenceOps(), bound_model=bound)):
+        row = Row([0, 1], 4, runner.pool.block_bytes)
+        row.offset = 5
+        outs.append(path.forward(mx.array([[7]]), ForwardView(runner.pool, [row], 1)))
+    assert mx.array_equal(outs[0], outs[1]).item()

@@ -85,21 +85,34 @@ def test_family_greedy_equals_mlx_lm(checkpoints, family, bits):
     assert engine.runner.num_forward_calls < sum(-(-len(p) // 16) + MAX_TOKENS for p in prompts)
 
 
+LOOP_FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "gemma3"]
+
+
 @pytest.mark.parametrize("decode", ["loop", "compiled-paged"])
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3"])
-def test_layer_loops_serve_llama_shaped_families(checkpoints, family, decode):
-    """The engine's own layer loops (chunk_path, decode_path, mixed; qwen3's q/k head norms, qwen2's
-    biases, phi3's pre-fused projections) run these families, and their greedy tokens are mlx-lm's; `compiled-paged`: decode's
-    compiled layer traces over the paged attention path (MLX's reference in the CUDA kernel's place)."""
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
+def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
+    """The engine's own layer loops (chunk_path, decode_path, mixed; engine/model/layers/block.py's
+    family blocks: qwen3's q/k head norms, qwen2's biases, phi3's pre-fused projections, Qwen3-MoE's
+    experts, Gemma's norms, GELU MLPs and scaled embeddings, Gemma 2's soft-capped attention, Gemma 3's
+    sliding windows and per-layer RoPE) run these families, mixed steps included, and their greedy
+    tokens are mlx-lm's; `compiled-paged`: decode's compiled layer traces over the paged attention path
+    (MLX's reference in the CUDA kernel's place; Gemma 2's soft-capped logits refuse the kernel, Gemma
+    3's sliding layers gather their window; Qwen3-MoE's experts are not compiled)."""
     from engine.model.kernels.paged_attention import ReferenceAttention
 
     engine, model = _engine(checkpoints(family))
     runner = engine.runner
-    assert runner.chunk_path is not None and runner.decode_path is not None and runner.mixed is not None
+    paths = engine.execution_paths()
+    assert paths.chunk_loop and paths.decode_loop and paths.mixed_batches, paths
     if decode == "compiled-paged":
-        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+        kernel = ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size)
+        if family == "gemma2":
+            with pytest.raises(ValueError, match="soft-capped"):
+                runner.use_paged_attention(kernel)
+        else:
+            runner.use_paged_attention(kernel)
         runner.use_decode_path(runner.ops, compiled=True)
-        assert runner.decode_path.compiled is not None
+        assert (runner.decode_path.compiled is None) == (family == "qwen3_moe")
     calls = {"mixed": 0}
     real = runner.mixed_forward
 

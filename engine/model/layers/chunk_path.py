@@ -6,9 +6,11 @@ most some ten committed batches of operations ahead of the GPU (`mlx/transforms.
 returns only when most of it has run, and the next forward's graph is built while the device finishes
 the last few layers: with mlx-lm's modules the device sat idle most of that build (docs/benchmarks.md).
 
-This loop builds the same operations as mlx-lm's llama block (RMSNorm, q/k/v, qwen3's q/k head norms, RoPE, the KV write and
-read through the `ForwardView`, MLX's causal attention, o, RMSNorm, gate/up, SwiGLU, down; on the CPU
-the attention and SwiGLU of engine/model/layers/cpu_math.py, `RunnerOptions.cpu_math`) with:
+This loop builds the same operations as mlx-lm's block of the family (RMSNorm, q/k/v, q/k head norms,
+RoPE, the KV write and read through the `ForwardView`, MLX's attention (causal, or a sliding layer's
+window mask; Gemma 2's soft-capped scores), o, the residual add and norms, the MLP: SwiGLU, GELU or
+Qwen3-MoE's experts; engine/model/layers/block.py; on the CPU the attention and SwiGLU of
+engine/model/layers/cpu_math.py, `RunnerOptions.cpu_math`) with:
 - every projection's weight bound once (engine/model/layers/bound.py), so the same matmuls run on the same memory
   without a slice or transpose built per call;
 - no module dispatch (attribute lookups, fused-product bookkeeping) per layer;
@@ -17,8 +19,9 @@ the attention and SwiGLU of engine/model/layers/cpu_math.py, `RunnerOptions.cpu_
   prefill does the same work with a last one-token forward); nothing more for a chunk that samples
   nothing.
 
-Models: mlx-lm's llama-shaped blocks (llama, mistral, qwen2, qwen3) with float projections (engine/model/layers/bound.py `unsupported` says why not);
-others run mlx-lm's modules. Greedy output equals mlx-lm's (tests).
+Models: mlx-lm's blocks of llama, mistral, qwen2, qwen3, phi3, qwen3_moe, gemma, gemma2 and gemma3_text
+with float projections (engine/model/layers/bound.py `unsupported` says why not); others (quantized
+weights) run mlx-lm's modules. Greedy output equals mlx-lm's (tests).
 """
 
 from __future__ import annotations
@@ -27,27 +30,25 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.model.layers.bound import bind_layers, unsupported
-from engine.model.layers.decode_path import ReferenceOps
+from engine.model.layers import block
+from engine.model.layers.bound import BoundModel, unsupported
+from engine.model.layers.ops import ReferenceOps
 
 
 class ChunkPath:
     """Prompt-chunk forwards of a supported model (module docstring). Bind after any change of the
     model's weights (fusion, dtype): the views are of the weights as they are now."""
 
-    def __init__(self, model, ops: Optional[ReferenceOps] = None):
-        """`ops`: the attention and SwiGLU (ReferenceOps: MLX's, or engine/model/layers/cpu_math.py's)."""
+    def __init__(self, model, ops: Optional[ReferenceOps] = None, bound_model: Optional[BoundModel] = None):
+        """`ops`: the attention and SwiGLU (ReferenceOps: MLX's, or engine/model/layers/cpu_math.py's);
+        `bound_model`: the model's layers bound already (else bound here)."""
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"chunk path: {why}")
-        backbone = model.model
-        self.embed = backbone.embed_tokens
-        self.layers = bind_layers(backbone.layers)
+        self.bound = bound_model or BoundModel(model)
+        self.layers = self.bound.layers
         self.ops = ops or ReferenceOps()
-        self.norm_w, self.norm_eps = backbone.norm.weight, backbone.norm.eps
-        attn = backbone.layers[0].self_attn
-        self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
-        self.head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
+        self.heads, self.kv_heads, self.head_dim = self.bound.heads, self.bound.kv_heads, self.bound.head_dim
 
     def forward(self, tokens: mx.array, view, sample: bool, stages: Optional[list] = None,
                 num_pad: int = 0) -> Optional[mx.array]:
@@ -55,14 +56,15 @@ class ChunkPath:
         (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
         row and T new tokens, whose KV it writes (and reads). `stages`: a list the forward appends its
         causal attention's blocks' outputs to (engine/model/layers/cpu_math.py), then its residual stream
-        after each layer's attention and after each MLP but the last, for a runner that evaluates them
-        one by one (ModelRunner.stage_waits). `num_pad`: the last tokens are a pad past the prompt's end
-        (engine/core/chunk_grid.py): the sampled position is the one before them, which reads no pad key."""
+        after each layer's attention and after each MLP but the last (a sparse MLP's router and experts
+        too, block.moe_mlp), for a runner that evaluates them one by one (ModelRunner.stage_waits).
+        `num_pad`: the last tokens are a pad past the prompt's end (engine/core/chunk_grid.py): the
+        sampled position is the one before them, which reads no pad key."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
-        swiglu = self.ops.swiglu
+        ops = self.ops
         T = tokens.shape[1]
         offset = view.offset
-        h = self.embed(tokens)  # [1, T, D]
+        h = self.bound.embed(tokens)  # [1, T, D]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = mx.fast.rms_norm(h, layer.in_w, layer.in_eps)
@@ -79,12 +81,15 @@ class ChunkPath:
             Tq = x.shape[1]
             q = layer.rope(layer.norm_q(layer.q(x).reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                            offset=offset + at)
-            out = self.ops.attend(view, i, q, layer.scale, stages=stages, drop_keys=num_pad if i == last else 0)
-            h = h + layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d))
+            out = ops.attend(view, i, q, layer.scale, stages=stages, softcap=layer.softcap,
+                             drop_keys=num_pad if i == last else 0)
+            h, x = block.after_attention(layer, h, layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d)),
+                                         ops.add_rms_norm)
             if stages is not None:
                 stages.append(h)
-            x = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
-            h = h + layer.down(swiglu(layer.gate(x), layer.up(x)))
-            if stages is not None and i < last:
+            m = block.mlp(layer, x, ops.swiglu, stages=stages)
+            if i == last:
+                return block.after_mlp(layer, h, m, self.bound.final_norm, ops.add_rms_norm)[1]
+            h = block.after_mlp(layer, h, m, None, ops.add_rms_norm)[0]
+            if stages is not None:
                 stages.append(h)
-        return mx.fast.rms_norm(h, self.norm_w, self.norm_eps)

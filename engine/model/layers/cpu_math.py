@@ -25,6 +25,8 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
+from engine.model.layers.block import query_blocks
+
 
 def exp(x: mx.array) -> mx.array:
     """e^x through MLX's `power` (module docstring)."""
@@ -44,27 +46,18 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               stages: Optional[list] = None) -> mx.array:
     """queries [B, H, T, d], keys/values [B, H_kv, L, d] (H a multiple of H_kv) -> [B, H, T, d].
     `mask`: None (every key), "causal" (query i reads keys up to L - T + i), or a boolean array that
-    broadcasts to [B, H, T, L] (True: read). A causal chunk's queries run in `blocks` blocks, one
-    after another, each over the keys its last query reads: the masked keys past a block are never
-    scored (scripts/bench_cpu_math.py measures the peak with one block and with the default).
+    broadcasts to [B, H, T, L] (True: read). A chunk's queries (a causal mask, or a [T, L] array: causal,
+    perhaps windowed) run in `blocks` blocks, one after another, each over the keys its last query
+    reads: the masked keys past a block are never scored (scripts/bench_cpu_math.py measures the peak
+    with one block and with the default; block.query_blocks).
     `stages`: a list each block's output is appended to, for a runner that evaluates them one by one
     (ModelRunner.stage_waits): only then is one block's scores alive at a time; else MLX's host may
     queue (and allocate) several blocks' while its worker thread runs an earlier one."""
-    T, L = queries.shape[2], keys.shape[2]
-    if isinstance(mask, str) and mask == "causal" and T > 1:
-        size = -(-T // blocks)
-        parts = []
-        for start in range(0, T, size):
-            end = min(T, start + size)
-            last_key = L - T + end  # keys [0, last_key) are read by some query of the block
-            block = queries[:, :, start:end]
-            if parts:  # after the previous block: MLX would otherwise score every block at once
-                block = mx.depends(block, parts[-1])
-            parts.append(_attend(block, keys[:, :, :last_key], values[:, :, :last_key], scale, "causal"))
-            if stages is not None:
-                stages.append(parts[-1])
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-    return _attend(queries, keys, values, scale, mask)
+    def attend(q, k, v, m):
+        return _attend(q, k, v, scale, m)
+
+    out = query_blocks(attend, queries, keys, values, mask, blocks, stages)
+    return _attend(queries, keys, values, scale, mask) if out is None else out
 
 
 def _attend(queries, keys, values, scale: float, mask) -> mx.array:

@@ -13,8 +13,8 @@ part against its own rows' KV:
   attention over the gathered rows with their mask), as `decode_path.DecodePath` computes it.
 Both views write a layer's keys and values before either reads them (`ForwardView.write`).
 
-Only models the engine's decode loop takes (`decode_path.unsupported(model)`: mlx-lm's
-llama blocks with fused projections, any of their RoPE) are batched so; others run the two forwards.
+Only models the engine's decode loop takes (`decode_path.unsupported(model)`: the blocks the layer
+loops bind, with fused projections) are batched so; others run the two forwards.
 The last layer computes the chunk's queries, attention and MLP for its sampled position only (none if
 it samples nothing), as engine/model/layers/chunk_path.py does for a chunk alone. The memory model predicts the forward
 with `MemoryModel.mixed_bytes` and runs models no deeper than its set's `mixed_min_layers` apart; the
@@ -30,6 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.model.layers import block
 from engine.model.layers.decode_path import DecodePath, qk_norms
 
 
@@ -49,14 +50,14 @@ class MixedForward:
         engine/model/layers/chunk_path.py does for a chunk alone). `stages`, `num_pad` (the chunk's last
         tokens are a pad: it samples the position before them): as ChunkPath.forward's."""
         path = self.path
-        backbone, ops = path.backbone, path.ops
+        ops = path.ops
         H, H_kv, d = path.heads, path.kv_heads, path.head_dim
         B = len(decode_view.rows)
         T = tokens.shape[0] - B
         offsets = decode_view.offset if isinstance(decode_view.offset, mx.array) else mx.array([decode_view.offset])
         offsets = offsets.astype(mx.int32)
         layers = path.layers  # engine/model/layers/bound.py: every projection bound once
-        h = backbone.embed_tokens(tokens[None])  # [1, T + B, D]
+        h = path.bound.embed(tokens[None])  # [1, T + B, D]
         y = mx.fast.rms_norm(h, layers[0].in_w, layers[0].in_eps)
         for i, layer in enumerate(layers):
             # chunk positions whose queries, attention, MLP this layer computes: all but in the last
@@ -83,14 +84,15 @@ class MixedForward:
                                offset=chunk_view.offset + q_from)
                 # the chunk's queries are its last Tq positions: causal, or (one query) every key
                 parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages,
-                                        drop_keys=num_pad if last else 0).transpose(0, 2, 1, 3))
+                                        softcap=layer.softcap, drop_keys=num_pad if last else 0
+                                        ).transpose(0, 2, 1, 3))
                 if stages is not None:
                     # a runner that waits between stages (MLX's CPU backend): the rows' attention after
                     # the chunk's (a stage too where it is one query, in the last layer), a stage of its
                     # own: its gathered KV is made once the chunk's is gone (MemoryModel.mixed_phases)
                     stages.append(parts[0])
                     dq = mx.depends(dq, parts[0])
-            rows = ops.attend(decode_view, i, dq, layer.scale)  # [B, H, 1, d]
+            rows = ops.attend(decode_view, i, dq, layer.scale, softcap=layer.softcap)  # [B, H, 1, d]
             if stages is not None:
                 stages.append(rows)
             parts.append(rows.transpose(2, 0, 1, 3))  # [1, B, H, d]
@@ -98,10 +100,10 @@ class MixedForward:
             # (mlx-lm's module makes the same one copy of the chunk's alone)
             out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
             h = _query_rows(h, q_from, Tq, T)
-            h, y = ops.add_rms_norm(h, layer.o(out), layer.post_w, layer.post_eps)
+            h, y = block.after_attention(layer, h, layer.o(out), ops.add_rms_norm)
             if stages is not None:
                 stages.append(h)
-            h, y = ops.add_rms_norm(h, path.mlp(layer, y), *path.next_norm(i))
+            h, y = block.after_mlp(layer, h, path.mlp(layer, y, stages), path.next_norm(i), ops.add_rms_norm)
             if stages is not None and i < len(layers) - 1:
                 stages.append(h)
         return y
