@@ -88,10 +88,18 @@ def family_variants(spec: str) -> dict:
 
 
 def loops_family(config: dict) -> bool:
-    """Whether the engine's layer loops run this config's model (llama-shaped blocks, float weights:
-    engine/model/layers/bound.py)."""
-    return config.get("model_type", "llama") in ("llama", "mistral", "qwen2", "qwen3", "phi3") \
-        and not config.get("quantization")
+    """Whether the engine's layer loops run this config's model (the families of
+    engine/model/layers/block.py, float weights: engine/model/layers/bound.py)."""
+    from engine.core.model_config import SUPPORTED_MODEL_TYPES
+    from engine.model.layers.block import LOOP_BLOCKS
+
+    module = SUPPORTED_MODEL_TYPES.get(config.get("model_type", "llama"))
+    return (module in LOOP_BLOCKS or module == "gemma3") and not config.get("quantization")
+
+
+# The families the engine's layer loops ran before they took Qwen3-MoE and Gemma 1-3 (the runs under
+# scripts/data that --replay-prefill reads were recorded then: those families ran mlx-lm's modules)
+REPLAYED_LOOP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def random_model(label: str, config: dict, base: LoadedModel, init: str, seed: int) -> LoadedModel:
@@ -985,14 +993,14 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     if data["model"] not in RANDOM_SHAPES:  # the JSON records the model's name, not its shape
         raise ValueError(f"model {data['model']!r}: only the random shapes' are known here ({sorted(RANDOM_SHAPES)})")
     config = RANDOM_SHAPES[data["model"]]
-    shape = mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size,
-                                       module_forwards=not loops_family(config))
+    loops = config.get("model_type", "llama") in REPLAYED_LOOP_FAMILIES and not config.get("quantization")
+    shape = mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size, module_forwards=not loops)
     engine = data["ways"]["engine"]
     steps, config = engine["steps"], engine.get("config", {})
     on_gpu = "gpu" in str(data["environment"].get("device", ""))
     # recorded before EngineConfig.execution: a top-level field
     paged = bool(config.get("execution", {}).get("paged_attention", config.get("paged_attention"))) and on_gpu \
-        and loops_family(RANDOM_SHAPES[data["model"]])  # only the engine's loops read the pool in place
+        and loops  # only the engine's loops read the pool in place
     plans = prefill_bench_plans(data, views)
     mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
     recorded = None

@@ -34,6 +34,8 @@ _DERIVED_HEAD_DIM = frozenset({"qwen2", "phi3"})
 _SLIDING_FAMILIES = frozenset({"gemma3_text", "gemma3"})
 # families whose attention normalizes each query and key head before RoPE
 _QK_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "gemma3"})
+# families whose blocks norm the attention's and the MLP's outputs before the residual adds
+_SANDWICH_FAMILIES = frozenset({"gemma2", "gemma3_text", "gemma3"})
 # mlx-lm's gemma3_text defaults, for configs that leave them out (and gemma3's default vocabulary)
 _GEMMA3_DEFAULTS = {"sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
                     "head_dim": 256, "num_key_value_heads": 1, "num_attention_heads": 4, "vocab_size": 262144}
@@ -101,6 +103,11 @@ class ConfigShape:
     # over the keys they read
     extra_score_copies: int = 0
     sliding_score_copies: int = 0
+    # Through the engine's layer loops (engine/model/layers/block.py), counted as they are: hidden-size
+    # rows per token a layer's MLP stage holds beyond a llama block's for Gemma 2/3's norm of the MLP's
+    # output before its residual add (MLX's CPU rms_norm holds its output and one temporary) ...
+    loop_mlp_out_norm_rows: float = 0.0
+    qk_norms: bool = False  # the attention normalizes each query and key head (Qwen3, Gemma 3)
 
     @property
     def extra_hidden_rows(self) -> float:
@@ -142,6 +149,7 @@ class ConfigShape:
             extra_mlp_rows=2 * experts_per_tok, fused_qkv_rows=fused,
             extra_score_copies=1 if name == "gemma2" else 0,
             sliding_score_copies=1 if name in _SLIDING_FAMILIES else 0,
+            loop_mlp_out_norm_rows=2.0 if name in _SANDWICH_FAMILIES else 0.0, qk_norms=name in _QK_NORM_FAMILIES,
         )
 
 

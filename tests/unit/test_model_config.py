@@ -66,6 +66,46 @@ def test_model_shape_reads_the_family_shape():
     assert ModelShape.from_config(PHI3, 2, module_forwards=False).extra_hidden_rows == 0  # the engine's chunk loop
 
 
+def test_loop_terms_of_moe_and_gemma_blocks():
+    """Through the engine's layer loops a MoE layer holds its tokens' k copies in its MLP stage and, in a
+    stage of their own, the k outputs beside their unsorted copy; Gemma 2/3's MLP output norm adds two
+    rows; through mlx-lm's modules the fitted extra rows stay."""
+    from engine.core.memory.coefficients import CPU_COEFFICIENTS
+    from engine.core.memory.model import MemoryModel
+
+    loops = ModelShape.from_config(QWEN3_MOE, 4, module_forwards=False)
+    modules = ModelShape.from_config(QWEN3_MOE, 4)
+    assert (loops.moe_experts_per_token, loops.extra_mlp_rows) == (8, 0) and modules.extra_mlp_rows == 16
+    assert loops.qk_norms and modules.moe_experts_per_token == 0
+    model = MemoryModel(loops, coefficients=CPU_COEFFICIENTS)
+    attention, mlp, unsorted, head = model.chunk_phases(256, 1024)
+    row = 256 * 2048 * 4
+    assert unsorted.fixed_bytes == 16 * row and mlp.fixed_bytes == 8 * row
+    assert model.prefill_chunk_bytes(256, 1024) >= unsorted.bytes(CPU_COEFFICIENTS)
+    gemma3 = ModelShape.from_config(GEMMA3_12B, 4, module_forwards=False)
+    assert gemma3.mlp_out_norm_rows == 2 and ModelShape.from_config(GEMMA3_12B, 4).mlp_out_norm_rows == 0
+    assert ModelShape.from_config(PHI3, 4, module_forwards=False).mlp_out_norm_rows == 0
+
+
+def test_sliding_layers_in_rings_gather_their_window_when_the_row_is_a_view():
+    """A chunk that reads its row as a view of the pool still gathers its sliding layers' windows from
+    their rings (num_kv_layers below num_layers), and a paged decode its sliding layers' windows."""
+    import dataclasses
+
+    from engine.core.memory.coefficients import CPU_COEFFICIENTS
+    from engine.core.memory.model import MemoryModel
+
+    shape = ModelShape.from_config(GEMMA3_12B, 4, module_forwards=False)
+    rings = dataclasses.replace(shape, num_kv_layers=8)
+    view = MemoryModel(shape, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[0]
+    ringed = MemoryModel(rings, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[0]
+    keys = 1024 - 1 + 128
+    assert view.prefill_gather == 0
+    assert ringed.prefill_gather >= keys * 8 * (2 * 256 * 4 + 4)
+    paged = MemoryModel(shape, coefficients=dataclasses.replace(CPU_COEFFICIENTS, decode_paged=1.0), paged_decode=True)
+    assert paged.decode_attention_terms([4096] * 2).decode_gather >= 2 * 1024 * 8 * (2 * 256 * 4 + 4)
+
+
 @pytest.mark.parametrize("config", [{"model_type": "mamba"}, {"architectures": ["X"]}])
 def test_unsupported_model_type_names_it_and_the_supported(config):
     with pytest.raises(ValueError, match=r"model_type=.* is not supported; supported model types: gemma, "):

@@ -117,7 +117,8 @@ class TransientTerms:
 # largest stage from above) on single prompt chunks (16-512 tokens, contexts up to 2040, each read as a
 # view and again as a gather) and pipelined decodes (1-16 rows, 256-1800 keys) of the tiny model, four
 # 2-layer llama shapes (head_dim 32-64, hidden 256-1024) and the engine tests' checkpoints of the llama-
-# shaped families at hidden 256 (llama, qwen2, qwen3, phi3). The grid measures each point after clearing
+# shaped families at hidden 256 (llama, qwen2, qwen3, phi3; Qwen3-MoE's and Gemma's loops since, with
+# their own arrays counted by ModelShape's loop terms: docs/memory.md). The grid measures each point after clearing
 # MLX's buffer cache; a serving process allocates from a warm one, where an array served from a larger
 # cached buffer counts up to 8 KB more: the fit's coefficients are shipped 3% and its per-forward
 # constant 24 KB above it (`--margin`, `--margin-bytes`):
@@ -134,10 +135,10 @@ CPU_COEFFICIENTS = TransientCoefficients(
     prefill_attention_hidden=11.39, family_rows=0.4595,
     head_apart=True, phases_apart=True, attention_query_blocks=16,
 )
-# The CPU backend with forwards through mlx-lm's modules (the families the engine's loops do not take:
-# Qwen3-MoE, Gemma 1-3, quantized weights; or RunnerOptions(layer_loops=False) / cpu_math off): the
-# runner waits between a forward's layers and its head only. Fitted on the same grid's points of those
-# families and of every loop family and llama shape run through the modules:
+# The CPU backend with forwards through mlx-lm's modules (quantized weights; or
+# RunnerOptions(layer_loops=False) / cpu_math off): the runner waits between a forward's layers and its
+# head only. Fitted on the same grid's points of Qwen3-MoE, Gemma 1-3 and quantized weights (recorded when
+# those ran the modules) and of every loop family and llama shape run through the modules:
 #     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu \
 #         --fit-path modules --layers-in-flight 1 --margin 1.03 --margin-bytes 24576
 #                                                        # scripts/data/cpu_i24_fit.json "cpu-mlx-attention"

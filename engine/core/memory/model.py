@@ -67,6 +67,11 @@ PAGED_PARTIAL_KEYS = 64
 # (no grid has mixed points on the CPU): 5 covered every mixed step of tests/engine/test_memory_measured.py's
 # workloads, 4 left one 0.1% under
 MIXED_STREAM_ROWS = 5
+# What MLX's allocator may count beyond an array's size: it serves an allocation from a cached buffer up
+# to two 4 KB pages larger and counts the whole buffer (docs/memory.md). The coefficient sets' per-forward
+# constant covers a llama block's arrays; a family's own (a sliding layer's gathered K, V and their index,
+# the q/k head norms' outputs: ModelShape.qk_norms) add this each.
+PAGE_SLACK_BYTES = 8192
 # The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
 # costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
 FLOOR_CHUNK_TOKENS = 64
@@ -169,6 +174,26 @@ class MemoryModel:
         """The most sliding-window layers among `num_layers` consecutive layers."""
         return num_layers - self.shape.global_layers(num_layers)[0] if self.shape.sliding_window else 0
 
+    def _window_gather(self, context_len: int, num_tokens: int, num_rows: int = 1,
+                       num_layers: Optional[int] = None, paged: bool = False) -> float:
+        """The KV (with its int32 index) that sliding layers gather where a forward reads the global
+        layers' in place (a view of the pool, or the `paged` kernel): the rows' windows, window - 1 + T
+        keys each, when they live in rings (engine/model/kv_pool.py) or the forward is paged; 0 else."""
+        s = self.shape
+        rings = s.num_kv_layers is not None and s.num_kv_layers < s.num_layers
+        if s.sliding_window is None or not (rings or paged):
+            return 0.0
+        m = self.layer_factor if num_layers is None else num_layers
+        keys = min(context_len, s.sliding_window - 1 + num_tokens)
+        kv = num_rows * keys * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)
+        return self._sliding_layers(m) * (kv + 3 * PAGE_SLACK_BYTES)
+
+    def _moe_rows(self) -> tuple[float, float]:
+        """Hidden-size rows per token of a layer loop's MLP stage beyond a llama block's, and of a MoE
+        layer's stage of its experts' outputs unsorted (ModelShape.moe_experts_per_token)."""
+        s = self.shape
+        return s.moe_experts_per_token + s.mlp_out_norm_rows, 2 * s.moe_experts_per_token
+
     def chunk_phases(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                      samples: bool = False, gathers: bool = True) -> tuple[TransientTerms, ...]:
         """A prompt chunk's forward (`prefill_chunk_bytes`, module docstring) as the stages that hold its
@@ -193,24 +218,32 @@ class MemoryModel:
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
         copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
         last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
+        norm_slack = 4 * PAGE_SLACK_BYTES * m if s.qk_norms and c > 1 else 0  # ModelShape.qk_norms
+        gather = self._over_layers(lambda keys: keys * kv_row, n, c) if gathers and not paged else \
+            self._window_gather(n, c, paged=paged)
         attention = TransientTerms(
             prefill_scores=self._over_layers(scores, n, c),
             decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * s.num_heads * keys, n, c) if c == 1 else 0,
             prefill_mask=self._over_layers(lambda keys: block * keys, n, c),
-            prefill_gather=0 if paged or not gathers else self._over_layers(lambda keys: keys * kv_row, n, c),
+            prefill_gather=gather,
             decode_paged=m * self.paged_partials_bytes(1, n) if paged else 0,
             prefill_attention_hidden=rows, family_rows=s.extra_attention_rows * rows,
-            fixed_bytes=extra_scores + last_copy, **overheads)
+            fixed_bytes=extra_scores + last_copy + norm_slack, **overheads)
+        mlp_rows, unsorted_rows = self._moe_rows()
         mlp = TransientTerms(
             prefill_layer_rows=m * s.intermediate_size * s.dtype_bytes if c > 1 else 0,
             prefill_mlp=m * c * s.intermediate_size * s.dtype_bytes, prefill_hidden=rows,
-            family_rows=s.extra_mlp_rows * rows, **overheads)
+            family_rows=s.extra_mlp_rows * rows, fixed_bytes=mlp_rows * rows, **overheads)
+        # a MoE layer's experts' outputs beside their unsorted copy (block.moe_mlp): a stage of its own
+        unsorted = (TransientTerms(prefill_hidden=rows, fixed_bytes=unsorted_rows * rows, **overheads),) \
+            if unsorted_rows else ()
         head = TransientTerms(prefill_logits=FLOAT32_BYTES * s.vocab_size * computes_logits,
                               sampling=FLOAT32_BYTES * s.vocab_size * samples, **overheads)
         if self.coefficients.phases_apart:  # the head a stage of its own
-            return attention, mlp, head
+            return (attention, mlp) + unsorted + (head,)
         # together: the hidden rows are prefill_hidden's alone, the constants counted once
-        return (attention + mlp + head - TransientTerms(prefill_attention_hidden=rows, **overheads)
+        extra = TransientTerms(fixed_bytes=unsorted_rows * rows)
+        return (attention + mlp + head + extra - TransientTerms(prefill_attention_hidden=rows, **overheads)
                 - TransientTerms(**overheads),)
 
     def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
@@ -238,7 +271,8 @@ class MemoryModel:
         kv_row = s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and the int32 index, per key
         paged = self.paged_decode and not gathers
         return TransientTerms(
-            decode_gather=self._over_layers(lambda keys: b * keys * kv_row, n, 1, m) if gathers else 0,
+            decode_gather=self._over_layers(lambda keys: b * keys * kv_row, n, 1, m) if gathers else
+            self._window_gather(n, 1, b, m, paged),
             decode_paged=m * self.paged_partials_bytes(b, n) if paged else 0,
             decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * b * s.num_heads * keys, n, 1, m),
         )
@@ -251,9 +285,11 @@ class MemoryModel:
         the head (`head_apart`); else one stage: the head is launched while the layers still run
         (runner.launch), so the last layer's gathered KV and the logits can be alive together."""
         s, b, m = self.shape, len(context_lens), self.layer_factor
+        row = m * b * s.hidden_size * s.dtype_bytes
+        mlp_rows, unsorted_rows = self._moe_rows()  # a decode's MLP is one stage: both together
         layers = self.decode_attention_terms(context_lens, gathers) + TransientTerms(
-            decode_mlp=m * b * s.intermediate_size * s.dtype_bytes, decode_hidden=m * b * s.hidden_size * s.dtype_bytes,
-            family_rows=m * s.extra_hidden_rows * b * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1)
+            decode_mlp=m * b * s.intermediate_size * s.dtype_bytes, decode_hidden=row,
+            family_rows=s.extra_hidden_rows * row, fixed_bytes=(mlp_rows + unsorted_rows) * row, step_overhead_bytes=1)
         head = self.decode_head_terms(b, samples)
         if self.coefficients.head_apart:
             return layers, head + TransientTerms(step_overhead_bytes=1)
@@ -297,7 +333,7 @@ class MemoryModel:
             s = self.shape
             stream = TransientTerms(fixed_bytes=MIXED_STREAM_ROWS * self.layer_factor * (chunk.num_tokens + b)
                                     * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1, prefill_overhead_bytes=1)
-            return (phases[0], stream + rows, phases[1], head)
+            return (phases[0], stream + rows) + tuple(phases[1:-1]) + (head,)
         together = phases[0] - TransientTerms(prefill_logits=phases[0].prefill_logits)  # the head is apart
         return (together + rows, head)
 

@@ -35,6 +35,18 @@ class ModelShape:
     extra_score_copies: int = 0
     # ... and in its sliding-window layers only, over the keys they read (Gemma 3's explicit masks)
     sliding_score_copies: int = 0
+    # Through the engine's layer loops (engine/model/layers/block.py), counted as they are, not scaled by a
+    # coefficient: Qwen3-MoE's experts per token k (a MoE layer's MLP stage holds the tokens' k copies
+    # sorted by expert beside the experts' products, and a stage of its own their k outputs beside their
+    # unsorted copy: 2 k rows; block.moe_mlp) ...
+    moe_experts_per_token: int = 0
+    # ... and hidden-size rows per token a layer's MLP stage holds beyond a llama block's (Gemma 2/3's norm
+    # of the MLP's output: engine/core/model_config.py)
+    mlp_out_norm_rows: float = 0.0
+    # the attention normalizes each query and key head: their outputs and MLX's CPU temporaries are four
+    # more arrays in a layer's attention stage, each of which may come from a larger cached buffer
+    # (MemoryModel's PAGE_SLACK_BYTES)
+    qk_norms: bool = False
     # layers whose KV grows with a request (None: all); a model's sliding-window layers may keep theirs in
     # fixed rings instead (engine/model/kv_pool.py), counted with the weights
     num_kv_layers: Optional[int] = None
@@ -52,14 +64,19 @@ class ModelShape:
         """From an mlx-lm / HF config.json dict, read per family (engine/core/model_config.py: a nested
         text_config, head_dim, MoE experts, windows). `dtype_bytes`: the activations' (and KV's) float size;
         `module_forwards`: prompt chunks run mlx-lm's modules (else the engine's chunk loop, which
-        computes q, k and v apart: no fused product of Phi-3's)."""
+        computes q, k and v apart: no fused product of Phi-3's; Qwen3-MoE's experts and Gemma's output
+        norms counted as the loop holds them, moe_experts_per_token and mlp_out_norm_rows)."""
         c = ConfigShape.from_config(config)
+        loops = not module_forwards
         return cls(
             num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size, dtype_bytes=dtype_bytes, weights_bytes=weights_bytes,
             extra_attention_rows=c.extra_attention_rows + c.fused_qkv_rows * module_forwards,
-            extra_mlp_rows=c.extra_mlp_rows, extra_score_copies=c.extra_score_copies,
+            extra_mlp_rows=0.0 if loops and c.num_experts_per_tok else c.extra_mlp_rows,
+            moe_experts_per_token=c.num_experts_per_tok if loops else 0,
+            mlp_out_norm_rows=c.loop_mlp_out_norm_rows if loops else 0.0, qk_norms=c.qk_norms,
+            extra_score_copies=c.extra_score_copies,
             sliding_score_copies=c.sliding_score_copies,
             layer_windows=c.layer_windows if any(w is not None for w in c.layer_windows) else (),
         )
