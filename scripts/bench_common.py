@@ -50,7 +50,27 @@ GEMMA3_12B = dict(
     rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=1024,
     sliding_window_pattern=6, max_position_embeddings=131072, rope_scaling={"factor": 8.0, "rope_type": "linear"},
 )
+# Qwen3-30B-A3B: 128 experts, 8 a token, of 768 (Qwen3-MoE through the engine's layer loops)
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, vocab_size=151936,
+    rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False, num_experts=128,
+    num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+# Gemma-2-9B: soft-capped attention and final logits, head_dim 256 (the paged kernel refuses it: no softcap)
+GEMMA2_9B = dict(
+    model_type="gemma2", hidden_size=3584, num_hidden_layers=42, intermediate_size=14336,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, vocab_size=256000,
+    rope_theta=10000.0, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    max_position_embeddings=8192,
+)
 RANDOM_SHAPES = {"llama-8b": LLAMA_8B, "llama-test": LLAMA_TEST, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B,
+                 "qwen3-30b-a3b": QWEN3_30B_A3B, "gemma2-9b": GEMMA2_9B,
+                 "qwen3-moe-test": dict(QWEN3_30B_A3B, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                        num_key_value_heads=2, head_dim=64, num_experts=16, moe_intermediate_size=128),
+                 "gemma2-test": dict(GEMMA2_9B, hidden_size=256, num_hidden_layers=4, intermediate_size=768,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64),
                  "qwen3-test": dict(QWEN3_8B, hidden_size=256, num_hidden_layers=4, intermediate_size=768,
                                     num_attention_heads=8, num_key_value_heads=2, head_dim=64),
                  "gemma3-test": dict(GEMMA3_12B, hidden_size=256, num_hidden_layers=6, intermediate_size=768,
