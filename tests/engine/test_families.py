@@ -77,6 +77,7 @@ def _engine(folder: pathlib.Path, **overrides):
 @pytest.mark.parametrize("family,bits", VARIANTS, ids=[f"{f}-{b or 'float'}" for f, b in VARIANTS])
 def test_family_greedy_equals_mlx_lm(checkpoints, family, bits):
     engine, model = _engine(checkpoints(family, bits))
+    assert engine.execution_paths().chunk_loop == (bits is None)  # float weights: the engine's layer loops
     prompts = _prompts()
     want = [reference_greedy_ids(model, p, MAX_TOKENS) for p in prompts]
     assert len(set(want[0])) > 1, "degenerate random model: greedy output repeats one token"
