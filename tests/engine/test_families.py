@@ -309,8 +309,9 @@ def test_gemma3_rings_keep_every_key_a_padded_last_chunk_leaves_decode(checkpoin
     holds window - 1 + a chunk's tokens. mlx-lm's tokens, with prompts that pass the window."""
     engine, model = _engine(checkpoints("gemma3_text"), max_num_seqs=2, execution={"pad_last_chunk": True})
     pads = []
-    prefill = engine.runner.prefill
+    prefill, mixed = engine.runner.prefill, engine.runner.mixed_forward  # a chunk runs alone or with decodes
     engine.runner.prefill = lambda work: pads.append(work.num_pad_tokens) or prefill(work)
+    engine.runner.mixed_forward = lambda work, rows: pads.append(work.num_pad_tokens) or mixed(work, rows)
     prompts = _prompts((57, 40, 23, 45), seed=3)
     want = [reference_greedy_ids(model, p, 30) for p in prompts]  # decodes pass the pad's slots
     assert _serve(engine, prompts, max_tokens=30) == want
