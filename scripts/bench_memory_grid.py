@@ -1003,6 +1003,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
         and loops  # only the engine's loops read the pool in place
     plans = prefill_bench_plans(data, views)
     mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
+    carried = deferred_steps(data, plans)
     recorded = None
     if not on_gpu:
         recorded = coefs.coefficients_for_backend("cpu")
@@ -1012,30 +1013,88 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     reproduced = None
     if recorded is not None:
         check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged, copies_viewed_kv=False)
-        again = [check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
+        again = _carry([check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)], carried)
         if again != wanted:  # the rebuilt plans are the engine's
             raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")
         reproduced = True
     else:  # GPU runs of engines that predicted with the CPU set (before the CUDA sets existed)
         cpu = mem.MemoryModel(shape, coefficients=coefs.coefficients_for_backend("cpu"), copies_viewed_kv=False)
-        if [cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)] == wanted:
+        if _carry([cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)], carried) == wanted:
             reproduced = True
-    coef = (coefs.with_overrides(base_coefficients(), coefficients) if coefficients
-            else coefs.coefficients_for(backend, 8, shape)[0])  # the 8B's shape calibration where it ships
+    # the engine's set for the shape (a shape calibration where one ships), or `coefficients` (complete
+    # but for a family's `family_rows` in older fits: the backend's)
+    family = dict(family_rows=coefs.coefficients_for_backend(backend, 8).family_rows)
+    coef = (coefs.with_overrides(base_coefficients(), {**family, **coefficients}) if coefficients
+            else coefs.coefficients_for(backend, 8, shape)[0])
     # the recorded runs' engines read a viewed chunk's last query without a copy
     model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=False)
-    pred = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
+    own = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
+    pred, carried = _carry(own, carried), _carried_above(own, carried)
     meas = [st["measured"] for st in steps]
     peak = max(range(len(steps)), key=lambda i: meas[i])
     ratios = [p / m for p, m in zip(pred, meas)]
+    own = [r for r, c in zip(ratios, carried) if not c]  # a carried step may have measured a tail alone
     return dict(file=path, backend=backend, mlx_env=data["environment"].get("mlx_env"), views=views,
-                paged_decodes=paged, recorded_predictions_reproduced=reproduced,
-                steps=[dict(predicted=p, measured=m, ratio=round(r, 3)) for p, m, r in zip(pred, meas, ratios)],
+                paged_decodes=paged, recorded_predictions_reproduced=reproduced, coefficients=coef,
+                steps=[dict(predicted=p, measured=m, ratio=round(r, 3), carried=c)
+                       for p, m, r, c in zip(pred, meas, ratios, carried)],
+                min_uncarried_step_ratio=round(min(own), 3), max_uncarried_step_ratio=round(max(own), 3),
                 peak_step=peak, ratio_at_peak_step=round(ratios[peak], 3),
                 max_predicted_over_max_measured=round(max(pred) / max(meas), 3),
                 min_step_ratio=round(min(ratios), 3), max_step_ratio=round(max(ratios), 3),
                 underpredicted_steps=sum(r < 1 for r in ratios),
                 max_predicted_bytes=max(pred), max_measured_bytes=max(meas))
+
+
+def fit_scale(paths: list[str], backend: str, views: bool, coefficients: Optional[dict], terms: list[str],
+              margin: float) -> dict:
+    """One factor for the coefficients `terms` of the replay's set (`replay_prefill`: the engine's for
+    the shape, or `coefficients` over the backend's) such that the tightest step of the recorded runs
+    (a carried one aside) is predicted at `margin` x its measure, from above: a calibration of a model
+    whose runs measured one kind of step (e.g. one chunk size), the other terms kept. Prints the set."""
+    first = replay_prefill(paths[0], backend, views, coefficients)["coefficients"]
+    fixed = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)
+             if isinstance(getattr(first, f.name), (int, float)) and not isinstance(getattr(first, f.name), bool)
+             and f.name != "mixed_min_layers"}
+
+    def tightest(factor: float) -> float:
+        over = {**fixed, **{t: fixed[t] * factor for t in terms}}
+        return min(replay_prefill(f, backend, views, over)["min_uncarried_step_ratio"] for f in paths)
+
+    low, high = 0.0, 4.0
+    for _ in range(40):  # the tightest ratio grows with the factor
+        mid = (low + high) / 2
+        low, high = (mid, high) if tightest(mid) < margin else (low, mid)
+    scaled = {**fixed, **{t: _ceil_sig(fixed[t] * high) for t in terms}}
+    runs = [replay_prefill(f, backend, views, scaled) for f in paths]
+    for run in runs:
+        run.pop("coefficients")
+    return dict(terms=terms, margin=margin, factor=round(high, 4), coefficients=scaled, runs=runs)
+
+
+def deferred_steps(data: dict, plans: list) -> list[bool]:
+    """Per step of a prefill benchmark's engine run: whether its record also holds the previous step's
+    last forward, left running into it (StepExecutor's overlapped steps: a last prompt chunk that samples
+    nothing; the record then carries that forward's prediction and measure). Known from the run's config
+    or from a record whose prediction is above its plan's."""
+    engine = data["ways"]["engine"]
+    config = engine.get("config", {})
+    overlap = config.get("overlap_steps", config.get("execution", {}).get("overlap_steps")) or any(
+        st.get("plan_predicted") is not None and st["predicted"] > st["plan_predicted"] for st in engine["steps"])
+    ends = [bool(pl.prefill_chunks) and not pl.prefill_chunks[-1].computes_logits for pl in plans]
+    return [bool(overlap) and i > 0 and ends[i - 1] for i in range(len(plans))]
+
+
+def _carry(predictions: list[int], carried: list[bool]) -> list[int]:
+    """Each step's prediction as its record holds it: with the previous step's where that step's last
+    forward ran into it (`deferred_steps`; the executor records the larger)."""
+    return [max(p, predictions[i - 1]) if c else p for i, (p, c) in enumerate(zip(predictions, carried))]
+
+
+def _carried_above(predictions: list[int], carried: list[bool]) -> list[bool]:
+    """The steps whose recorded prediction is the previous step's deferred chunk's, above their own: their
+    measure may be that chunk's tail alone, so their ratio says nothing of the formula's tightness."""
+    return [c and predictions[i - 1] > p for i, (p, c) in enumerate(zip(predictions, carried))]
 
 
 def merge_grids(prefill_path: str, decode_path: str) -> dict:
@@ -1081,6 +1140,9 @@ def main(argv=None):
                         "(default cuda, the ops-8 set)")
     p.add_argument("--replay-coefficients", default=None, metavar="FIT_JSON",
                    help="--replay-prefill with the coefficients of a --fit --json output (e.g. a per-model fit)")
+    p.add_argument("--fit-scale", default=None, metavar="TERMS",
+                   help="--replay-prefill: scale these coefficients (comma-separated) by one factor so that the "
+                        "tightest recorded step is predicted at --margin x its measure (fit_scale)")
     p.add_argument("--replay-views", action="store_true",
                    help="--replay-prefill: the run's prompt chunks read their rows as views of the pool")
     p.add_argument("--replay-prefill", default=None,
@@ -1151,8 +1213,14 @@ def main(argv=None):
         if args.replay_coefficients:
             fitted = Path(args.replay_coefficients).read_text().strip().splitlines()[-1]
             coefficients = json.loads(fitted)["coefficients"]
-        result = [replay_prefill(f, args.backend or "cuda", args.replay_views, coefficients)
-                  for f in args.replay_prefill.split(",")]
+        if args.fit_scale:
+            result = fit_scale(args.replay_prefill.split(","), args.backend or "cuda", args.replay_views,
+                               coefficients, args.fit_scale.split(","), args.margin)
+        else:
+            result = [replay_prefill(f, args.backend or "cuda", args.replay_views, coefficients)
+                      for f in args.replay_prefill.split(",")]
+            for run in result:
+                run.pop("coefficients")
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
                              args.exclude_terms, args.chunk_maxima, args.layers_in_flight, args.fit_path,

@@ -128,6 +128,29 @@ def test_replay_with_given_coefficients_predicts_with_them():
     assert shipped["max_predicted_bytes"] != out["max_predicted_bytes"]
 
 
+def test_replayed_h200_prefill_runs_of_qwen3_and_llama_are_predicted_within_1_2x_never_under():
+    """The shipped CUDA calibrations on the recorded H200 prefill runs (views): every Qwen3-8B and Llama-8B
+    step of this engine's runs predicted at 1.0-1.2 x its measure (session 7's, whose mixed steps took 3
+    decode rows, never under); a step holding the previous step's deferred chunk carries that chunk's
+    prediction (never under, its ratio apart). The Qwen3 calibration is what --fit-scale fits from the
+    llama's on that run."""
+    data = Path(__file__).resolve().parents[2] / "scripts/data"
+    runs = [f"{data}/h200_i21_prefill_families.json:qwen3-8b", f"{data}/h200_s10_a10_prefill.json",
+            f"{data}/h200_s10_b10_prefill.json", f"{data}/h200_s7_prefill_repeat3.json"]
+    for run in runs:
+        out = grid.replay_prefill(run, "cuda", views=True)
+        assert out["underpredicted_steps"] == 0 and out["min_step_ratio"] >= 1.0, run
+        assert run == runs[-1] or out["max_uncarried_step_ratio"] <= 1.2, run
+    assert [s["carried"] for s in grid.replay_prefill(runs[0], "cuda", views=True)["steps"]] == [False] * 10 + [True]
+    fit = json.loads(Path(f"{data}/h200_s7_fit_llama8b.json").read_text().strip().splitlines()[-1])["coefficients"]
+    scaled = grid.fit_scale(runs[:1], "cuda", True, fit, ["prefill_mlp", "prefill_hidden"], 1.13)
+    from engine.core.memory.coefficients import QWEN3_8B_BF16, SHAPE_CALIBRATIONS
+
+    shipped = SHAPE_CALIBRATIONS[("cuda-ops8", QWEN3_8B_BF16)][1]
+    assert (scaled["coefficients"]["prefill_mlp"], scaled["coefficients"]["prefill_hidden"]) == (
+        shipped.prefill_mlp, shipped.prefill_hidden)
+
+
 def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():
     """The mixed grid of session 7 (scripts/data/h200_s7_grid_mixed*.json: a chunk's forward with 2-32
     decoding rows, 8B llama, its 8-layer cut and three 2-layer shapes): the shipped CUDA set predicts

@@ -119,6 +119,25 @@ def test_a_shape_calibration_replaces_the_backend_set_for_that_shape_only():
     assert coefficients_for("cuda", 8) == (CUDA_OPS8_COEFFICIENTS, "cuda-ops8 set")
 
 
+def test_the_qwen3_8b_calibration_is_below_the_set_and_above_its_measured_chunk():
+    """The Qwen3-8B shape in bf16 under ops 8 takes its calibration (prompt chunks: docs/memory_cuda.md):
+    its 512-token chunk is predicted above the 276.8 MB the H200 measured and below the set's prediction;
+    its decodes are the set's, with a per-forward constant no smaller."""
+    from engine.core.memory.coefficients import QWEN3_8B_BF16, coefficients_for, shape_key
+
+    qwen3 = ModelShape(num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                       intermediate_size=12288, vocab_size=151936, dtype_bytes=2, extra_attention_rows=1.25)
+    assert shape_key(qwen3) == QWEN3_8B_BF16
+    calibrated, what = coefficients_for("cuda", 8, qwen3)
+    assert "qwen3-8b" in what
+    models = [MemoryModel(qwen3, coefficients=c, paged_decode=True) for c in (calibrated, CUDA_OPS8_COEFFICIENTS)]
+    tight, generic = (m.prefill_chunk_bytes(512, 8192, computes_logits=False, gathers=False) for m in models)
+    assert 1.1 * 276_822_984 <= tight < 1.2 * 276_822_984 < generic
+    for rows in ([100], [8192] * 16):
+        assert models[0].decode_bytes(rows) >= models[1].decode_bytes(rows)
+    assert coefficients_for("cuda", 8, dataclasses.replace(qwen3, num_layers=28))[0] is CUDA_OPS8_COEFFICIENTS
+
+
 @pytest.mark.parametrize("name", ["rocm", "", "gpu"])
 def test_coefficients_for_backend_rejects_unknown_names(name):
     with pytest.raises(ValueError, match=repr(name)):
