@@ -20,9 +20,14 @@ model alone (a per-deployment calibration, EngineConfig.memory_coefficients):
 
     python scripts/bench_memory_grid.py --fit scripts/data/h200_pool_grid.json --backend cuda
 
+--grids stages (MLX's CPU backend): each stage of the engine's chunk loop measured alone (`stage_grid`),
+which the CPU fit reads stage by stage. --append --remeasure replaces a grid's points of the models and
+grids a run measures again.
+
 Replay mode (--replay-prefill a.json,b.json [--replay-views]): the engine steps of bench_prefill_memory.py
 results, predicted again from their recorded plans with --backend's coefficients (default cuda; on CUDA
-the ops-8 set):
+the ops-8 set); --fit-scale TERMS scales some of them by the one factor that puts the tightest recorded
+step at --margin (a calibration from runs of one kind of step):
 
     python scripts/bench_memory_grid.py --replay-prefill scripts/data/h200_s5_prefill_default.json --replay-views
 """
@@ -236,6 +241,71 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
     return points
 
 
+# MLX's CPU allocator's page (Linux x86): an array of a page or more takes whole pages, which the tiny
+# model's odd-sized chunks show (TransientCoefficients.allocation_page_bytes, docs/memory.md)
+CPU_PAGE_BYTES = 4096
+# MemoryModel.chunk_phases' stages where the runner waits between them (phases_apart), by their index
+CHUNK_STAGES = ("projections", "attention", "mlp", "head")
+
+
+def stage_grid(lm: LoadedModel, chunks: list[int], length: int, label: str) -> list[dict]:
+    """The stages of the engine's chunk loop where the runner waits between them (MLX's CPU backend,
+    ModelRunner.stage_waits): one prompt per chunk size, each chunk's forward built by the engine's
+    runner and evaluated one stage at a time as `launch` does, each stage's peak over what was alive
+    before the forward. Per chunk a point per kind of stage (CHUNK_STAGES, ChunkPath.forward's order in each
+    layer: the KV write's pool arrays and the rotated queries, the attention's blocks and its residual,
+    the MLP's norm and its residual; the head: the last stage of a chunk that samples), the largest's peak:
+    the fit then sees each stage alone, where a step's peak shows only its largest."""
+    from engine.core.types import SamplingParams
+    from engine.model.runner import ModelRunner, PrefillWork
+    from engine.model.sampling import RequestSampler
+
+    if mx.default_device() != mx.cpu:
+        return []  # the chunk loop's stages are waited for on MLX's CPU backend only
+    points = []
+    for c in chunks:
+        # the runner the engine builds on the CPU (Engine's defaults), one row of `length` tokens
+        runner, blocks = ModelRunner(lm.model, block_size=256, cpu_math=True, stage_waits=True, max_rows=1,
+                                     max_forward_tokens=c), -(-length // 256)
+        if runner.chunk_path is None:
+            return []  # mlx-lm's modules: a layer is one stage
+        runner.grow_pool(blocks)
+        runner.add_row("s", list(range(blocks)), RequestSampler(SamplingParams(max_tokens=1), 0))
+        prompt = random_prompts([length], lm.config["vocab_size"], seed=c)[0]
+        for start in range(0, length, c):
+            t, sample = min(c, length - start), start + c >= length
+            forward = runner.prefill(PrefillWork("s", prompt[start:start + t], start, sample))
+            mx.synchronize()
+            base = mx.get_active_memory()  # each stage's peak over what the forward found alive
+            peaks: dict = {}
+            after_write, residuals = False, 0
+            for i, stage in enumerate(forward.stages):
+                if i == len(forward.stages) - 1:  # the head, or (a chunk that samples nothing) its KV
+                    kind = "head" if sample else None
+                elif len(stage) == 2:  # a layer's KV write (its K and V pool arrays) ...
+                    kind, after_write, residuals = "projections", True, 0
+                elif isinstance(stage[0], list):  # a sparse MLP's own stages (block.moe_mlp)
+                    kind = "mlp"
+                elif stage[0].ndim == 4:  # ... its rotated queries, then its attention's blocks
+                    kind, after_write = "projections" if after_write else "attention", False
+                else:  # its residual stream after the attention, then the MLP's norm and the MLP
+                    residuals += 1
+                    kind = "attention" if residuals == 1 else "mlp"
+                mx.reset_peak_memory()
+                mx.eval(*stage)
+                if kind is not None:
+                    peaks[kind] = max(peaks.get(kind, 0), mx.get_peak_memory() - base)
+                stage.clear()
+            for kind in CHUNK_STAGES:
+                if kind in peaks:
+                    points.append(dict(kind="stage", stage=kind, variant=label, path="loops", c=t, n=start + t,
+                                       logits=sample, B=1, gathers=False, copies_viewed_kv=False,
+                                       measured=peaks[kind], predicted=0))
+        runner = forward = None
+        free_memory()
+    return points
+
+
 def start_decoding(engine, prompts: list[list[int]], max_tokens: int):
     """One request per prompt, stepped until each has decoded once: (recorder, meter, request ids)."""
     from engine.core.types import SamplingParams
@@ -430,13 +500,11 @@ def measure(args) -> dict:
     rows = [int(x) for x in args.decode_rows.split(",")]
     contexts = [int(x) for x in args.decode_contexts.split(",")]
     grids = set(args.grids.split(","))
-    if grids - {"prefill", "prefill-gathers", "decode", "mixed", "steps"}:
-        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,prefill-gathers,decode,mixed,steps")
+    if grids - {"prefill", "prefill-gathers", "decode", "mixed", "steps", "stages"}:
+        raise ValueError(f"--grids {args.grids!r}: expected some of prefill,prefill-gathers,decode,mixed,steps,stages")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     result = dict(bench="memory_grid", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
                   environment=environment(), points=[], shapes={})
-    if args.append and args.out and Path(args.out).exists():  # one more run's points in the same grid
-        result = {**json.loads(Path(args.out).read_text()), f"argv_{args.grids.replace(',', '_')}": sys.argv[1:]}
     models = [(args.model, lm)]
     if args.variants:
         table = VARIANTS if args.model == "llama-8b" else TEST_VARIANTS
@@ -445,6 +513,11 @@ def measure(args) -> dict:
     models += [(name, cfg) for name, cfg in family_variants(args.families).items()]
     if args.modules:  # the same models through mlx-lm's modules, where the engine's loops take them
         models += [(f"{name}/modules", m) for name, m in models if loops_family(m if isinstance(m, dict) else m.config)]
+    if args.append and args.out and Path(args.out).exists():  # one more run's points in the same grid
+        result = {**json.loads(Path(args.out).read_text()), f"argv_{args.grids.replace(',', '_')}": sys.argv[1:]}
+        if args.remeasure:  # this run's points replace the grid's of the same models and grids
+            result["points"] = [p for p in result["points"]
+                                if not remeasured(p, {label for label, _ in models}, grids)]
     # Warm-up (kernels compile on first use): a short prefill and a 2-row decode.
     prefill_grid(lm, [min(chunks)], min(chunks) * 2, shape_of(lm.config, DTYPES[lm.dtype].size), "warmup")
     decode_grid(lm, [2], [min(contexts)], shape_of(lm.config, DTYPES[lm.dtype].size), "warmup", 1)
@@ -464,6 +537,8 @@ def measure(args) -> dict:
             pts += decode_grid(m, rows, contexts, sh, label, layer_loops=loops, pipelined=args.pipelined)
         if "steps" in grids:
             pts += steps_grid(m, label)
+        if "stages" in grids and loops:
+            pts += stage_grid(m, chunks, args.prefill_length, label)
         if "mixed" in grids:
             pts += mixed_grid(m, [int(x) for x in args.mixed_chunks.split(",")],
                               [int(x) for x in args.mixed_rows.split(",")],
@@ -480,6 +555,15 @@ def measure(args) -> dict:
     return result
 
 
+def remeasured(point: dict, labels: set, grids: set) -> bool:
+    """Whether a grid's `point` is one a run measuring `grids` of the models `labels` measures again."""
+    if point["variant"] not in labels:
+        return False
+    if point["kind"] == "prefill":  # prefill: chunks read as views; prefill-gathers: every chunk gathered
+        return ("prefill-gathers" if point.get("gathers") and "prefill-gathers" in grids else "prefill") in grids
+    return {"decode": "decode", "step": "steps", "mixed": "mixed", "stage": "stages"}.get(point["kind"]) in grids
+
+
 # --------------------------------------------------------------------------- fit
 def base_coefficients():
     """The CPU set without its per-forward constants (step_overhead_bytes, prefill_overhead_bytes,
@@ -488,7 +572,8 @@ def base_coefficients():
 
     return dataclasses.replace(coefs.CPU_COEFFICIENTS, step_overhead_bytes=0, prefill_overhead_bytes=0,
                                prefill_layer_rows=0.0, head_apart=False, phases_apart=False,
-                               prefill_attention_hidden=0.0, attention_query_blocks=1)
+                               prefill_attention_hidden=0.0, prefill_projection_hidden=0.0,
+                               prefill_head_rows=0.0, attention_query_blocks=1, allocation_page_bytes=0)
 
 
 def nnls(a, b, iters: int = 5000):
@@ -580,6 +665,8 @@ BACKEND_COLUMNS = (
     ("prefill_hidden", "prefill", "prefill_hidden", True), ("prefill_logits", "prefill", "prefill_logits", False),
     ("prefill_layer_rows", "prefill", "prefill_layer_rows", True),
     ("prefill_attention_hidden", "prefill", "prefill_attention_hidden", True),
+    ("prefill_projection_hidden", "prefill", "prefill_projection_hidden", True),
+    ("prefill_head_rows", "prefill", "prefill_head_rows", False),
     ("family_rows", "both", "family_rows", True),
     ("decode_gather", "decode", "decode_gather", True), ("decode_paged", "decode", "decode_paged", True),
     ("decode_scores", "decode", "decode_scores", True),
@@ -648,11 +735,15 @@ def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]
     """engine/core/memory/model.py's own prediction of every grid point (max(layers, logits) in decode, int
     truncation): what the engine will use, so the no-under-prediction check is on this, not the fit."""
     out = []
-    for p in pts:
-        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")))
+    for p in pts:  # the copy of a viewed row's KV as this engine makes it: not where the point's said it
+        # would not (cpu_math's attention); grids from before the copy were CUDA's, where it now does
+        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")), p.get("copies_viewed_kv", True))
         gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
         if p["kind"] == "prefill":
             out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"]), gathers=gathers))
+        elif p["kind"] == "stage":  # one kind of a chunk's stages alone (`stage_grid`)
+            stage = m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)[CHUNK_STAGES.index(p["stage"])]
+            out.append(int(stage.bytes(coefficients)))
         else:
             out.append(m.decode_bytes([p["n"]] * p["B"], gathers=gathers))
     return out
@@ -735,6 +826,9 @@ def point_phases(p: dict, shapes: dict, coefficients) -> tuple:
     gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
     if p["kind"] == "prefill":
         return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)
+    if p["kind"] == "stage":  # one kind of a chunk's stages, measured alone (`stage_grid`)
+        k = CHUNK_STAGES.index(p["stage"])
+        return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)[k:k + 1]
     return m.decode_phases([p["n"]] * p["B"], gathers=gathers)
 
 
@@ -758,15 +852,19 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     formula). Where the forwards run in stages (`base.head_apart`, `phases_apart`) each point is fitted on
     its largest stage (`_fit_row`) as the previous pass's fit predicts it: the first pass on the stages
     `_mlp_stages` guesses, by least squares (NNLS) alone, the next ones from above; the pass whose scaled
-    fit has the least mean log ratio is kept. Returns (coefficients, predictions)."""
+    fit has the least mean log ratio is kept. A model whose chunks' stages were measured alone
+    (`stage_grid`) is fitted on those, each on its own stage, and its prompt chunks' peaks only checked
+    (the scale-up above them). Returns (coefficients, predictions)."""
     import numpy as np
 
     names = [c[0] for c in BACKEND_COLUMNS]
     coef = dataclasses.replace(base, layers_in_flight=layers_in_flight)
-    stages = _mlp_stages(pts) if base.phases_apart else [None] * len(pts)
+    staged = {p["variant"] for p in pts if p["kind"] == "stage"}
+    fitted = [p for p in pts if p["kind"] != "prefill" or p["variant"] not in staged]
+    stages = _mlp_stages(fitted) if base.phases_apart else [None] * len(fitted)
     best = None
     for first in [True] + [False] * (4 if base.head_apart or base.phases_apart else 0):
-        rows, b = zip(*(_fit_row(p, shapes, coef, names, k) for p, k in zip(pts, stages)))
+        rows, b = zip(*(_fit_row(p, shapes, coef, names, k) for p, k in zip(fitted, stages)))
         a, b = np.array(rows, dtype=float), np.maximum(np.array(b, dtype=float), 1.0)
         seen = np.abs(a).max(axis=0) > 0
         for i, name in enumerate(names + ["prefill_overhead_bytes", "step_overhead_bytes"]):
@@ -789,27 +887,28 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
         score = float(np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts])))
         if best is None or score < best[0]:
             best = (score, scaled, pred)
-        stages = [None] * len(pts)  # the next pass: each point on the stage this fit predicts largest
+        stages = [None] * len(fitted)  # the next pass: each point on the stage this fit predicts largest
     return best[1], best[2]
 
 
 def _mlp_stages(pts: list[dict]) -> list:
-    """The first pass's stage of each point of a fit whose prompt chunks run their layers' attention
-    and MLP apart: a chunk measured within 5% of the least of its series (one variant, chunk size and
-    kind of read, over contexts) is fitted on its MLP stage (1), which does not grow with the context;
-    the others on their attention stage (0); decodes and a prompt's last chunks (a chunk size of their
-    own) on their largest stage as the base predicts it."""
+    """The first pass's stage of each point of a fit whose prompt chunks run their layers' projections,
+    attention and MLP apart (MemoryModel.chunk_phases: 0, 1, 2): a chunk measured within 5% of the least
+    of its series (one variant, chunk size and kind of read, over contexts) is fitted on its MLP stage,
+    which does not grow with the context; the others on their attention stage; decodes, a prompt's last
+    chunks (a chunk size of their own) and the projections' stages measured alone (`stage_grid`) on
+    their largest stage as the base predicts it."""
     series: dict = {}
     for p in pts:
         if p["kind"] == "prefill":
             series.setdefault((p["variant"], p["c"], p.get("gathers", True)), []).append(p["measured"])
     stages = []
     for p in pts:
-        measured = series.get((p["variant"], p["c"], p.get("gathers", True)), [])
+        measured = series.get((p["variant"], p["c"], p.get("gathers", True)), []) if p["kind"] == "prefill" else []
         if len(measured) < 3:  # a decode, or a prompt's last chunk (its own size): as the base predicts
             stages.append(None)
         else:
-            stages.append(1 if p["measured"] <= 1.05 * min(measured) else 0)
+            stages.append(2 if p["measured"] <= 1.05 * min(measured) else 1)
     return stages
 
 
@@ -817,7 +916,9 @@ def _scale_above(pts: list[dict], shapes: dict, base, fields: dict) -> tuple:
     """Scale a fit's coefficients up, round up and re-check (int truncation, decode's max) until
     engine_predictions() under-predicts no point: (coefficients, predictions). Each coefficient by the
     largest measured / predicted of the points where its term is in the stage that holds their transient
-    (one stage per forward where they run together: then by that kind's largest, prefill or decode)."""
+    (one stage per forward where they run together: then by that kind's largest, prefill or decode). A
+    chunk's peak of a model whose chunks' stages were measured alone (`stage_grid`) is held by the stage
+    measured largest at its size and context (or by its attention where it gathers and that is larger)."""
     import numpy as np
 
     names = [c[0] for c in BACKEND_COLUMNS] + ["prefill_overhead_bytes", "step_overhead_bytes"]
@@ -825,12 +926,17 @@ def _scale_above(pts: list[dict], shapes: dict, base, fields: dict) -> tuple:
     staged = base.head_apart or base.phases_apart
     group = {c[0]: c[1] for c in BACKEND_COLUMNS}
     group["prefill_overhead_bytes"] = "prefill"
+    held: dict = {}  # (variant, chunk, context) -> the kind of stage measured largest there, its bytes
+    for p in pts:
+        key = (p["variant"], p.get("c"), p["n"])
+        if p["kind"] == "stage" and p["measured"] > held.get(key, ("", 0))[1]:
+            held[key] = (p["stage"], p["measured"])
     for _ in range(20):
         coef = dataclasses.replace(base, **fields)
         pred = np.maximum(np.array(engine_predictions(pts, shapes, coef), dtype=float), 1)
         margin = dict.fromkeys(names, 1.0)
         for p, bv, pv in zip(pts, b, pred):
-            stage = max(point_phases(p, shapes, coef), key=lambda t: t.bytes(coef)) if staged else None
+            stage = _holding_stage(p, shapes, coef, held) if staged else None
             for n in names:
                 if (getattr(stage, n) if staged else group.get(n, p["kind"]) == p["kind"]):
                     margin[n] = max(margin[n], bv / pv)
@@ -843,6 +949,18 @@ def _scale_above(pts: list[dict], shapes: dict, base, fields: dict) -> tuple:
         if all(pv >= mv for pv, mv in zip(pred, b)):
             return coef, pred
     raise RuntimeError("could not scale the fit above every point")
+
+
+def _holding_stage(p: dict, shapes: dict, coef, held: dict):
+    """The stage (TransientTerms) of a grid point that holds its transient (`_scale_above`): the one
+    `coef` predicts largest, or for a chunk whose stages were measured alone the one measured largest."""
+    phases = point_phases(p, shapes, coef)
+    kind = held.get((p["variant"], p.get("c"), p["n"])) if p["kind"] == "prefill" else None
+    if kind is None:
+        return max(phases, key=lambda t: t.bytes(coef))
+    stage = phases[CHUNK_STAGES.index(kind[0])]
+    attention = phases[CHUNK_STAGES.index("attention")]
+    return attention if p.get("gathers", True) and attention.bytes(coef) > stage.bytes(coef) else stage
 
 
 def math_ceil(x: float) -> int:
@@ -884,7 +1002,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     data = json.loads(Path(path).read_text())
     keep = set(v for v in variants.split(",") if v)
     pts = [p for p in data["points"] if p["variant"] != "warmup" and p["measured"] > 0
-           and p["kind"] in ("prefill", "decode")
+           and p["kind"] in ("prefill", "decode", "stage")
            and (not keep or p["variant"] in keep) and (not forward_path or p.get("path", "loops") == forward_path)]
     shapes = data["shapes"]
     for p in pts:  # grids measured before a term existed: its value from the point's shape
@@ -906,6 +1024,8 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
 
     base = dataclasses.replace(base_coefficients(), head_apart=backend == "cpu", phases_apart=phases,
                                prefill_attention_hidden=base_coefficients().prefill_hidden * phases,
+                               prefill_projection_hidden=base_coefficients().prefill_hidden * phases,
+                               allocation_page_bytes=CPU_PAGE_BYTES if phases else 0,
                                attention_query_blocks=QUERY_BLOCKS if phases else 1)
     best = None
     scan = {}
@@ -935,7 +1055,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
                geometric_mean_ratio_by_layers_in_flight=scan,
                predicted_over_measured=_ratio_stats(pred, meas), by_group={})
     for v in out["variants"]:
-        for kind in ("prefill", "decode"):
+        for kind in ("prefill", "decode", "stage"):
             idx = [i for i, p in enumerate(pts) if p["variant"] == v and p["kind"] == kind]
             if idx:
                 out["by_group"][f"{v}/{kind}"] = _ratio_stats([pred[i] for i in idx], [meas[i] for i in idx])
@@ -1135,6 +1255,8 @@ def main(argv=None):
                    help="--check-steps: count the steps predicted above 1.2 x measured + this")
     p.add_argument("--append", action="store_true",
                    help="measure mode: add the points and shapes to --out's grid instead of replacing it")
+    p.add_argument("--remeasure", action="store_true",
+                   help="--append: the run's points replace the grid's points of the same models and --grids")
     p.add_argument("--check-mixed", default=None, metavar="GRID_JSON",
                    help="predicted / measured of grids' mixed points (comma-separated) with --backend's set "
                         "(default cuda, the ops-8 set)")

@@ -344,6 +344,11 @@ class ForwardView:
         for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
             pool_arrays[layer][index] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
 
+    def written(self, layer: int) -> tuple:
+        """The layer's pool arrays as this forward's `write` left them, as handles that stay those arrays
+        when a later write rebinds the pool's (a runner evaluates the write as a stage of its own)."""
+        return tuple(a.reshape(a.shape) for a in (self.pool.keys[layer], self.pool.values[layer]))
+
     def read(self, layer: int):
         """All rows' KV, right-padded [B, H_kv, L_max, D] (a gathered copy, or a view of a consecutive
         row): what mlx-lm's attention takes. A sliding layer's: only the keys its windows reach."""

@@ -284,7 +284,7 @@ class ModelRunner:
             hidden = self._forward(tokens, view.layers())[:, : T - pad]  # [1, T - pad, D]: the real positions
         view.advance()
         row.offset -= pad  # the pad's slots hold no position's KV: the next token is written over them
-        stages = [[h] for h in stages or ()]
+        stages = [_stage(h) for h in stages or ()]
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
             # Handles to this chunk's pool arrays, not the pool's array objects: MLX rebinds those on
             # `a[idx] = v`, so once the next chunk's graph is built, finishing this forward would
@@ -337,7 +337,7 @@ class ModelRunner:
         # 2-D: MLX's matmul of a [1, n, D] slice would hold the [n, V] logits twice
         logits = self._head(hidden[0])  # [(1 +) B, V]
         sampled = sample_rows(logits, samplers)
-        return Forward([[h] for h in stages or ()] + [[hidden], [sampled]], sampled)
+        return Forward([_stage(h) for h in stages or ()] + [[hidden], [sampled]], sampled)
 
     def launch(self, forward: "Forward") -> None:
         """Start a built forward on the device without waiting. The caller must `finish` it (and drop
@@ -387,6 +387,11 @@ class Forward:
         holds them."""
         finish(*self.stages[-1])
         self.stages = []
+
+
+def _stage(arrays) -> list:
+    """One stage of a forward (what a layer loop appended: an array, or a tuple of them) as a list."""
+    return list(arrays) if isinstance(arrays, tuple) else [arrays]
 
 
 def _alias(a: mx.array) -> mx.array:

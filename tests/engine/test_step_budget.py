@@ -3,16 +3,18 @@ weights, every step's measured transient stays within its prediction and its pre
 memory the KV pool leaves free; every request finishes; KV gets most of what the weights leave.
 
 Random mixes (hypothesis) of prompt lengths, decode rows and arrival order, kept few and short so the
-test runs in seconds on a loaded 2-core machine. Every step: measured <= predicted <= 1.8x measured;
-every example of ten steps or more: the median step's prediction within 1.3x (a fixed burst: 1.2x).
-On the CPU the runner waits between a forward's stages (ModelRunner.stage_waits: a decode's layers and
-its head, a chunk's attention blocks and its layers' attention and MLP), so a step's peak does not
-depend on how far MLX's worker is behind the host and the prediction can be tight.
+test runs in seconds on a loaded 2-core machine; derandomized, so a run checks the same examples each
+time (MLX_SERVE_HYPOTHESIS_EXAMPLES raises their number). Every step: measured <= predicted <= 1.5x
+measured; every example of ten steps or more: the median step's prediction within 1.25x (a fixed burst:
+1.2x). On the CPU the runner waits between a forward's stages (ModelRunner.stage_waits: a decode's layers
+and its head; a chunk's projections, attention blocks, MLP norm and MLP per layer), so a step's peak does
+not depend on how far MLX's worker is behind the host and the prediction can be tight.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 
 import mlx.core as mx
@@ -23,11 +25,12 @@ from engine.core.types import SamplingParams
 MAX_MODEL_LEN = 1024
 # Every step's prediction within this of its measurement: the tiny model's smallest prompt chunks (a few
 # hundred KB) are where the CPU set, fitted over larger shapes too, is loosest (docs/memory.md)
-MAX_STEP_RATIO = 1.8
-# ... and the median step's of a random example: the tiny model's prompt chunks are predicted 1.1-1.4x,
-# its decodes 1.15-1.2x, so a mix of mostly chunks lands above 1.2; a burst of mostly decodes (below)
-# within 1.2x
-MEDIAN_STEP_RATIO = 1.3
+MAX_STEP_RATIO = 1.5
+# ... and the median step's of a random example: the tiny model's 64-token chunks and one-row decodes are
+# predicted up to 1.25x (the set's 24 KB per-forward margin is a sixth of such a step), so an example
+# of mostly those can land above 1.2; a burst of larger chunks and decodes (below) within 1.2x
+MEDIAN_STEP_RATIO = 1.25
+EXAMPLES = int(os.environ.get("MLX_SERVE_HYPOTHESIS_EXAMPLES", "6"))
 
 
 def run_burst(make_engine, headroom: int, requests, chunk: int = 128, max_num_seqs: int = 8,
@@ -76,7 +79,7 @@ def check_steps(records, engine) -> list[float]:
     return ratios
 
 
-@settings(max_examples=6, deadline=None,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.integers(2, 700), st.integers(1, 6), st.integers(0, 4)),
                          min_size=1, max_size=6),

@@ -76,7 +76,7 @@ def test_cpu_sets_predictions_pinned():
     mlx_attention, loops = (MemoryModel(LLAMA3_8B, coefficients=k)
                             for k in (CPU_MLX_ATTENTION_COEFFICIENTS, CPU_COEFFICIENTS))
     for m, want in ((mlx_attention, (663219362, 1179118, 31413130, 575668821, 35334463, 560574)),
-                    (loops, (129627521, 604806, 15788315, 592292478, 36418330, 560686))):
+                    (loops, (115191512, 764292, 15499359, 594625637, 36556754, 560447))):
         got = (m.prefill_chunk_bytes(512, 8192, samples=True), m.prefill_chunk_bytes(1, 100),
                m.prefill_chunk_bytes(128, 300, computes_logits=False), m.decode_bytes([8192] * 16, samples=True),
                m.decode_bytes([100, 4000]), m.decode_bytes([7]))
@@ -305,12 +305,16 @@ def test_cpu_forwards_are_their_largest_stage_cuda_ones_the_sum():
                                                                  head.bytes(CPU_COEFFICIENTS)))
         (one,) = cuda.decode_phases([n] * rows, samples=1)
         assert one.decode_logits and one.decode_gather
-    attention, mlp, head = cpu.chunk_phases(512, 4096)
+    projections, attention, mlp, head = cpu.chunk_phases(512, 4096)
     assert attention.prefill_scores and not attention.prefill_mlp and mlp.prefill_mlp and not mlp.prefill_scores
-    assert cpu.prefill_chunk_bytes(512, 4096) == int(max(t.bytes(CPU_COEFFICIENTS) for t in (attention, mlp, head)))
+    assert projections.prefill_projection_hidden and not (projections.prefill_scores or projections.prefill_mlp)
+    assert head.prefill_logits and head.prefill_head_rows and not head.prefill_mlp  # the sampled row's MLP
+    assert cpu.prefill_chunk_bytes(512, 4096) == int(max(t.bytes(CPU_COEFFICIENTS)
+                                                         for t in (projections, attention, mlp, head)))
     (one,) = MemoryModel(LLAMA3_8B, coefficients=NEUTRAL).chunk_phases(512, 4096)  # one stage, one layer
     together = attention + mlp + head
     assert one.prefill_hidden == together.prefill_hidden and one.prefill_attention_hidden == 0
+    assert one.prefill_projection_hidden == one.prefill_head_rows == 0
     assert one.step_overhead_bytes == one.prefill_overhead_bytes == 1
     assert TransientTerms(prefill_mlp=2.0, fixed_bytes=5.0).bytes(CPU_COEFFICIENTS) == 2 * CPU_COEFFICIENTS.prefill_mlp + 5
 
@@ -321,16 +325,16 @@ def test_cpu_mixed_forward_is_one_forward_not_the_sum_of_two():
     rows, the head of the rows and the chunk's sampled position."""
     m = MemoryModel(LLAMA3_8B, mixed=True)
     chunk, rows = PrefillChunkPlan(128, 4096), [2000] * 4
-    attention, decode, mlp, head = m.mixed_phases(chunk, rows)
+    projections, attention, decode, mlp, head = m.mixed_phases(chunk, rows)
     alone = m.chunk_phases(132, 4096, False)
-    assert attention == alone[0] and mlp == alone[1]
+    assert (projections, attention, mlp) == alone[:3]
     assert decode.decode_gather == m.decode_attention_terms(rows, num_layers=1).decode_gather
     from engine.core.memory.model import MIXED_STREAM_ROWS
 
     assert decode.fixed_bytes == MIXED_STREAM_ROWS * 132 * 4096 * 2 and not decode.prefill_scores
     assert head.decode_logits == 5 * 4 * LLAMA3_8B.vocab_size
     mixed = m.mixed_bytes(chunk, rows)
-    assert mixed == int(max(t.bytes(CPU_COEFFICIENTS) for t in (attention, decode, mlp, head)))
+    assert mixed == int(max(t.bytes(CPU_COEFFICIENTS) for t in (projections, attention, decode, mlp, head)))
     assert max(m.prefill_chunk_bytes(128, 4096), m.decode_bytes(rows)) <= mixed
     assert mixed < m.prefill_chunk_bytes(128, 4096) + m.decode_bytes(rows)
 

@@ -235,14 +235,14 @@ def test_floor_step_fits_beside_a_full_pool():
 
 
 def test_chunks_cut_to_the_free_memory_and_the_record_says_so():
-    # a 1000-token chunk is predicted above what the pool leaves free beside it: it must be cut
-    s = make_tight(0, max_model_len=1024, chunk=1024, budget=1024)
-    s.add(req("a", 1000, max_tokens=2))
+    # a 2000-token chunk is predicted above what the pool leaves free beside it: it must be cut
+    s = make_tight(0, max_model_len=2048, chunk=2048, budget=2048)
+    s.add(req("a", 2000, max_tokens=2))
     out = s.schedule()
     free = out.free_transient_bytes
     assert free is not None and out.predicted_transient_bytes <= free
-    assert s.memory.prefill_chunk_bytes(1000, 1000, True) > free
-    assert out.memory_limited and out.prefills[0].num_tokens < 1000
+    assert s.memory.prefill_chunk_bytes(2000, 2000, True) > free
+    assert out.memory_limited and out.prefills[0].num_tokens < 2000
     assert out.step_budget_tokens == out.num_batched_tokens
 
 
@@ -291,10 +291,10 @@ def test_a_prompt_cut_by_memory_ends_on_the_grid_and_takes_more_such_chunks_in_i
 def test_decode_rows_ride_in_a_chunk_only_when_the_memory_cut_nothing():
     def first_mixed_step(free_bytes):
         memory = MemoryModel(SHAPE, kv_step=STEP, mixed=True)
-        floor = memory.floor_transient_bytes(256, 1024)
+        floor = memory.floor_transient_bytes(512, 1024)
         max_memory = memory.kv_bytes(2048) * 5 // 4 + floor + free_bytes
         kv = KVManager(STEP, memory.kv_bytes_per_token, memory.kv_budget_bytes(max_memory, floor))
-        s = Scheduler(SchedulerConfig(4, 1024, 256, 1024, max_memory_bytes=max_memory), memory, kv)
+        s = Scheduler(SchedulerConfig(4, 1024, 512, 1024, max_memory_bytes=max_memory), memory, kv)
         s.add(req("a", 8, max_tokens=50))
         run_step(s)  # a decodes from now on
         s.add(req("b", 1000, max_tokens=2))

@@ -54,8 +54,17 @@ class TransientCoefficients:
     # `prefill_hidden`) and its head
     phases_apart: bool = False
     # x c*D*s per layer in flight: the hidden-size rows of a chunk's attention stage (`phases_apart`; else
-    # all of them are `prefill_hidden`'s)
+    # all of them are `prefill_hidden`'s) ...
     prefill_attention_hidden: float = 0.0
+    # ... and of its projections' stage before it (the norm, q/k/v, their rotation and the KV write; the
+    # runner waits for it apart: `phases_apart`)
+    prefill_projection_hidden: float = 0.0
+    # x (I + D)*s: the last layer's MLP of a prompt's sampled position, in its head's stage (`phases_apart`:
+    # one row's operations, too small for MLX's worker to free any before the host queues the next)
+    prefill_head_rows: float = 0.0
+    # MLX's CPU allocator gives an array of a page or more whole pages: a prompt chunk's per-array terms
+    # (its rows, scores, mask, gathered K and V) round each array up to this (0: the bytes as computed)
+    allocation_page_bytes: int = 0
     # x a family's extra hidden-size rows (ModelShape.extra_attention_rows, extra_mlp_rows: q/k head norms'
     # outputs, MoE token copies, ...): how many of those arrays the backend keeps alive at the peak
     family_rows: float = 1.0
@@ -85,6 +94,8 @@ class TransientTerms:
     prefill_logits: float = 0.0
     prefill_layer_rows: float = 0.0
     prefill_attention_hidden: float = 0.0
+    prefill_projection_hidden: float = 0.0
+    prefill_head_rows: float = 0.0
     family_rows: float = 0.0
     decode_gather: float = 0.0
     decode_paged: float = 0.0
@@ -115,25 +126,31 @@ class TransientTerms:
 # whose every stage the runner waits for (`head_apart`, `phases_apart`, one query block of 16 at a time:
 # docs/memory.md). Fitted from above (`bench_memory_grid.py --fit`: least squares, then each point's
 # largest stage from above) on single prompt chunks (16-512 tokens, contexts up to 2040, each read as a
-# view and again as a gather) and pipelined decodes (1-16 rows, 256-1800 keys) of the tiny model, four
-# 2-layer llama shapes (head_dim 32-64, hidden 256-1024) and the engine tests' checkpoints of the llama-
-# shaped families at hidden 256 (llama, qwen2, qwen3, phi3; Qwen3-MoE's and Gemma's loops since, with
-# their own arrays counted by ModelShape's loop terms: docs/memory.md). The grid measures each point after clearing
-# MLX's buffer cache; a serving process allocates from a warm one, where an array served from a larger
-# cached buffer counts up to 8 KB more: the fit's coefficients are shipped 3% and its per-forward
-# constant 24 KB above it (`--margin`, `--margin-bytes`):
+# view and again as a gather), each stage of those chunks measured alone (`--grids stages`) and pipelined
+# decodes (1-16 rows, 256-1800 keys) of the tiny model, four 2-layer llama shapes (head_dim 32-64,
+# hidden 256-1024) and the engine tests' checkpoints of the llama-shaped families at hidden 256 (llama,
+# qwen2, qwen3, phi3; Qwen3-MoE's and Gemma's loops since, with their own arrays counted by ModelShape's
+# loop terms: docs/memory.md). The grid measures each point after clearing MLX's buffer cache; a serving
+# process allocates from a warm one, where an array served from a larger cached buffer counts up to 8 KB
+# more: the fit's coefficients are shipped 3% and its per-forward constant 24 KB above it (`--margin`,
+# `--margin-bytes`). The grid's decode and module points were recorded first, its loop models' chunks
+# again once the runner waited for the projections and the MLP's norm apart (`--remeasure`):
 #     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
 #         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 --grids prefill,prefill-gathers,decode \
 #         --variants --families all,qwen3:4,gemma3_text:4 --modules --pipelined \
 #         --out scripts/data/cpu_i24_grid.json
+#     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
+#         --grids prefill,prefill-gathers,stages --variants --families llama,qwen2,qwen3,phi3 --append \
+#         --remeasure --out scripts/data/cpu_i24_grid.json
 #     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu --fit-path loops \
 #         --layers-in-flight 1 --margin 1.03 --margin-bytes 24576     # scripts/data/cpu_i24_fit.json "cpu"
 CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=1.322, prefill_mask=10.07, prefill_mlp=3.095, prefill_hidden=4.197, prefill_logits=1.131,
-    decode_gather=1.028, decode_scores=1.921, decode_logits=1.045, decode_mlp=5.021, decode_hidden=11.6,
-    prefill_gather=1.03, step_overhead_bytes=24576, prefill_overhead_bytes=0, prefill_layer_rows=0.1453,
-    prefill_attention_hidden=11.39, family_rows=0.4595,
-    head_apart=True, phases_apart=True, attention_query_blocks=16,
+    prefill_scores=1.648, prefill_mask=5.334, prefill_mlp=3.169, prefill_hidden=3.664, prefill_logits=1.108,
+    decode_gather=1.032, decode_scores=1.935, decode_logits=1.044, decode_mlp=4.928, decode_hidden=11.42,
+    prefill_gather=1.095, step_overhead_bytes=24850, prefill_overhead_bytes=250, prefill_layer_rows=0.06964,
+    prefill_attention_hidden=5.112, prefill_projection_hidden=7.014, prefill_head_rows=4.639,
+    family_rows=1.418, allocation_page_bytes=4096, head_apart=True, phases_apart=True,
+    attention_query_blocks=16,
 )
 # The CPU backend with forwards through mlx-lm's modules (quantized weights; or
 # RunnerOptions(layer_loops=False) / cpu_math off): the runner waits between a forward's layers and its
@@ -199,7 +216,7 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
             raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
     values = dict(overrides)
     for name in ("layers_in_flight", "mixed_min_layers", "step_overhead_bytes", "prefill_overhead_bytes",
-                 "attention_query_blocks"):
+                 "attention_query_blocks", "allocation_page_bytes"):
         if name in values:
             values[name] = int(values[name])
     for name in ("head_apart", "phases_apart"):
@@ -229,8 +246,8 @@ LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
 # prefill run scripts/data/h200_i21_prefill_families.json): the Llama-3-8B calibration's prefill terms (the
 # same dimensions but the MLP and vocabulary; its fit separates the per-token and per-chunk terms over five
 # chunk sizes) with its two per-token coefficients scaled by the one factor that predicts the run's
-# tightest step at 1.13 x (the llama calibration's own ratio on the same plan), from above; the decode
-# terms stay the set's (no Qwen3 decode was measured). docs/memory_cuda.md says why Qwen3 holds less:
+# tightest step as tightly as the llama calibration predicts the llama's, from above; the decode terms
+# stay the set's (no Qwen3 decode was measured). docs/memory_cuda.md says why Qwen3 holds less:
 #     python scripts/bench_memory_grid.py --replay-prefill scripts/data/h200_i21_prefill_families.json:qwen3-8b \
 #         --backend cuda --replay-views --replay-coefficients scripts/data/h200_s7_fit_llama8b.json \
 #         --fit-scale prefill_mlp,prefill_hidden --margin 1.13

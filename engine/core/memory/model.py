@@ -40,7 +40,8 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   these constants are 0 (`coefficients_for_backend`).
 - Where the runner waits for each stage of a forward before it queues the next (the CPU:
   ModelRunner.stage_waits), a forward's transient is its largest stage's, not the sum of its terms:
-  a decode's layers or its head (`head_apart`); a prompt chunk's layers' attention (with
+  a decode's layers or its head (`head_apart`); a prompt chunk's layers' projections (norm, q/k/v,
+  rotation and KV write: `prefill_projection_hidden` hidden rows), their attention (with
   `prefill_attention_hidden` hidden rows, one of `attention_query_blocks` query blocks' scores and
   mask), their MLP, or its head (`phases_apart`). Each forward is built as `TransientTerms` per stage
   (`chunk_phases`, `decode_phases`, `mixed_phases`), which a fit reads as its columns.
@@ -63,10 +64,10 @@ FLOAT32_BYTES = 4
 PAGED_PARTIAL_KEYS = 64
 # Hidden-size rows per token of a mixed forward (engine/model/layers/mixed.py) alive in the stage of its decode
 # rows' attention, where the runner waits between stages: the layer's residual stream, the chunk's
-# attention output and what else the host queued (its q, k and v are gone by then). Measured, not fitted
-# (no grid has mixed points on the CPU): 5 covered every mixed step of tests/engine/test_memory_measured.py's
-# workloads, 4 left one 0.1% under
-MIXED_STREAM_ROWS = 5
+# attention output (its q, k, v and norms are gone by then: stages of their own). Measured, not fitted (no
+# grid has mixed points on the CPU): 3 covers every mixed step of tests/engine/test_memory_measured.py's,
+# test_families.py's and test_mixed.py's workloads (5 before the norm and the projections were stages)
+MIXED_STREAM_ROWS = 3
 # What MLX's allocator may count beyond an array's size: it serves an allocation from a cached buffer up
 # to two 4 KB pages larger and counts the whole buffer (docs/memory.md). The coefficient sets' per-forward
 # constant covers a llama block's arrays; a family's own (a sliding layer's gathered K, V and their index,
@@ -170,6 +171,11 @@ class MemoryModel:
         most = self.shape.global_layers(m)[1]
         return most * per_layer(context_len) + (m - most) * per_layer(min(context_len, window - 1 + num_tokens))
 
+    def _array(self, nbytes: int) -> int:
+        """An array's bytes as the allocator hands them out (`allocation_page_bytes`: whole pages from one)."""
+        page = self.coefficients.allocation_page_bytes
+        return -(-nbytes // page) * page if page and nbytes >= page else nbytes
+
     def _sliding_layers(self, num_layers: int) -> int:
         """The most sliding-window layers among `num_layers` consecutive layers."""
         return num_layers - self.shape.global_layers(num_layers)[0] if self.shape.sliding_window else 0
@@ -197,50 +203,60 @@ class MemoryModel:
     def chunk_phases(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                      samples: bool = False, gathers: bool = True) -> tuple[TransientTerms, ...]:
         """A prompt chunk's forward (`prefill_chunk_bytes`, module docstring) as the stages that hold its
-        transient: with `phases_apart` (the runner waits for each layer's attention and MLP apart, and
-        for the layers before the head: the engine's chunk loop on the CPU) the layers' attention, their
-        MLP and the head, whose largest is the transient; else one, every term together."""
+        transient: with `phases_apart` (the runner waits for each layer's projections, attention and MLP
+        apart, and for the layers before the head: the engine's chunk loop on the CPU) the layers'
+        projections (norm, q/k/v, rotation, KV write), their attention, their MLP and the head, whose
+        largest is the transient; else one, every term together."""
         s, c, n, m = self.shape, num_tokens, context_len, self.layer_factor
-        kv_row = s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)  # K, V and the int32 index, per key
         paged = c == 1 and self.paged_decode  # a one-query forward: the paged kernel, no gather
         block = -(-c // self.coefficients.attention_query_blocks)  # the queries scored at once
+        array = self._array
 
         def scores(keys: int) -> int:
-            return FLOAT32_BYTES * s.num_heads * block * keys if c > 1 else 0
+            return array(FLOAT32_BYTES * s.num_heads * block * keys) if c > 1 else 0
+
+        def gathered(keys: int) -> int:  # K and V of the row, and their int32 slot index
+            return 2 * array(keys * s.num_kv_heads * s.head_dim * s.dtype_bytes) + array(keys * s.num_kv_heads * 4)
 
         # a family's own score arrays replace the backend attention's (prefill_scores copies), not add to them
         window, own = s.sliding_window, self.coefficients.prefill_scores
         extra_scores = (max(0.0, s.extra_score_copies - own) * self._over_layers(scores, n, c)
                         + max(0.0, s.sliding_score_copies - own) * self._sliding_layers(m)
                         * scores(n if window is None else min(n, window - 1 + c)))
-        rows = m * c * s.hidden_size * s.dtype_bytes
+        rows = m * array(c * s.hidden_size * s.dtype_bytes)
         overheads = dict(step_overhead_bytes=1, prefill_overhead_bytes=1 if c > 1 else 0)
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
         copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
         last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
         norm_slack = 4 * PAGE_SLACK_BYTES * m if s.qk_norms and c > 1 else 0  # ModelShape.qk_norms
-        gather = self._over_layers(lambda keys: keys * kv_row, n, c) if gathers and not paged else \
-            self._window_gather(n, c, paged=paged)
+        gather = self._over_layers(gathered, n, c) if gathers and not paged else self._window_gather(n, c, paged=paged)
         attention = TransientTerms(
             prefill_scores=self._over_layers(scores, n, c),
             decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * s.num_heads * keys, n, c) if c == 1 else 0,
-            prefill_mask=self._over_layers(lambda keys: block * keys, n, c),
+            prefill_mask=self._over_layers(lambda keys: array(block * keys), n, c),
             prefill_gather=gather,
             decode_paged=m * self.paged_partials_bytes(1, n) if paged else 0,
             prefill_attention_hidden=rows, family_rows=s.extra_attention_rows * rows,
             fixed_bytes=extra_scores + last_copy + norm_slack, **overheads)
+        # apart: the projections' rows (the q/k head norms' outputs among them) gone before the scores
+        projections = TransientTerms(prefill_projection_hidden=rows, family_rows=attention.family_rows,
+                                     fixed_bytes=norm_slack, **overheads)
         mlp_rows, unsorted_rows = self._moe_rows()
         mlp = TransientTerms(
             prefill_layer_rows=m * s.intermediate_size * s.dtype_bytes if c > 1 else 0,
-            prefill_mlp=m * c * s.intermediate_size * s.dtype_bytes, prefill_hidden=rows,
+            prefill_mlp=m * array(c * s.intermediate_size * s.dtype_bytes), prefill_hidden=rows,
             family_rows=s.extra_mlp_rows * rows, fixed_bytes=mlp_rows * rows, **overheads)
         # a MoE layer's experts' outputs beside their unsorted copy (block.moe_mlp): a stage of its own
         unsorted = (TransientTerms(prefill_hidden=rows, fixed_bytes=unsorted_rows * rows, **overheads),) \
             if unsorted_rows else ()
         head = TransientTerms(prefill_logits=FLOAT32_BYTES * s.vocab_size * computes_logits,
                               sampling=FLOAT32_BYTES * s.vocab_size * samples, **overheads)
-        if self.coefficients.phases_apart:  # the head a stage of its own
-            return (attention, mlp) + unsorted + (head,)
+        if self.coefficients.phases_apart:  # the head a stage of its own, with the last layer's MLP of
+            # the sampled position (ChunkPath.forward: its one row after the last waited stage)
+            last = TransientTerms(prefill_head_rows=(s.intermediate_size + s.hidden_size) * s.dtype_bytes
+                                  * computes_logits)
+            attention -= TransientTerms(family_rows=attention.family_rows, fixed_bytes=norm_slack)
+            return (projections, attention, mlp) + unsorted + (head + last,)
         # together: the hidden rows are prefill_hidden's alone, the constants counted once
         extra = TransientTerms(fixed_bytes=unsorted_rows * rows)
         return (attention + mlp + head + extra - TransientTerms(prefill_attention_hidden=rows, **overheads)
@@ -333,7 +349,7 @@ class MemoryModel:
             s = self.shape
             stream = TransientTerms(fixed_bytes=MIXED_STREAM_ROWS * self.layer_factor * (chunk.num_tokens + b)
                                     * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1, prefill_overhead_bytes=1)
-            return (phases[0], stream + rows) + tuple(phases[1:-1]) + (head,)
+            return (phases[0], phases[1], stream + rows) + tuple(phases[2:-1]) + (head,)
         together = phases[0] - TransientTerms(prefill_logits=phases[0].prefill_logits)  # the head is apart
         return (together + rows, head)
 

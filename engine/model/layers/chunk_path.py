@@ -54,12 +54,15 @@ class ChunkPath:
                 num_pad: int = 0) -> Optional[mx.array]:
         """tokens [1, T] -> the final-normed hidden state of the last position, [1, 1, D], if `sample`
         (else None: the forward only writes the KV of its T positions). `view`: a ForwardView of one
-        row and T new tokens, whose KV it writes (and reads). `stages`: a list the forward appends its
-        causal attention's blocks' outputs to (engine/model/layers/cpu_math.py), then its residual stream
-        after each layer's attention and after each MLP but the last (a sparse MLP's router and experts
-        too, block.moe_mlp), for a runner that evaluates them one by one (ModelRunner.stage_waits).
-        `num_pad`: the last tokens are a pad past the prompt's end (engine/core/chunk_grid.py): the
-        sampled position is the one before them, which reads no pad key."""
+        row and T new tokens, whose KV it writes (and reads). `stages`: a list the forward appends, per
+        layer, its KV write (the pool arrays), its rotated queries, its causal attention's blocks' outputs
+        (engine/model/layers/cpu_math.py), its residual stream after the attention, its MLP's input norm
+        (a sparse MLP's router and experts too, block.moe_mlp) and its residual stream after the MLP (but
+        the last layer's), for a runner that evaluates them one by one (ModelRunner.stage_waits): the
+        temporaries of a norm, the projections and RoPE (a few operations each on MLX's CPU backend) are
+        then gone before the scores' or the MLP's exist, in every run. `num_pad`: the last tokens are a pad
+        past the prompt's end (engine/core/chunk_grid.py): the sampled position is the one before them,
+        which reads no pad key."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
         ops = self.ops
         T = tokens.shape[1]
@@ -71,6 +74,8 @@ class ChunkPath:
             k = layer.rope(layer.norm_k(layer.k(x).reshape(1, T, H_kv, d)).transpose(0, 2, 1, 3), offset=offset)
             v = layer.v(x).reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             view.write(i, k, v)
+            if stages is not None:  # the norm's, k's and v's temporaries gone before q's exist
+                stages.append(view.written(i))
             at = 0  # the first position whose query this layer computes
             if i == last:
                 if not sample:
@@ -81,12 +86,14 @@ class ChunkPath:
             Tq = x.shape[1]
             q = layer.rope(layer.norm_q(layer.q(x).reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                            offset=offset + at)
+            if stages is not None:  # ... and q's before the scores'
+                stages.append(q)
             out = ops.attend(view, i, q, layer.scale, stages=stages, softcap=layer.softcap,
                              drop_keys=num_pad if i == last else 0)
             h, x = block.after_attention(layer, h, layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d)),
                                          ops.add_rms_norm)
-            if stages is not None:
-                stages.append(h)
+            if stages is not None:  # the residual, then the MLP's input norm: its temporaries gone before the MLP's
+                stages += [h, x]
             m = block.mlp(layer, x, ops.swiglu, stages=stages)
             if i == last:
                 return block.after_mlp(layer, h, m, self.bound.final_norm, ops.add_rms_norm)[1]

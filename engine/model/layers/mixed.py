@@ -78,10 +78,14 @@ class MixedForward:
             v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
             decode_view.write(i, dk, dv)
             chunk_view.write(i, k, v)
+            if stages is not None:  # both writes, then the queries (as ChunkPath.forward's stages)
+                stages.append(chunk_view.written(i))
             parts = []
             if Tq:
                 q = layer.rope(layer.norm_q(q[:, :Tq].reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
                                offset=chunk_view.offset + q_from)
+                if stages is not None:
+                    stages.append(q)
                 # the chunk's queries are its last Tq positions: causal, or (one query) every key
                 parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages,
                                         softcap=layer.softcap, drop_keys=num_pad if last else 0
@@ -102,7 +106,7 @@ class MixedForward:
             h = _query_rows(h, q_from, Tq, T)
             h, y = block.after_attention(layer, h, layer.o(out), ops.add_rms_norm)
             if stages is not None:
-                stages.append(h)
+                stages += [h, y]
             h, y = block.after_mlp(layer, h, path.mlp(layer, y, stages), path.next_norm(i), ops.add_rms_norm)
             if stages is not None and i < len(layers) - 1:
                 stages.append(h)
