@@ -107,6 +107,9 @@ class ConfigShape:
     # rows per token a layer's MLP stage holds beyond a llama block's for Gemma 2/3's norm of the MLP's
     # output before its residual add (MLX's CPU rms_norm holds its output and one temporary) ...
     loop_mlp_out_norm_rows: float = 0.0
+    # ... and the MLP-wide arrays its MLP stage holds at once: SwiGLU through cpu_math's operations three,
+    # Gemma's exact GELU (one compiled operation of mlx-lm's) two
+    loop_mlp_arrays: int = 3
     qk_norms: bool = False  # the attention normalizes each query and key head (Qwen3, Gemma 3)
 
     @property
@@ -150,6 +153,7 @@ class ConfigShape:
             extra_score_copies=1 if name == "gemma2" else 0,
             sliding_score_copies=1 if name in _SLIDING_FAMILIES else 0,
             loop_mlp_out_norm_rows=2.0 if name in _SANDWICH_FAMILIES else 0.0, qk_norms=name in _QK_NORM_FAMILIES,
+            loop_mlp_arrays=2 if name == "gemma" else 3,
         )
 
 

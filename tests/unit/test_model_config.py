@@ -78,7 +78,7 @@ def test_loop_terms_of_moe_and_gemma_blocks():
     assert (loops.moe_experts_per_token, loops.extra_mlp_rows) == (8, 0) and modules.extra_mlp_rows == 16
     assert loops.qk_norms and modules.moe_experts_per_token == 0
     model = MemoryModel(loops, coefficients=CPU_COEFFICIENTS)
-    attention, mlp, unsorted, head = model.chunk_phases(256, 1024)
+    projections, attention, mlp, unsorted, head = model.chunk_phases(256, 1024)
     row = 256 * 2048 * 4
     assert unsorted.fixed_bytes == 16 * row and mlp.fixed_bytes == 8 * row
     assert model.prefill_chunk_bytes(256, 1024) >= unsorted.bytes(CPU_COEFFICIENTS)
@@ -97,8 +97,8 @@ def test_sliding_layers_in_rings_gather_their_window_when_the_row_is_a_view():
 
     shape = ModelShape.from_config(GEMMA3_12B, 4, module_forwards=False)
     rings = dataclasses.replace(shape, num_kv_layers=8)
-    view = MemoryModel(shape, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[0]
-    ringed = MemoryModel(rings, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[0]
+    view = MemoryModel(shape, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[1]
+    ringed = MemoryModel(rings, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[1]
     keys = 1024 - 1 + 128
     assert view.prefill_gather == 0
     assert ringed.prefill_gather >= keys * 8 * (2 * 256 * 4 + 4)

@@ -274,15 +274,15 @@ def test_a_chunk_cut_by_the_budget_ends_on_the_grid():
 def test_a_prompt_cut_by_memory_ends_on_the_grid_and_takes_more_such_chunks_in_its_step():
     # the pool, once it holds the one request's KV, leaves little more than the floor step
     memory = MemoryModel(SHAPE, kv_step=STEP)
-    floor = memory.floor_transient_bytes(512, 1024)
+    floor = memory.floor_transient_bytes(1024, 1024)
     max_memory = memory.kv_bytes(1024) * 5 // 4 + floor
     kv = KVManager(STEP, memory.kv_bytes_per_token, memory.kv_budget_bytes(max_memory, floor))
-    s = Scheduler(SchedulerConfig(4, 2048, 512, 1024, max_memory_bytes=max_memory), memory, kv)
+    s = Scheduler(SchedulerConfig(4, 2048, 1024, 1024, max_memory_bytes=max_memory), memory, kv)
     s.add(req("a", 1000, max_tokens=2))
     out = s.schedule()
     assert out.memory_limited and out.predicted_transient_bytes <= out.free_transient_bytes
     chunks = out.prefills
-    assert chunks[0].num_tokens < 256  # cut below half a chunk by the memory ...
+    assert chunks[0].num_tokens < 512  # cut below half a chunk by the memory ...
     assert len(chunks) > 2 and all(c.request_id == "a" for c in chunks)  # ... yet the prompt goes on
     assert all(ends_on_grid(c) for c in chunks if not c.completes_prompt)
     assert [c.start for c in chunks] == [0] + [c.start + c.num_tokens for c in chunks[:-1]]

@@ -145,11 +145,11 @@ class TransientTerms:
 #     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu --fit-path loops \
 #         --layers-in-flight 1 --margin 1.03 --margin-bytes 24576     # scripts/data/cpu_i24_fit.json "cpu"
 CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=1.648, prefill_mask=5.334, prefill_mlp=3.169, prefill_hidden=3.664, prefill_logits=1.108,
-    decode_gather=1.032, decode_scores=1.935, decode_logits=1.044, decode_mlp=4.928, decode_hidden=11.42,
-    prefill_gather=1.095, step_overhead_bytes=24850, prefill_overhead_bytes=250, prefill_layer_rows=0.06964,
-    prefill_attention_hidden=5.112, prefill_projection_hidden=7.014, prefill_head_rows=4.639,
-    family_rows=1.418, allocation_page_bytes=4096, head_apart=True, phases_apart=True,
+    prefill_scores=1.647, prefill_mask=5.353, prefill_mlp=3.153, prefill_hidden=3.713, prefill_logits=1.109,
+    decode_gather=1.033, decode_scores=1.941, decode_logits=1.045, decode_mlp=4.914, decode_hidden=11.52,
+    prefill_gather=1.129, step_overhead_bytes=24665, prefill_overhead_bytes=88, prefill_layer_rows=0.06015,
+    prefill_attention_hidden=5.118, prefill_projection_hidden=7.048, prefill_head_rows=4.359,
+    family_rows=1.126, allocation_page_bytes=4096, head_apart=True, phases_apart=True,
     attention_query_blocks=16,
 )
 # The CPU backend with forwards through mlx-lm's modules (quantized weights; or
@@ -259,7 +259,7 @@ SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the se
         decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
     ("cuda-ops8", QWEN3_8B_BF16): ("qwen3-8b bf16 calibration of the cuda-ops8 set (prompt chunks)", replace(
-        CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.173, prefill_hidden=4.104, step_overhead_bytes=1187000,
+        CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.172, prefill_hidden=4.1, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9)),
 }
 

@@ -73,6 +73,9 @@ MIXED_STREAM_ROWS = 3
 # constant covers a llama block's arrays; a family's own (a sliding layer's gathered K, V and their index,
 # the q/k head norms' outputs: ModelShape.qk_norms) add this each.
 PAGE_SLACK_BYTES = 8192
+# The MLP-wide arrays a SwiGLU MLP stage holds at once, as the coefficient sets' prefill_mlp counts them
+# (ModelShape.mlp_arrays: a family whose MLP holds fewer counts that share of the term)
+SWIGLU_MLP_ARRAYS = 3
 # The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
 # costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
 FLOOR_CHUNK_TOKENS = 64
@@ -201,12 +204,14 @@ class MemoryModel:
         return s.moe_experts_per_token + s.mlp_out_norm_rows, 2 * s.moe_experts_per_token
 
     def chunk_phases(self, num_tokens: int, context_len: int, computes_logits: bool = True,
-                     samples: bool = False, gathers: bool = True) -> tuple[TransientTerms, ...]:
+                     samples: bool = False, gathers: bool = True, fused_mlp: bool = False) -> tuple[TransientTerms, ...]:
         """A prompt chunk's forward (`prefill_chunk_bytes`, module docstring) as the stages that hold its
         transient: with `phases_apart` (the runner waits for each layer's projections, attention and MLP
         apart, and for the layers before the head: the engine's chunk loop on the CPU) the layers'
         projections (norm, q/k/v, rotation, KV write), their attention, their MLP and the head, whose
-        largest is the transient; else one, every term together."""
+        largest is the transient; else one, every term together. `fused_mlp`: the MLP computes gate and
+        up as one product (a mixed forward's, engine/model/layers/mixed.py): SWIGLU_MLP_ARRAYS whatever the
+        activation."""
         s, c, n, m = self.shape, num_tokens, context_len, self.layer_factor
         paged = c == 1 and self.paged_decode  # a one-query forward: the paged kernel, no gather
         block = -(-c // self.coefficients.attention_query_blocks)  # the queries scored at once
@@ -244,7 +249,9 @@ class MemoryModel:
         mlp_rows, unsorted_rows = self._moe_rows()
         mlp = TransientTerms(
             prefill_layer_rows=m * s.intermediate_size * s.dtype_bytes if c > 1 else 0,
-            prefill_mlp=m * array(c * s.intermediate_size * s.dtype_bytes), prefill_hidden=rows,
+            prefill_mlp=m * array(c * s.intermediate_size * s.dtype_bytes)
+            * (1 if fused_mlp else s.mlp_arrays / SWIGLU_MLP_ARRAYS),
+            prefill_hidden=rows,
             family_rows=s.extra_mlp_rows * rows, fixed_bytes=mlp_rows * rows, **overheads)
         # a MoE layer's experts' outputs beside their unsorted copy (block.moe_mlp): a stage of its own
         unsorted = (TransientTerms(prefill_hidden=rows, fixed_bytes=unsorted_rows * rows, **overheads),) \
@@ -337,11 +344,11 @@ class MemoryModel:
         # partials outlive their layer like the chunk's intermediates; on the CPU one)
         rows = self.decode_attention_terms(context_lens)
         if not k.head_apart:  # one stage
-            return (self.chunk_phases(chunk.num_tokens + b, chunk.context_len, True, chunk.samples, chunk.gathers)[0]
+            return (self.chunk_phases(chunk.num_tokens + b, chunk.context_len, True, chunk.samples, chunk.gathers, True)[0]
                     + rows + self.decode_head_terms(b, samples),)
         # the chunk's stages over T + B rows, its head apart (the last query's copy of a viewed row kept)
         phases = self.chunk_phases(chunk.num_tokens + b, chunk.context_len, chunk.computes_logits, False,
-                                   chunk.gathers)
+                                   chunk.gathers, fused_mlp=True)
         head = (self.decode_head_terms(b + chunk.computes_logits, samples + chunk.samples)
                 + TransientTerms(step_overhead_bytes=1, prefill_overhead_bytes=1))
         if k.phases_apart:  # the rows' attention a stage of its own, after the chunk's: beside the

@@ -43,6 +43,8 @@ class ModelShape:
     # ... and hidden-size rows per token a layer's MLP stage holds beyond a llama block's (Gemma 2/3's norm
     # of the MLP's output: engine/core/model_config.py)
     mlp_out_norm_rows: float = 0.0
+    # ... and the MLP-wide arrays that stage holds at once (3: SwiGLU's, as the coefficient sets count them)
+    mlp_arrays: int = 3
     # the attention normalizes each query and key head: their outputs and MLX's CPU temporaries are four
     # more arrays in a layer's attention stage, each of which may come from a larger cached buffer
     # (MemoryModel's PAGE_SLACK_BYTES)
@@ -76,6 +78,7 @@ class ModelShape:
             extra_mlp_rows=0.0 if loops and c.num_experts_per_tok else c.extra_mlp_rows,
             moe_experts_per_token=c.num_experts_per_tok if loops else 0,
             mlp_out_norm_rows=c.loop_mlp_out_norm_rows if loops else 0.0, qk_norms=c.qk_norms,
+            mlp_arrays=c.loop_mlp_arrays if loops else 3,
             extra_score_copies=c.extra_score_copies,
             sliding_score_copies=c.sliding_score_copies,
             layer_windows=c.layer_windows if any(w is not None for w in c.layer_windows) else (),
