@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -19,9 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.config import EngineConfig, ExecutionConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
+from engine.backend import backend_coefficients, device_memory_bytes, mlx_backend, resolve_dtype  # noqa: F401
+from engine.config import EngineConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
 from engine.core.kv_manager import KVManager
-from engine.core.memory.coefficients import coefficients_for, with_overrides
+from engine.core.memory.coefficients import with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.model_config import ConfigShape
 from engine.core.output import TextStream, process_token
@@ -39,44 +39,9 @@ Prompt = Union[str, Sequence[int], Sequence[dict]]
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def mlx_backend() -> str:
-    """"cpu", "cuda" or "metal": which MLX backend runs the default device (the memory model's
-    coefficients depend on it)."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    cuda = getattr(mx, "cuda", None)
-    return "cuda" if cuda is not None and cuda.is_available() else "metal"
-
-
 # Tokens per KV pool block: the unit of a request's reservation (MemoryModel.kv_step) and of the paged
 # kernel's block table.
 KV_BLOCK_TOKENS = 256
-
-
-def backend_coefficients(shape: Optional[ModelShape] = None, cpu_math: bool = True,
-                         max_ops_per_buffer: Optional[int] = None):
-    """(the memory model's coefficients, what they are) for this process's MLX backend, calibrated for
-    `shape` where a calibration ships (coefficients.SHAPE_CALIBRATIONS). `cpu_math`: prompt chunks run
-    the layer loop with engine/model/layers/cpu_math.py (on the CPU: the default). `max_ops_per_buffer`:
-    ExecutionConfig.max_ops_per_buffer (None: the engine's default for the backend)."""
-    backend = mlx_backend()
-    ops = max_ops_per_buffer or ExecutionConfig().resolved_max_ops_per_buffer(backend)
-    return coefficients_for(backend, ops, shape, cpu_math)
-
-
-def resolve_dtype(name: str) -> str:
-    if name != "auto":
-        return name
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
-def device_memory_bytes() -> int:
-    """What MLX reports for the device: recommended working set (Metal), else physical memory."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
-        if info.get(key):
-            return int(info[key])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Engine:

@@ -20,7 +20,8 @@ import mlx.core as mx
 from engine.core.memory.model import MemoryModel
 from engine.core.scheduler import Scheduler
 from engine.core.types import ForwardTiming, NewRow, Request, SchedulerOutput, StepMemory
-from engine.model.runner import DecodeWork, Forward, ModelRunner, PrefillWork, finish
+from engine.model.runner import ModelRunner
+from engine.model.work import DecodeWork, Forward, PrefillWork, finish
 from engine.model.sampling import RequestSampler
 
 logger = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start, sliding_
 from engine.model.layers.mixed import MixedForward
 from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
 from engine.model.sampling import DeferredSampling, RequestSampler, sample_rows
+from engine.model.work import DecodeWork, Forward, PrefillWork, stage_list
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +49,6 @@ class RunnerOptions:
     compiled_decode: bool = True  # on MLX's CUDA backend only
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
-
-
-@dataclass(frozen=True)
-class PrefillWork:
-    """Compute `token_ids` of one row at positions [start, start + len), then `num_pad_tokens` more
-    (ScheduledChunk's); sample the last real position if it ends the prompt."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int
-    sample: bool
-    num_pad_tokens: int = 0
-
-    def forward_token_ids(self) -> list[int]:
-        """The tokens, then the pad (the last token repeated: any valid id would do)."""
-        return list(self.token_ids) + list(self.token_ids[-1:]) * self.num_pad_tokens
-
-
-@dataclass(frozen=True)
-class DecodeWork:
-    request_id: str
-    token_id: int  # the last sampled token, fed back (-1: given by `decode`'s lazy `tokens`)
 
 
 class ModelRunner:
@@ -284,7 +263,7 @@ class ModelRunner:
             hidden = self._forward(tokens, view.layers())[:, : T - pad]  # [1, T - pad, D]: the real positions
         view.advance()
         row.offset -= pad  # the pad's slots hold no position's KV: the next token is written over them
-        stages = [_stage(h) for h in stages or ()]
+        stages = [stage_list(h) for h in stages or ()]
         if not work.sample:  # only the KV writes are needed (the last layer's MLP never runs)
             # Handles to this chunk's pool arrays, not the pool's array objects: MLX rebinds those on
             # `a[idx] = v`, so once the next chunk's graph is built, finishing this forward would
@@ -337,7 +316,7 @@ class ModelRunner:
         # 2-D: MLX's matmul of a [1, n, D] slice would hold the [n, V] logits twice
         logits = self._head(hidden[0])  # [(1 +) B, V]
         sampled = sample_rows(logits, samplers)
-        return Forward([_stage(h) for h in stages or ()] + [[hidden], [sampled]], sampled)
+        return Forward([stage_list(h) for h in stages or ()] + [[hidden], [sampled]], sampled)
 
     def launch(self, forward: "Forward") -> None:
         """Start a built forward on the device without waiting. The caller must `finish` it (and drop
@@ -372,43 +351,7 @@ class ModelRunner:
             mx.async_eval(forward.tokens)
 
 
-@dataclass
-class Forward:
-    """A built forward: `stages` are evaluated one after another by `launch`; `tokens` are its sampled
-    token ids (None for a prompt chunk that samples nothing)."""
-
-    stages: list
-    tokens: Optional[mx.array]
-    sampling: Optional[DeferredSampling] = None  # builds `tokens` at launch (ModelRunner.decode)
-
-    def finish(self) -> None:
-        """Wait for it, then let go of its arrays: a prompt chunk's are the pool's arrays as it left
-        them, which the next forward (built, not launched yet) writes in place only if nothing else
-        holds them."""
-        finish(*self.stages[-1])
-        self.stages = []
-
-
-def _stage(arrays) -> list:
-    """One stage of a forward (what a layer loop appended: an array, or a tuple of them) as a list."""
-    return list(arrays) if isinstance(arrays, tuple) else [arrays]
-
-
 def _alias(a: mx.array) -> mx.array:
     """Another handle to the array `a` is now (a reshape to its own shape returns `a` itself): it stays
     that array when `a[idx] = v` rebinds `a`."""
     return a.reshape(a.shape)
-
-
-def finish(*arrays) -> None:
-    """Evaluate and wait until the device is idle, its finished kernels' buffers released.
-
-    Every forward writes the KV pool in place: MLX can update an array in place (donate it) only when
-    nothing else holds its buffer, and MLX's GPU backends hold a kernel's inputs until a completion
-    handler runs after the kernel. A forward encoded while the previous one is still in flight would
-    therefore copy whole pool arrays (slow, and a transient as large as the pool). So forwards that
-    write the pool never overlap on the device; only Python work (building the next graph, reading
-    outputs) overlaps a running forward."""
-    if arrays:
-        mx.eval(*arrays)
-    mx.synchronize()

@@ -212,10 +212,12 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     its decode is paged (here `ReferenceAttention` in the kernel's place), so the memory model counts
     paged decodes (the ops-8 CUDA set is fitted on them), the forwards' bound is smaller than with
     gathering decodes and the KV budget no smaller; decode is still mlx-lm's greedy."""
+    import engine.backend as backend_module
     import engine.engine as engine_module
     import engine.model.runner as runner_module
 
-    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
+    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
+    monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
     monkeypatch.setattr(runner_module, "CudaPagedAttention", ReferenceAttention)
     monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
     # small chunks, many long rows: the decode term decides the bound
@@ -242,9 +244,11 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
 def test_the_coefficient_set_follows_max_ops_per_buffer_not_the_environment(make_engine, monkeypatch):
     """On CUDA (the CPU standing in) the memory model's set follows execution.max_ops_per_buffer: the
     ops-8 set by default, the default-MLX set for larger batches, whatever the environment holds."""
+    import engine.backend as backend_module
     import engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
+    monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")
     monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "64")
     assert make_engine().memory_coefficients_source == "cuda-ops8 set"
     monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER")

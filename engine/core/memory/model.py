@@ -17,36 +17,15 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
 - Decode of B rows, the longest with n keys, r of them sampling:
       b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
   the hidden states, one layer's KV of the rows gathered from the pool (right-padded to n, with its
-  int32 slot index), the scores, the MLP intermediates and the logits: a sum where the runner
-  launches the head while the layers still run (runner.launch), so the last layer's gathered KV and
-  the logits can be alive together. A paged decode (`MemoryModel(paged_decode=True)`: the engine's
-  runner reads the pool in place with engine/model/kernels/paged_attention.py's kernel) makes no gathered copy; its
-  term is instead the kernel's float32 partials, p * B*H*ceil(n / kv_step)*(d + 2)*4 (one softmax
-  partial and its two statistics per row, query head and pool block). A one-token prompt chunk is such
-  a forward too. Only a coefficient set fitted on paged decodes (p not None) predicts them so; the
-  others count the gather (an over-estimate).
-- KV pool growth and prefix-cache copies run between forwards, one array at a time: their transient
-  is one layer's K (or V) of the old pool / of the copied prefix, plus int32 slot indices
-  (`kv_copy_bytes`). The pool never exceeds the KV budget, so `kv_budget_bytes` splits the memory left
-  after the weights so that budget + max(forward bound, growth of a full pool) fits in it.
-- z (`sampling`): temperature / top-k / top-p temporaries of one row (sort, cumsum, masks), counted
-  per sampling row (their graphs are built together, nothing forces one row's to be freed before the
-  next one's exist); greedy rows take one argmax.
-- On CUDA, MLX frees a kernel's temporaries only when its committed batch of ops has run, so several
-  layers' intermediates coexist: every per-layer term above (all but the logits / sampling ones) is
-  counted m = min(L, layers_in_flight) times, and a constant `step_overhead_bytes` is added to every
-  forward (plus `prefill_overhead_bytes` to every prompt chunk of more than one token, and per layer
-  `prefill_layer_rows` rows of MLP width, I*s each, whatever the chunk's size); on the CPU m = 1 and
-  these constants are 0 (`coefficients_for_backend`).
-- Where the runner waits for each stage of a forward before it queues the next (the CPU:
-  ModelRunner.stage_waits), a forward's transient is its largest stage's, not the sum of its terms:
-  a decode's layers or its head (`head_apart`); a prompt chunk's layers' projections (norm, q/k/v,
-  rotation and KV write: `prefill_projection_hidden` hidden rows), their attention (with
-  `prefill_attention_hidden` hidden rows, one of `attention_query_blocks` query blocks' scores and
-  mask), their MLP, or its head (`phases_apart`). Each forward is built as `TransientTerms` per stage
-  (`chunk_phases`, `decode_phases`, `mixed_phases`), which a fit reads as its columns.
-- A family's extra arrays (ModelShape: q/k head norms' outputs, MoE token copies, Gemma's own score
-  arrays) and a sliding layer's window (it reads window - 1 + c keys) come from its config.
+  int32 slot index), the scores, the MLP intermediates and the logits. A paged decode
+  (`paged_decode=True`: the CUDA kernel reads the pool in place) counts the kernel's float32 partials
+  instead of the gather, p * B*H*ceil(n / kv_step)*(d + 2)*4, where the set was fitted on such decodes.
+- Also (docs/memory.md): pool growth and prefix-cache copies between forwards (`kv_copy_bytes`); the
+  sampling temporaries per sampling row (z); on CUDA, per-layer terms counted for the layers whose
+  temporaries coexist under MLX's committed batches (`layers_in_flight`) plus per-forward constants;
+  where the runner waits between a forward's stages (the CPU), the largest stage's terms
+  (`chunk_phases`, `decode_phases`, `mixed_phases` build them as `TransientTerms`); a family's own
+  arrays and sliding windows from its config (ModelShape).
 The coefficient sets, and where each was fitted: coefficients.py.
 """
 
