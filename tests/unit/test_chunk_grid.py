@@ -1,11 +1,10 @@
 """A prompt's last chunk padded up to the grid (SchedulerConfig.pad_last_chunk): pure planning logic, a
 fake model shape, no mlx. The engine's outputs with padding: tests/engine/test_chunk_padding.py."""
 
-from hypothesis import given, settings, strategies as st
 
 from engine.core.chunk_grid import CHUNK_GRANULE, padded_ends
 from engine.core.types import FinishReason
-from tests.unit.test_scheduler import make, make_tight, req, run_step
+from tests.unit.test_scheduler import make, make_tight, req, run_step, tight_workloads
 
 
 def test_padded_ends_coarsest_grid_first_within_the_limit():
@@ -54,13 +53,7 @@ def test_the_pad_stays_within_the_blocks_the_budget_and_max_model_len():
     assert all(c.num_pad_tokens == 0 for c in s.schedule().prefills)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 240), st.integers(1, 12)),
-                      min_size=1, max_size=20),
-    free=st.integers(0, 200_000), budget=st.integers(8, 64), chunk=st.integers(1, 32),
-    max_num_seqs=st.integers(1, 8), view_reads=st.booleans(),
-)
+@tight_workloads
 def test_property_padded_steps_fit_and_every_block_comes_back(arrivals, free, budget, chunk, max_num_seqs,
                                                               view_reads):
     """Under tight memory with padding on: every step fits the free memory and the budget with its pads;

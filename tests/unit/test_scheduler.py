@@ -325,13 +325,18 @@ def test_decode_rows_that_do_not_fit_wait_and_catch_up():
     assert num_cut > 0  # the decode of all eight rows did not fit beside the full pool
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 240), st.integers(1, 12)),
-                      min_size=1, max_size=20),
-    free=st.integers(0, 200_000), budget=st.integers(8, 64), chunk=st.integers(1, 32),
-    max_num_seqs=st.integers(1, 8), view_reads=st.booleans(),
-)
+def tight_workloads(test):
+    """Random arrivals (step, prompt tokens, new tokens) under tight memory, for the property tests of
+    the scheduler here and of padded chunks (tests/unit/test_chunk_grid.py)."""
+    return settings(max_examples=60, deadline=None)(given(
+        arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 240), st.integers(1, 12)),
+                          min_size=1, max_size=20),
+        free=st.integers(0, 200_000), budget=st.integers(8, 64), chunk=st.integers(1, 32),
+        max_num_seqs=st.integers(1, 8), view_reads=st.booleans(),
+    )(test))
+
+
+@tight_workloads
 def test_property_tight_memory_every_step_fits_and_every_request_finishes(arrivals, free, budget, chunk,
                                                                            max_num_seqs, view_reads):
     chunk = min(chunk, budget)

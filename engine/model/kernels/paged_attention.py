@@ -43,6 +43,12 @@ __device__ __forceinline__ float pa_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
 }
+// a span with no keys: a zero partial, max -inf and sum 0 (the combine skips it)
+template <int NREP, int D, int THREADS>
+__device__ __forceinline__ void pa_empty_span(float* part_out, float* stats_out, int tid) {
+  for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
+  if (tid < NREP) { stats_out[2 * tid] = -__int_as_float(0x7f800000); stats_out[2 * tid + 1] = 0.0f; }
+}
 """
 
 # grid: B * HKV * NP thread blocks of THREADS (NW = THREADS / 32 warps), NP = NB * (BLOCK / CH); block
@@ -75,8 +81,7 @@ _PARTIAL = """
   float* part_out = part + (size_t)g * NREP * D;
   float* stats_out = stats + (size_t)g * NREP * 2;
   if (n <= 0) {
-    for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
-    if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
+    pa_empty_span<NREP, D, THREADS>(part_out, stats_out, tid);
     return;
   }
   const size_t S = k_pool_shape[0] / HKV;
@@ -247,7 +252,7 @@ class CudaPagedAttention(PagedAttention):
             output_names=["part", "stats"], source=_PARTIAL, header=_HEADER)
         self._span_partial = mx.fast.cuda_kernel(
             name="pool_attention_span", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
-            output_names=["part", "stats"], source=split_attention.SPAN_PARTIAL)
+            output_names=["part", "stats"], source=split_attention.SPAN_PARTIAL, header=_HEADER)
         self._combine = mx.fast.cuda_kernel(
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)

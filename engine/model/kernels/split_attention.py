@@ -43,8 +43,7 @@ SPAN_PARTIAL = """
   float* part_out = part + (size_t)g * NREP * D;
   float* stats_out = stats + (size_t)g * NREP * 2;
   if (n <= 0) {
-    for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
-    if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
+    pa_empty_span<NREP, D, THREADS>(part_out, stats_out, tid);  // engine/model/kernels/paged_attention.py's header
     return;
   }
   const size_t S = k_pool_shape[0] / HKV;
