@@ -29,6 +29,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, FinishReason, Request,  # noqa: F401
                                RequestOutput, SamplingParams, SchedulerOutput, StepOptions, StepRecord)
 from engine.executor import StepExecutor, StepRun
+from engine.model.families import GPU_LOOP_FAMILIES, family_of
 from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
 from engine.model.runner import ModelRunner, RunnerOptions
 from engine.model.sampling import RequestSampler
@@ -101,6 +102,10 @@ class Engine:
 
     @staticmethod
     def _build_runner(model: nn.Module, config: EngineConfig, options: RunnerOptions, backend: str) -> ModelRunner:
+        family = family_of(model)
+        if backend != "cpu" and family not in GPU_LOOP_FAMILIES and options.layer_loops:
+            logger.info("%s: its layer loops are not yet validated on a GPU: mlx-lm's modules run it", family)
+            options = dataclasses.replace(options, layer_loops=False, fuse_projections=False, mixed_batches=False)
         return ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS,
                            paged_attention=config.execution.paged_attention and backend == "cuda",
                            fuse=options.fuse_projections, mixed=options.mixed_batches,

@@ -316,3 +316,19 @@ def test_gemma3_rings_keep_every_key_a_padded_last_chunk_leaves_decode(checkpoin
     want = [reference_greedy_ids(model, p, 30) for p in prompts]  # decodes pass the pad's slots
     assert _serve(engine, prompts, max_tokens=30) == want
     assert sum(p > 0 for p in pads) == 4  # every prompt off the 16-token grid ended in a padded chunk
+
+
+def test_families_whose_loops_no_gpu_ran_take_mlx_lms_modules_on_a_gpu(checkpoints):
+    """On a GPU backend (named here; the CPU computes) the families outside GPU_LOOP_FAMILIES run
+    mlx-lm's modules: their loops are checked on the CPU only. The others keep their loops."""
+    from engine.engine import Engine
+    from engine.model.loader import load_model
+    from engine.model.runner import RunnerOptions
+
+    config = EngineConfig(model="x", prefill_chunk_size=16, memory_limit_bytes=2 << 30)
+    for family, loops_on_gpu in (("gemma3_text", False), ("qwen3_moe", False), ("qwen3", True)):
+        model, _ = load_model(checkpoints(family))
+        for backend, loops in (("cpu", True), ("metal", loops_on_gpu)):
+            runner = Engine._build_runner(model, config, RunnerOptions(), backend)
+            assert (runner.chunk_path is not None) == loops, (family, backend)
+            assert (runner.mixed is not None) == loops, (family, backend)
