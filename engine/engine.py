@@ -103,7 +103,8 @@ class Engine:
     @staticmethod
     def _build_runner(model: nn.Module, config: EngineConfig, options: RunnerOptions, backend: str) -> ModelRunner:
         family = family_of(model)
-        if backend != "cpu" and family not in GPU_LOOP_FAMILIES and options.layer_loops:
+        if backend != "cpu" and family not in GPU_LOOP_FAMILIES and options.layer_loops \
+                and not options.gpu_unvalidated_loops:
             logger.info("%s: its layer loops are not yet validated on a GPU: mlx-lm's modules run it", family)
             options = dataclasses.replace(options, layer_loops=False, fuse_projections=False, mixed_batches=False)
         return ModelRunner(model, seed=config.seed, block_size=KV_BLOCK_TOKENS,

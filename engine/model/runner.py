@@ -49,6 +49,9 @@ class RunnerOptions:
     compiled_decode: bool = True  # on MLX's CUDA backend only
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
+    # on a GPU, also the loops of families not yet validated there (engine/model/families.py
+    # GPU_LOOP_FAMILIES): for the runs that validate them
+    gpu_unvalidated_loops: bool = False
 
 
 class ModelRunner:

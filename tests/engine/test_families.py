@@ -332,3 +332,5 @@ def test_families_whose_loops_no_gpu_ran_take_mlx_lms_modules_on_a_gpu(checkpoin
             runner = Engine._build_runner(model, config, RunnerOptions(), backend)
             assert (runner.chunk_path is not None) == loops, (family, backend)
             assert (runner.mixed is not None) == loops, (family, backend)
+        runner = Engine._build_runner(model, config, RunnerOptions(gpu_unvalidated_loops=True), "metal")
+        assert runner.chunk_path is not None and runner.mixed is not None  # a validation run's choice
