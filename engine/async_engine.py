@@ -16,7 +16,8 @@ from typing import Callable, Optional, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.core.types import EngineStats, RequestOutput, SamplingParams, StepRecord
-from engine.engine import Engine, mlx_backend
+from engine.backend import mlx_backend
+from engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -23,14 +23,15 @@ def mlx_backend() -> str:
 
 
 def backend_coefficients(shape: Optional[ModelShape] = None, cpu_math: bool = True,
-                         max_ops_per_buffer: Optional[int] = None):
+                         max_ops_per_buffer: Optional[int] = None, prefill_chunk_size: Optional[int] = None):
     """(the memory model's coefficients, what they are) for this process's MLX backend, calibrated for
     `shape` where a calibration ships (coefficients.SHAPE_CALIBRATIONS). `cpu_math`: prompt chunks run
     the layer loop with engine/model/layers/cpu_math.py (on the CPU: the default). `max_ops_per_buffer`:
-    ExecutionConfig.max_ops_per_buffer (None: the engine's default for the backend)."""
+    ExecutionConfig.max_ops_per_buffer (None: the engine's default for the backend); `prefill_chunk_size`:
+    a calibration applies only up to the chunks its fit measured (None: any)."""
     backend = mlx_backend()
     ops = max_ops_per_buffer or ExecutionConfig().resolved_max_ops_per_buffer(backend)
-    return coefficients_for(backend, ops, shape, cpu_math)
+    return coefficients_for(backend, ops, shape, cpu_math, prefill_chunk_size)
 
 
 def resolve_dtype(name: str) -> str:

@@ -61,13 +61,14 @@ class ExecutionConfig(BaseModel):
         "the prompt's end, so the (tokens, context) shapes of prompt chunks repeat: MLX's CUDA backend "
         "builds a cuDNN attention graph on the host for each new shape, several times a repeated "
         "chunk's cost. The pad's KV goes to the request's own slots past its prompt, which decode "
-        "overwrites; outputs are unchanged. None: on with MLX's CUDA backend, off elsewhere (no "
-        "per-shape build there, and the pad is extra compute).",
+        "overwrites; outputs are unchanged. None: off on every backend (on the CPU the pad is extra "
+        "compute with no graph to save; on CUDA its effect on a burst's wall time is not yet measured: "
+        "docs/benchmarks.md).",
     )
 
     def resolved_pad_last_chunk(self, backend: str) -> bool:
         """Whether prompts' last chunks are padded on MLX backend `backend` ("cpu", "cuda", "metal")."""
-        return backend == "cuda" if self.pad_last_chunk is None else self.pad_last_chunk
+        return bool(self.pad_last_chunk)
 
     def resolved_max_ops_per_buffer(self, backend: str) -> Optional[int]:
         """The value for MLX backend `backend` ("cpu", "cuda", "metal"); None: MLX's default."""

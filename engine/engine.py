@@ -128,7 +128,8 @@ class Engine:
                                     layer_windows=layout.layer_windows if pool.window is not None else ())
         coefficients, self.memory_coefficients_source = backend_coefficients(
             shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
-            max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend))
+            max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend),
+            prefill_chunk_size=config.prefill_chunk_size)
         if config.memory_coefficients:
             self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
         logger.info("memory model: %s", self.memory_coefficients_source)

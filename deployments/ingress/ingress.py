@@ -75,7 +75,7 @@ def default_tokenizer_factory(config: EngineConfig) -> Any:
     """Load only the tokenizer of the engine's model (the ingress never loads weights)."""
     from mlx_lm.utils import load_tokenizer
 
-    from engine.engine import resolve_dtype
+    from engine.backend import resolve_dtype
     from engine.model.loader import resolve_model_path
 
     # The replicas' dtype, so a shared cache holds one converted copy of an embedded model, not two.

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.core.model_config import SUPPORTED_MODULES, supported_list
+from engine.model.layers.bound import language_model
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,6 @@ def family_of(model: nn.Module) -> str:
     return name
 
 
-def _language_model(model: nn.Module) -> nn.Module:
-    """The text model inside a multimodal wrapper (mlx-lm's gemma3.Model holds a gemma3_text.Model)."""
-    inner = getattr(model, "language_model", None)
-    return inner if isinstance(inner, nn.Module) else model
-
-
 def _rows(proj: nn.Module) -> int:
     """Output features of a linear layer, float or quantized (packing shrinks the input axis only)."""
     return proj.weight.shape[0]
@@ -96,7 +91,7 @@ def _head(model: nn.Module, backbone: nn.Module) -> Callable[[mx.array], mx.arra
 def model_layout(model: nn.Module) -> ModelLayout:
     """Read the layout of a loaded mlx-lm model (ValueError if its family is not served)."""
     family = family_of(model)
-    text = _language_model(model)
+    text = language_model(model)
     backbone = getattr(text, "model", None)
     if backbone is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
         raise ValueError(f"unsupported model {type(model).__name__}: expected model.model.layers")

@@ -98,7 +98,8 @@ class ModelRunner:
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
         loops_why_not = loops_unsupported(model)
         self.fused = fuse and loops_why_not is None and fuse_projections(language_model(model)) > 0
-        self.bound = BoundModel(model) if loops_why_not is None else None  # after fusion; the loops share it
+        # after fusion; the loops share it (none where no loop runs: its Gemma norms' 1 + weight are arrays)
+        self.bound = BoundModel(model) if loops_why_not is None and (layer_loops or mixed) else None
         self.decode_path: Optional[DecodePath] = None
         self.mixed: Optional[MixedForward] = None
         self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations

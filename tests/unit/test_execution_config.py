@@ -72,11 +72,10 @@ def test_step_budget_defaults_per_device_and_an_explicit_value_wins(backend, bud
     assert explicit.for_backend(backend) is explicit
 
 
-@pytest.mark.parametrize("backend, padded", [("cuda", True), ("metal", False), ("cpu", False)])
-def test_last_chunk_padding_on_cuda_only_unless_set(backend, padded):
-    """Padding a prompt's last chunk to the grid pays where each new chunk shape builds an attention graph
-    (MLX's CUDA backend); elsewhere the pad is extra compute. An explicit value wins; the engine's
-    `config` holds the value it runs with."""
+@pytest.mark.parametrize("backend, padded", [("cuda", False), ("metal", False), ("cpu", False)])
+def test_last_chunk_padding_is_opt_in(backend, padded):
+    """Padding a prompt's last chunk to the grid is off unless set (its GPU effect is not yet measured);
+    an explicit value wins; the engine's `config` holds the value it runs with."""
     cfg = EngineConfig()
     assert cfg.execution.pad_last_chunk is None
     assert cfg.execution.resolved_pad_last_chunk(backend) is padded

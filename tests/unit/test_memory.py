@@ -136,6 +136,10 @@ def test_the_qwen3_8b_calibration_is_below_the_set_and_above_its_measured_chunk(
     for rows in ([100], [8192] * 16):
         assert models[0].decode_bytes(rows) >= models[1].decode_bytes(rows)
     assert coefficients_for("cuda", 8, dataclasses.replace(qwen3, num_layers=28))[0] is CUDA_OPS8_COEFFICIENTS
+    # chunks larger than its fit measured take the set (whose fit covers them); up to 512, the calibration
+    assert coefficients_for("cuda", 8, qwen3, prefill_chunk_size=512)[0] is calibrated
+    generic_set, why = coefficients_for("cuda", 8, qwen3, prefill_chunk_size=1024)
+    assert generic_set is CUDA_OPS8_COEFFICIENTS and "up to 512" in why
 
 
 @pytest.mark.parametrize("name", ["rocm", "", "gpu"])

@@ -252,15 +252,17 @@ LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
 #         --backend cuda --replay-views --replay-coefficients scripts/data/h200_s7_fit_llama8b.json \
 #         --fit-scale prefill_mlp,prefill_hidden --margin 1.13
 QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
-SHAPE_CALIBRATIONS = {  # (backend set's name, shape_key) -> (what it is, the set)
+# (backend set's name, shape_key) -> (what it is, the set, the largest prompt chunk its fit measured: a
+# larger prefill_chunk_size takes the backend's set, whose fit covers it)
+SHAPE_CALIBRATIONS = {
     # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
     ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_scores=2.109,
         decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
-        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679)),
+        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679), 2048),
     ("cuda-ops8", QWEN3_8B_BF16): ("qwen3-8b bf16 calibration of the cuda-ops8 set (prompt chunks)", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.172, prefill_hidden=4.1, step_overhead_bytes=1187000,
-        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9)),
+        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9), 512),
 }
 
 
@@ -283,12 +285,16 @@ def coefficients_for_backend(name: str, max_ops_per_buffer: Optional[int] = None
 
 
 def coefficients_for(name: str, max_ops_per_buffer: Optional[int] = None,
-                     shape: Optional[ModelShape] = None, cpu_math: bool = True) -> tuple[TransientCoefficients, str]:
+                     shape: Optional[ModelShape] = None, cpu_math: bool = True,
+                     prefill_chunk_size: Optional[int] = None) -> tuple[TransientCoefficients, str]:
     """(the set, what it is): the backend's set (`coefficients_for_backend`), or its calibration for
-    `shape` where one ships (SHAPE_CALIBRATIONS)."""
+    `shape` where one ships (SHAPE_CALIBRATIONS) and its fit measured chunks of `prefill_chunk_size`
+    (None: any size)."""
     base = coefficients_for_backend(name, max_ops_per_buffer, cpu_math)
     set_name = ("cuda-ops8" if base is CUDA_OPS8_COEFFICIENTS else "cuda" if base is CUDA_COEFFICIENTS
                 else "cpu-mlx-attention" if base is CPU_MLX_ATTENTION_COEFFICIENTS and name.strip().lower() == "cpu"
                 else name.strip().lower())
     entry = SHAPE_CALIBRATIONS.get((set_name, shape_key(shape))) if shape is not None else None
+    if entry and prefill_chunk_size is not None and prefill_chunk_size > entry[2]:
+        return base, f"{set_name} set ({entry[0]} measured chunks up to {entry[2]} tokens)"
     return (entry[1], entry[0]) if entry else (base, f"{set_name} set")

@@ -207,7 +207,8 @@ _CH = PAGED_PARTIAL_KEYS
 class PagedAttention:
     """Attention of one query per row over its KV in the pool. `__call__(queries [B, H, 1, D], k_pool,
     v_pool [H_kv * slots, D], table [B, NB] int32 (the rows' first NB pool blocks), lengths [B] int32
-    (keys per row, NB = ceil(max(lengths) / block_size)), scale) -> [B, H, 1, D]`."""
+    (keys per row, each >= 1: a decode row holds at least its own key; NB = ceil(max(lengths) /
+    block_size)), scale) -> [B, H, 1, D]`."""
 
     def __init__(self, num_kv_heads: int, block_size: int):
         self.num_kv_heads = num_kv_heads
@@ -257,6 +258,11 @@ class CudaPagedAttention(PagedAttention):
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
 
+    def fixed_span(self, keys: int) -> "CudaPagedAttention":
+        """The same kernels with `keys` keys per span of the long-span kernel (its self-check's longest)."""
+        return CudaPagedAttention(self.num_kv_heads, self.block_size, self.keys_per_partial, self.threads,
+                                  spans=True, keys_per_span=keys)
+
     def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
@@ -284,24 +290,35 @@ class CudaPagedAttention(PagedAttention):
 
 
 def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> None:
-    """Run `impl` once on a small case of this model's attention shape (two rows, one across a block
-    boundary, blocks out of order) against `ReferenceAttention`; raise if it fails or disagrees. The
-    runner calls it before using the kernel, so a GPU or MLX version it does not work on falls back to
-    gathering instead of failing every decode."""
+    """Run `impl` on two cases of this model's attention shape against `ReferenceAttention` and raise if
+    it fails or disagrees: two short rows (one across a block boundary, blocks out of order), and two
+    rows of several blocks out of order (the long-span kernel at its longest span too). The runner calls
+    it before using the kernel, so a GPU or MLX version it does not work on falls back to gathering
+    instead of failing every decode."""
+    bs = impl.block_size
+    impls = [impl] + ([impl.fixed_span(1024)] if isinstance(impl, CudaPagedAttention) and impl.spans else [])
+    cases = (([bs + 3, 5], [[2, 0], [1, 0]], 3), ([4 * bs + 7, 2 * bs - 1], [[5, 1, 3, 0, 2], [4, 2, 0, 0, 0]], 6))
+    for kernel in impls:
+        for lengths, table, num_blocks in cases:
+            _check_case(kernel, num_heads, head_dim, dtype, lengths, table, num_blocks)
+
+
+def _check_case(impl: PagedAttention, num_heads: int, head_dim: int, dtype, lengths: list, table: list,
+                num_blocks: int) -> None:
     hkv, bs = impl.num_kv_heads, impl.block_size
-    lengths = [bs + 3, 5]
-    slots = 3 * bs
+    slots = num_blocks * bs
     k_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(1)).astype(dtype)
     v_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(2)).astype(dtype)
-    queries = mx.random.normal((2, num_heads, 1, head_dim), key=mx.random.key(3)).astype(dtype)
-    table, lens = mx.array([[2, 0], [1, 0]], mx.int32), mx.array(lengths, mx.int32)
+    queries = mx.random.normal((len(lengths), num_heads, 1, head_dim), key=mx.random.key(3)).astype(dtype)
+    table, lens = mx.array(table, mx.int32), mx.array(lengths, mx.int32)
     scale = head_dim ** -0.5
     got = impl(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
     want = ReferenceAttention(hkv, bs)(queries, k_pool, v_pool, table, lens, scale).astype(mx.float32)
     err = mx.abs(got - want).max().item()
     tolerance = 1e-3 if dtype == mx.float32 else 5e-2
     if not err <= tolerance:  # NaN fails too
-        raise RuntimeError(f"paged attention kernel differs from the reference by {err} (> {tolerance})")
+        raise RuntimeError(f"paged attention kernel differs from the reference by {err} (> {tolerance}) "
+                           f"on rows of {lengths} keys")
 
 
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> Optional[str]:

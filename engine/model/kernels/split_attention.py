@@ -159,7 +159,12 @@ def supports(head_dim: int) -> bool:
     return head_dim % 8 == 0 and 32 % (head_dim // 8) == 0
 
 
-def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> int:
+# multiprocessors of the GPU the span is sized for (an H100 / H200): on a smaller GPU the spans come out
+# shorter than needed, which costs partials, not correctness
+DEVICE_SMS = 132
+
+
+def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = DEVICE_SMS) -> int:
     """Keys per span: the longest power of two (64 to 1024) that still gives the device about four
     thread blocks per multiprocessor, so long rows split over several blocks and many rows keep one
     or two each."""

@@ -12,7 +12,7 @@ per projection: the same operation on the same memory as mlx-lm's layer computes
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -154,13 +154,12 @@ def _split(proj: nn.Linear, ends: tuple) -> list[Projection]:
 class BoundLayer:
     """One block: its norms ((weight, eps) as rms_norm takes them), rotation, and projections (q, k, v,
     o, gate, up, down; the fused q/k/v and gate/up products where engine/model/layers/fused.py fused
-    them, else None; a sparse MLP's `moe` instead of gate/up/down), the family's `spec`, and its
-    attention's sliding `window` (None: global)."""
+    them, else None; a sparse MLP's `moe` instead of gate/up/down) and the family's `spec` (a sliding
+    layer's window is the pool's: KVPool.layer_windows)."""
 
-    def __init__(self, layer: nn.Module, spec: Optional[block.BlockSpec] = None, window: Optional[int] = None):
+    def __init__(self, layer: nn.Module, spec: Optional[block.BlockSpec] = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.spec = spec or block.BlockSpec(block.module_family(layer))
-        self.window = window
         self.in_w, self.in_eps = norm_of(layer.input_layernorm)
         # the MLP's input norm (post_w): a llama block's post-attention norm, Gemma 2/3's pre-feed-forward
         # norm, whose post-attention and post-feed-forward norms apply to the branches' outputs
@@ -215,12 +214,10 @@ class BoundLayer:
         return [self.in_w, self.post_w] + [n[0] for n in norms if n is not None]
 
 
-def bind_layers(layers: list, spec: Optional[block.BlockSpec] = None,
-                windows: Optional[Sequence[Optional[int]]] = None) -> list[BoundLayer]:
+def bind_layers(layers: list, spec: Optional[block.BlockSpec] = None) -> list[BoundLayer]:
     """Every block's BoundLayer, its views evaluated (they share the weights' memory). Bind after any
     change of the model's weights (fusion, dtype): the views are of the weights as they are now."""
-    windows = windows or [None] * len(layers)
-    bound = [BoundLayer(layer, spec, w) for layer, w in zip(layers, windows)]
+    bound = [BoundLayer(layer, spec) for layer in layers]
     mx.eval([p.arrays() for b in bound for p in b.projections()] + [b.norm_weights() for b in bound])
     return bound
 
@@ -236,9 +233,7 @@ class BoundModel:
         text = language_model(model)
         self.backbone = backbone = text.model
         self.spec = block.block_spec(text)
-        windows = [getattr(backbone, "window_size", None) if getattr(layer.self_attn, "is_sliding", False)
-                   else None for layer in backbone.layers]
-        self.layers = bind_layers(backbone.layers, self.spec, windows)
+        self.layers = bind_layers(backbone.layers, self.spec)
         self.final_norm = norm_of(backbone.norm)
         mx.eval(self.final_norm[0])
         attn = backbone.layers[0].self_attn
