@@ -31,10 +31,10 @@ The coefficient sets, and where each was fitted: coefficients.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients, TransientTerms
+from engine.core.memory.plan import PrefillChunkPlan, StepPlan, round_up  # noqa: F401 (the model's API)
 from engine.core.memory.shape import ModelShape
 
 FLOAT32_BYTES = 4
@@ -58,28 +58,6 @@ SWIGLU_MLP_ARRAYS = 3
 # The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
 # costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
 FLOOR_CHUNK_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class PrefillChunkPlan:
-    num_tokens: int  # c: tokens computed in this chunk
-    context_len: int  # n: tokens of KV the chunk attends to, itself included
-    computes_logits: bool = True  # only the chunk that ends a prompt reaches the LM head
-    samples: bool = False  # ... and samples (not greedy) from them
-    gathers: bool = True  # False: the row's KV is read as a view of the pool (consecutive blocks)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What one engine step computes, as the memory model needs it (plain ints)."""
-
-    decode_context_lens: tuple[int, ...] = ()  # n per decoding row, this step's token included
-    decode_samples: int = 0  # decoding rows that sample (temperature > 0)
-    prefill_chunks: tuple[PrefillChunkPlan, ...] = ()
-
-
-def round_up(n: int, step: int) -> int:
-    return ((n + step - 1) // step) * step
 
 
 class MemoryModel:
@@ -191,7 +169,32 @@ class MemoryModel:
         largest is the transient; else one, every term together. `fused_mlp`: the MLP computes gate and
         up as one product (a mixed forward's, engine/model/layers/mixed.py): SWIGLU_MLP_ARRAYS whatever the
         activation."""
-        s, c, n, m = self.shape, num_tokens, context_len, self.layer_factor
+        s, c, m = self.shape, num_tokens, self.layer_factor
+        rows = m * self._array(c * s.hidden_size * s.dtype_bytes)
+        overheads = dict(step_overhead_bytes=1, prefill_overhead_bytes=1 if c > 1 else 0)
+        norm_slack = 4 * PAGE_SLACK_BYTES * m if s.qk_norms and c > 1 else 0  # ModelShape.qk_norms
+        attention = self._chunk_attention(c, context_len, rows, gathers, computes_logits, norm_slack, overheads)
+        # apart: the projections' rows (the q/k head norms' outputs among them) gone before the scores
+        projections = TransientTerms(prefill_projection_hidden=rows, family_rows=attention.family_rows,
+                                     fixed_bytes=norm_slack, **overheads)
+        mlp, unsorted, unsorted_rows = self._chunk_mlp(c, rows, fused_mlp, overheads)
+        head = TransientTerms(prefill_logits=FLOAT32_BYTES * s.vocab_size * computes_logits,
+                              sampling=FLOAT32_BYTES * s.vocab_size * samples, **overheads)
+        if self.coefficients.phases_apart:  # the head a stage of its own, with the last layer's MLP of
+            # the sampled position (ChunkPath.forward: its one row after the last waited stage)
+            last = TransientTerms(prefill_head_rows=(s.intermediate_size + s.hidden_size) * s.dtype_bytes
+                                  * computes_logits)
+            attention -= TransientTerms(family_rows=attention.family_rows, fixed_bytes=norm_slack)
+            return (projections, attention, mlp) + unsorted + (head + last,)
+        # together: the hidden rows are prefill_hidden's alone, the constants counted once
+        extra = TransientTerms(fixed_bytes=unsorted_rows * rows)
+        return (attention + mlp + head + extra - TransientTerms(prefill_attention_hidden=rows, **overheads)
+                - TransientTerms(**overheads),)
+
+    def _chunk_attention(self, c: int, n: int, rows: int, gathers: bool, computes_logits: bool,
+                         norm_slack: int, overheads: dict) -> TransientTerms:
+        """A prompt chunk's attention stage (`chunk_phases`): c tokens over n keys, `rows` its hidden rows."""
+        s, m = self.shape, self.layer_factor
         paged = c == 1 and self.paged_decode  # a one-query forward: the paged kernel, no gather
         block = -(-c // self.coefficients.attention_query_blocks)  # the queries scored at once
         array = self._array
@@ -207,14 +210,11 @@ class MemoryModel:
         extra_scores = (max(0.0, s.extra_score_copies - own) * self._over_layers(scores, n, c)
                         + max(0.0, s.sliding_score_copies - own) * self._sliding_layers(m)
                         * scores(n if window is None else min(n, window - 1 + c)))
-        rows = m * array(c * s.hidden_size * s.dtype_bytes)
-        overheads = dict(step_overhead_bytes=1, prefill_overhead_bytes=1 if c > 1 else 0)
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
         copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
         last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
-        norm_slack = 4 * PAGE_SLACK_BYTES * m if s.qk_norms and c > 1 else 0  # ModelShape.qk_norms
         gather = self._over_layers(gathered, n, c) if gathers and not paged else self._window_gather(n, c, paged=paged)
-        attention = TransientTerms(
+        return TransientTerms(
             prefill_scores=self._over_layers(scores, n, c),
             decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * s.num_heads * keys, n, c) if c == 1 else 0,
             prefill_mask=self._over_layers(lambda keys: array(block * keys), n, c),
@@ -222,9 +222,11 @@ class MemoryModel:
             decode_paged=m * self.paged_partials_bytes(1, n) if paged else 0,
             prefill_attention_hidden=rows, family_rows=s.extra_attention_rows * rows,
             fixed_bytes=extra_scores + last_copy + norm_slack, **overheads)
-        # apart: the projections' rows (the q/k head norms' outputs among them) gone before the scores
-        projections = TransientTerms(prefill_projection_hidden=rows, family_rows=attention.family_rows,
-                                     fixed_bytes=norm_slack, **overheads)
+
+    def _chunk_mlp(self, c: int, rows: int, fused_mlp: bool, overheads: dict) -> tuple:
+        """A prompt chunk's MLP stage (`chunk_phases`), a MoE layer's stage of its experts' outputs beside
+        their unsorted copy (block.moe_mlp; none for a dense MLP), and that stage's hidden rows."""
+        s, m, array = self.shape, self.layer_factor, self._array
         mlp_rows, unsorted_rows = self._moe_rows()
         mlp = TransientTerms(
             prefill_layer_rows=m * s.intermediate_size * s.dtype_bytes if c > 1 else 0,
@@ -232,21 +234,9 @@ class MemoryModel:
             * (1 if fused_mlp else s.mlp_arrays / SWIGLU_MLP_ARRAYS),
             prefill_hidden=rows,
             family_rows=s.extra_mlp_rows * rows, fixed_bytes=mlp_rows * rows, **overheads)
-        # a MoE layer's experts' outputs beside their unsorted copy (block.moe_mlp): a stage of its own
         unsorted = (TransientTerms(prefill_hidden=rows, fixed_bytes=unsorted_rows * rows, **overheads),) \
             if unsorted_rows else ()
-        head = TransientTerms(prefill_logits=FLOAT32_BYTES * s.vocab_size * computes_logits,
-                              sampling=FLOAT32_BYTES * s.vocab_size * samples, **overheads)
-        if self.coefficients.phases_apart:  # the head a stage of its own, with the last layer's MLP of
-            # the sampled position (ChunkPath.forward: its one row after the last waited stage)
-            last = TransientTerms(prefill_head_rows=(s.intermediate_size + s.hidden_size) * s.dtype_bytes
-                                  * computes_logits)
-            attention -= TransientTerms(family_rows=attention.family_rows, fixed_bytes=norm_slack)
-            return (projections, attention, mlp) + unsorted + (head + last,)
-        # together: the hidden rows are prefill_hidden's alone, the constants counted once
-        extra = TransientTerms(fixed_bytes=unsorted_rows * rows)
-        return (attention + mlp + head + extra - TransientTerms(prefill_attention_hidden=rows, **overheads)
-                - TransientTerms(**overheads),)
+        return mlp, unsorted, unsorted_rows
 
     def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                             samples: bool = False, gathers: bool = True) -> int:

@@ -51,9 +51,7 @@ class MixedForward:
         tokens are a pad: it samples the position before them): as ChunkPath.forward's."""
         path = self.path
         ops = path.ops
-        H, H_kv, d = path.heads, path.kv_heads, path.head_dim
-        B = len(decode_view.rows)
-        T = tokens.shape[0] - B
+        T = tokens.shape[0] - len(decode_view.rows)
         offsets = decode_view.offset if isinstance(decode_view.offset, mx.array) else mx.array([decode_view.offset])
         offsets = offsets.astype(mx.int32)
         layers = path.layers  # engine/model/layers/bound.py: every projection bound once
@@ -65,44 +63,8 @@ class MixedForward:
             last = i == len(layers) - 1
             Tq = int(sample) if last else T
             q_from = T - num_pad - Tq if last else 0
-            # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
-            # are then a contiguous array, where slices of one fused product would be copied per layer
-            q = layer.q(_query_rows(y, q_from, Tq, T))  # [1, Tq + B, H d]
-            k, v = layer.k(y), layer.v(y)  # [1, T + B, H_kv d]
-            # the decode rows: [B, 1, ...] each at its own position
-            dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
-            dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv, qk_norms(layer))
-            # the chunk: mlx-lm's attention module, step by step
-            k = layer.rope(layer.norm_k(k[:, :T].reshape(1, T, H_kv, d)).transpose(0, 2, 1, 3),
-                           offset=chunk_view.offset)
-            v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
-            decode_view.write(i, dk, dv)
-            chunk_view.write(i, k, v)
-            if stages is not None:  # both writes, then the queries (as ChunkPath.forward's stages)
-                stages.append(chunk_view.written(i))
-            parts = []
-            if Tq:
-                q = layer.rope(layer.norm_q(q[:, :Tq].reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
-                               offset=chunk_view.offset + q_from)
-                if stages is not None:
-                    stages.append(q)
-                # the chunk's queries are its last Tq positions: causal, or (one query) every key
-                parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages,
-                                        softcap=layer.softcap, drop_keys=num_pad if last else 0
-                                        ).transpose(0, 2, 1, 3))
-                if stages is not None:
-                    # a runner that waits between stages (MLX's CPU backend): the rows' attention after
-                    # the chunk's (a stage too where it is one query, in the last layer), a stage of its
-                    # own: its gathered KV is made once the chunk's is gone (MemoryModel.mixed_phases)
-                    stages.append(parts[0])
-                    dq = mx.depends(dq, parts[0])
-            rows = ops.attend(decode_view, i, dq, layer.scale, softcap=layer.softcap)  # [B, H, 1, d]
-            if stages is not None:
-                stages.append(rows)
-            parts.append(rows.transpose(2, 0, 1, 3))  # [1, B, H, d]
-            # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
-            # (mlx-lm's module makes the same one copy of the chunk's alone)
-            out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
+            out = self._attention(i, layer, y, chunk_view, decode_view, offsets, (T, Tq, q_from),
+                                  num_pad if last else 0, stages)
             h = _query_rows(h, q_from, Tq, T)
             h, y = block.after_attention(layer, h, layer.o(out), ops.add_rms_norm)
             if stages is not None:
@@ -112,6 +74,54 @@ class MixedForward:
                 stages.append(h)
         return y
 
+    def _attention(self, i: int, layer, y: mx.array, chunk_view, decode_view, offsets: mx.array,
+                   rows: tuple, num_pad: int, stages: Optional[list]) -> mx.array:
+        """Layer i's attention of the chunk's query rows and the decode rows -> [1, Tq + B, H d]; `rows`:
+        (T, Tq, q_from): the chunk's tokens, its query rows and the first of them; `num_pad`: the pad's
+        keys the last layer's query leaves out."""
+        path, ops = self.path, self.path.ops
+        H, H_kv, d = path.heads, path.kv_heads, path.head_dim
+        T, Tq, q_from = rows
+        B = len(decode_view.rows)
+        # q, k and v apart (as mlx-lm's module computes a prompt chunk's): the chunk's rows of each
+        # are then a contiguous array, where slices of one fused product would be copied per layer
+        q = layer.q(_query_rows(y, q_from, Tq, T))  # [1, Tq + B, H d]
+        k, v = layer.k(y), layer.v(y)  # [1, T + B, H_kv d]
+        # the decode rows: [B, 1, ...] each at its own position
+        dqkv = mx.concatenate([q[0, Tq:], k[0, T:], v[0, T:]], axis=-1)[:, None, :]
+        dq, dk, dv = ops.rope_qkv(dqkv, offsets, path.ropes[i], H, H_kv, qk_norms(layer))
+        # the chunk: mlx-lm's attention module, step by step
+        k = layer.rope(layer.norm_k(k[:, :T].reshape(1, T, H_kv, d)).transpose(0, 2, 1, 3),
+                       offset=chunk_view.offset)
+        v = v[:, :T].reshape(1, T, H_kv, d).transpose(0, 2, 1, 3)
+        decode_view.write(i, dk, dv)
+        chunk_view.write(i, k, v)
+        if stages is not None:  # both writes, then the queries (as ChunkPath.forward's stages)
+            stages.append(chunk_view.written(i))
+        parts = []
+        if Tq:
+            q = layer.rope(layer.norm_q(q[:, :Tq].reshape(1, Tq, H, d)).transpose(0, 2, 1, 3),
+                           offset=chunk_view.offset + q_from)
+            if stages is not None:
+                stages.append(q)
+            # the chunk's queries are its last Tq positions: causal, or (one query) every key
+            parts.append(ops.attend(chunk_view, i, q, layer.scale, stages=stages,
+                                    softcap=layer.softcap, drop_keys=num_pad
+                                    ).transpose(0, 2, 1, 3))
+            if stages is not None:
+                # a runner that waits between stages (MLX's CPU backend): the rows' attention after
+                # the chunk's (a stage too where it is one query, in the last layer), a stage of its
+                # own: its gathered KV is made once the chunk's is gone (MemoryModel.mixed_phases)
+                stages.append(parts[0])
+                dq = mx.depends(dq, parts[0])
+        rows = ops.attend(decode_view, i, dq, layer.scale, softcap=layer.softcap)  # [B, H, 1, d]
+        if stages is not None:
+            stages.append(rows)
+        parts.append(rows.transpose(2, 0, 1, 3))  # [1, B, H, d]
+        # one copy of both parts' outputs, [1, Tq + B, H, d], straight from their head-major layouts
+        # (mlx-lm's module makes the same one copy of the chunk's alone)
+        out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
+        return out
 
 def _query_rows(a: mx.array, first: int, num: int, T: int) -> mx.array:
     """a [1, T + B, ...] -> its rows whose queries a layer computes: the chunk's [first, first + num),
