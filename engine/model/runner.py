@@ -95,11 +95,22 @@ class ModelRunner:
         self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
                            grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows, ring_rows=rings,
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
+        self._build_loops(fuse, mixed, layer_loops, compiled_decode, cpu_math)
+        if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
+            self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
+        self.rows: dict[str, Row] = {}
+        self.samplers: dict[str, RequestSampler] = {}
+        self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
+        self.num_tokens_computed = 0
+
+    def _build_loops(self, fuse: bool, mixed: bool, layer_loops: bool, compiled_decode: bool, cpu_math: bool):
+        """The engine's layer loops this model and these choices take (`__init__`'s arguments of the same
+        names): the fused projections, the bound weights, the decode, mixed and chunk loops."""
         # Only the engine's layer loops call a fused product: fusing a model they do not run gains nothing.
-        loops_why_not = loops_unsupported(model)
-        self.fused = fuse and loops_why_not is None and fuse_projections(language_model(model)) > 0
+        loops_why_not = loops_unsupported(self.model)
+        self.fused = fuse and loops_why_not is None and fuse_projections(language_model(self.model)) > 0
         # after fusion; the loops share it (none where no loop runs: its Gemma norms' 1 + weight are arrays)
-        self.bound = BoundModel(model) if loops_why_not is None and (layer_loops or mixed) else None
+        self.bound = BoundModel(self.model) if loops_why_not is None and (layer_loops or mixed) else None
         self.decode_path: Optional[DecodePath] = None
         self.mixed: Optional[MixedForward] = None
         self.ops = ReferenceOps(cpu_math)  # the layer loops' MLX operations
@@ -115,12 +126,6 @@ class ModelRunner:
             self.chunk_path = ChunkPath(self.model, self.ops, bound_model=self.bound)
         elif layer_loops:
             logger.info("prompt chunks run mlx-lm's modules (%s)", loops_why_not)
-        if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
-            self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
-        self.rows: dict[str, Row] = {}
-        self.samplers: dict[str, RequestSampler] = {}
-        self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
-        self.num_tokens_computed = 0
 
     def _enable_paged_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                              dtype) -> None:
