@@ -155,9 +155,6 @@ def build_random_model(config: dict, dtype: str, init: str = "normal", seed: int
     return model
 
 
-build_random_llama = build_random_model  # the scripts' older name
-
-
 def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = None, init: str = "normal",
                      seed: int = 0) -> LoadedModel:
     """`name`: default | tiny | a RANDOM_SHAPES name (llama-8b, qwen3-8b, gemma3-12b, ...) | an mlx-lm
@@ -394,5 +391,6 @@ def _json_default(o):
     return str(o)
 
 
-def gb(n: Optional[float]) -> str:
-    return "-" if n is None else f"{n / 1e9:.3f} GB"
+def log(*parts) -> None:
+    """A progress line on stderr (stdout carries the result)."""
+    print(*parts, file=sys.stderr, flush=True)

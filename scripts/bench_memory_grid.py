@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (LLAMA_8B, LLAMA_TEST, DTYPES, LoadedModel, build_random_llama,  # noqa: E402
+from bench_common import (LLAMA_8B, LLAMA_TEST, DTYPES, LoadedModel, build_random_model,  # noqa: E402
                           emit, environment, free_memory, load_bench_model, random_prompts)
-from bench_prefill_memory import Meter, StepRecorder, make_engine  # noqa: E402
+from bench_engine import Meter, StepRecorder, make_engine  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
@@ -113,7 +113,7 @@ def random_model(label: str, config: dict, base: LoadedModel, init: str, seed: i
 
     config = dict(config)
     quantization = config.pop("quantization", None)
-    model = build_random_llama(config, base.dtype, init, seed)
+    model = build_random_model(config, base.dtype, init, seed)
     if quantization:
         from mlx_lm.utils import quantize_model
 

@@ -25,18 +25,17 @@ approximation), ttft_s per prompt from the start, prefill_s until every prompt h
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (MLX_LM_SERVER_DEFAULTS, LoadedModel, PeakTracker, chunk_bytes, emit,  # noqa: E402
-                          environment, free_memory, load_bench_model, memory_model_for, mlx_lm_generator,
-                          prefill_flops, random_prompts, run_mlx_lm_burst)
+from bench_common import (LoadedModel, emit, environment, free_memory, load_bench_model, log,  # noqa: E402
+                          memory_model_for, prefill_flops, random_prompts)
+from bench_engine import ENGINE_OVERRIDES  # noqa: E402
+from bench_prefill_ways import run_engine, run_mlx_lm, run_naive_padded, run_sequential  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
@@ -44,297 +43,6 @@ WAYS = ("sequential", "engine", "mlx_lm", "naive_padded")
 EXTRA_WAYS = {"engine_modules": dict(layer_loops=False), "engine_no_overlap": dict(overlap_steps=False)}
 
 
-# --------------------------------------------------------------------------- measurement frame
-class Meter:
-    """Peak/active readings of one way. `baseline` is what was alive before (the weights)."""
-
-    def __init__(self):
-        free_memory()
-        self.baseline = mx.get_active_memory()
-        self.tracker = PeakTracker().__enter__()
-        self.tracker.start()
-        self.peak = 0
-        self.stepwise = 0  # largest (peak - live before - KV added) of one forward / step
-        self._before = (0, 0)
-        self.t0 = time.perf_counter()
-
-    def begin(self, kv_bytes: int) -> None:
-        """Start one forward (or step) whose transient is measured on its own."""
-        self.observe()
-        self._before = (mx.get_active_memory(), kv_bytes)
-
-    def end(self, kv_bytes: int) -> int:
-        """End it: its peak over what was live before, less the KV it added."""
-        active, kv = self._before
-        transient = self.observe() - active - (kv_bytes - kv)
-        self.stepwise = max(self.stepwise, transient)
-        return transient
-
-    def observe(self) -> int:
-        """Fold in the peak since the last observe(); return that window's peak."""
-        window = self.tracker.read()
-        self.peak = max(self.peak, window)
-        self.tracker.start()
-        return window
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def result(self, kv_live_bytes: int, predicted: Optional[int], ttft: list[float], prefill_s: float,
-               **extra) -> dict:
-        self.observe()
-        self.tracker.__exit__()
-        over = self.peak - self.baseline
-        return dict(
-            peak_bytes=over, peak_over_weights_bytes=over, transient_peak_bytes=over - kv_live_bytes,
-            stepwise_transient_bytes=self.stepwise or over - kv_live_bytes, kv_live_bytes=kv_live_bytes, predicted_peak_bytes=predicted, ttft_s=ttft,
-            mean_ttft_s=sum(ttft) / len(ttft), prefill_s=prefill_s, **extra,
-        )
-
-
-# --------------------------------------------------------------------------- the ways
-def run_sequential(lm: LoadedModel, prompts: list[list[int]], chunk: int, memory) -> dict:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model = lm.model
-    meter = Meter()
-    caches, ttft, predicted, chunks = [], [], 0, []
-
-    def kv_bytes() -> int:
-        return sum(c.nbytes for cache in caches for c in cache)
-
-    for prompt in prompts:
-        cache = make_prompt_cache(model)
-        caches.append(cache)
-        tokens = mx.array(prompt)
-        body = len(prompt) - 1
-        for start in range(0, body, chunk):
-            end = min(start + chunk, body)
-            meter.begin(kv_bytes())
-            t = time.perf_counter()
-            model(tokens[None, start:end], cache=cache)  # logits never evaluated: never computed
-            mx.eval([c.state for c in cache])
-            step_s = time.perf_counter() - t
-            pred = chunk_bytes(memory, end - start, end, False)
-            chunks.append(dict(tokens=end - start, context=end, predicted=pred, measured=meter.end(kv_bytes()),
-                               step_s=round(step_s, 6)))
-            predicted = max(predicted, pred)
-        meter.begin(kv_bytes())
-        t = time.perf_counter()
-        logits = model(tokens[None, body:], cache=cache)  # [1, 1, V]
-        mx.argmax(logits[0, -1]).item()
-        step_s = time.perf_counter() - t
-        pred = chunk_bytes(memory, 1, len(prompt), True)
-        chunks.append(dict(tokens=1, context=len(prompt), predicted=pred, measured=meter.end(kv_bytes()),
-                           step_s=round(step_s, 6)))
-        predicted = max(predicted, pred)
-        ttft.append(meter.elapsed())
-    prefill_s = meter.elapsed()
-    return meter.result(kv_bytes(), predicted, ttft, prefill_s, chunk=chunk, chunks=chunks)
-
-
-def run_naive_padded(lm: LoadedModel, prompts: list[list[int]], memory) -> dict:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model = lm.model
-    backbone = model.model
-    lengths = [len(p) for p in prompts]
-    b, L = len(prompts), max(lengths)
-    meter = Meter()
-    tokens = mx.array([p + [0] * (L - len(p)) for p in prompts])  # [B, L] right-padded
-    pos = mx.arange(L)
-    valid = pos[None, :] < mx.array(lengths)[:, None]  # [B, L] real keys
-    mask = (pos[:, None] >= pos[None, :])[None] & valid[:, None, :]  # [B, L, L] causal & real
-    mask = mask[:, None]  # [B, 1, L, L]
-    cache = make_prompt_cache(model)
-    h = backbone.embed_tokens(tokens)
-    for layer, c in zip(backbone.layers, cache):
-        h = layer(h, mask, c)
-    h = backbone.norm(h)
-    last = h[mx.arange(b), mx.array(lengths) - 1]  # [B, D]: each row's last real position
-    head = backbone.embed_tokens.as_linear if getattr(model.args, "tie_word_embeddings", False) \
-        else model.lm_head
-    next_tokens = mx.argmax(head(last), axis=-1)
-    mx.eval(next_tokens, [c.state for c in cache])
-    next_tokens.tolist()
-    prefill_s = meter.elapsed()
-    kv = sum(c.nbytes for c in cache)
-    predicted = b * chunk_bytes(memory, L, L, True)  # per-row formula x rows: an approximation
-    return meter.result(kv, predicted, [prefill_s] * b, prefill_s, predicted_kind="per_row_formula_x_rows")
-
-
-def mlx_lm_plan_bytes(memory, lengths: list[int], batch: int, step: int) -> int:
-    """The memory model over BatchGenerator's plan: each step pads its rows to the longest chunk;
-    per-row formula x rows (the formula was fitted for one row, so this is an approximation)."""
-    remaining = [n - 1 for n in lengths[:batch]]  # the last token is a segment of its own
-    done, peak = 0, 0
-    while any(r > 0 for r in remaining):
-        active = [r for r in remaining if r > 0]
-        t = min(max(active), step)
-        done += t
-        peak = max(peak, len(active) * chunk_bytes(memory, t, done, False))
-        remaining = [max(r - step, 0) for r in remaining]
-    return peak
-
-
-def run_mlx_lm(lm: LoadedModel, prompts: list[list[int]], memory, max_tokens: int,
-               settings: dict = MLX_LM_SERVER_DEFAULTS) -> dict:
-    meter = Meter()
-    gen = mlx_lm_generator(lm.model, max_tokens, settings)
-    run = run_mlx_lm_burst(gen, prompts, [max_tokens] * len(prompts), "first_token", meter.elapsed,
-                           before_step=lambda: meter.begin(gen.prompt_cache_nbytes),
-                           after_step=lambda: meter.end(gen.prompt_cache_nbytes))
-    prefill_s = meter.elapsed()
-    kv = gen.prompt_cache_nbytes
-    predicted = mlx_lm_plan_bytes(memory, [len(p) for p in prompts], settings["prefill_batch_size"],
-                                  settings["prefill_step_size"])
-    result = meter.result(kv, predicted, [run.first_token_s[u] for u in run.uids], prefill_s, settings=settings,
-                          num_calls=run.num_steps, predicted_kind="per_row_formula_x_rows")
-    gen.close()
-    return result
-
-
-def engine_memory_limit(lm: LoadedModel, lengths: list[int], max_tokens: int, config) -> int:
-    """Weights + the configuration's transient bound + every prompt's KV, with room to spare."""
-    memory = memory_model_for(lm, config.memory_coefficients)
-    model_max = lm.config.get("max_position_embeddings") or 4096
-    kv = sum(memory.kv_bytes(n + max_tokens) for n in lengths)
-    bound = memory.transient_bound_bytes(config.max_num_seqs, config.prefill_chunk_size,
-                                         min(config.max_model_len or model_max, model_max))
-    return int((lm.weights_bytes + bound + kv) * 1.25) + (1 << 30)
-
-
-ENGINE_OVERRIDES: dict = {}  # --engine-config
-
-
-def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
-                layer_loops: bool = True, async_decode: bool = True, overlap_steps: Optional[bool] = None,
-                read_slices: bool = True, mixed_batches: bool = True, mix_beyond_bound: bool = False,
-                **overrides):
-    """This engine at its default config around the already loaded model. `layer_loops`,
-    `read_slices`, `mixed_batches` (RunnerOptions'), `async_decode`, `overlap_steps` (None: the
-    engine's choice), `mix_beyond_bound` (StepOptions'): its ways to compare, chosen at construction;
-    `overrides`: EngineConfig fields."""
-    from engine.config import EngineConfig
-    from engine.core.types import StepOptions
-    from engine.engine import Engine
-    from engine.model.runner import RunnerOptions
-
-    model_max = lm.config.get("max_position_embeddings") or 4096
-    need = max(lengths) + max_tokens
-    max_model_len = None if need <= model_max else need
-    fields = dict(model=lm.name, dtype=lm.dtype, max_model_len=max_model_len, **ENGINE_OVERRIDES)
-    if chunk:
-        fields["prefill_chunk_size"] = chunk
-    fields.update(overrides)
-    limit = engine_memory_limit(lm, lengths, max_tokens, EngineConfig(**fields))
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(memory_limit_bytes=limit, **fields), lm.config,
-                    runner_options=RunnerOptions(layer_loops=layer_loops, read_slices=read_slices,
-                                                 mixed_batches=mixed_batches),
-                    step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps,
-                                             mix_beyond_bound=mix_beyond_bound))
-    return engine
-
-
-class StepRecorder:
-    """Steps the engine and keeps each step's record (engine.core.types.StepRecord): its plan, the
-    prompt chunks it read as views of the pool, its forwards' times and its memory; and each request's
-    progress as the records' outputs tell it (the engine's public step records, not its scheduler)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.records: list = []
-        self.num_tokens: dict[str, int] = {}  # request id -> prompt + output tokens so far
-        self.num_output_tokens: dict[str, int] = {}
-        self.finished: set[str] = set()
-
-    def step(self):
-        record = self.engine.step()
-        self.records.append(record)
-        for out in record.outputs:
-            self._observe(out)
-        return record
-
-    def abort(self, request_id: str) -> None:
-        out = self.engine.abort(request_id)
-        if out is not None:
-            self._observe(out)
-
-    def _observe(self, out) -> None:
-        self.num_tokens[out.request_id] = out.num_prompt_tokens + out.num_output_tokens
-        self.num_output_tokens[out.request_id] = out.num_output_tokens
-        if out.finished:
-            self.finished.add(out.request_id)
-
-
-def run_engine(lm: LoadedModel, prompts: list[list[int]], chunk: Optional[int], max_tokens: int,
-               **overrides) -> dict:
-    from engine.core.types import SamplingParams
-
-    lengths = [len(p) for p in prompts]
-    engine = make_engine(lm, lengths, max_tokens, chunk, **overrides)
-    recorder = StepRecorder(engine)
-    meter = Meter()  # after the engine exists: the engine allocates nothing until its first step
-    ids = [f"p{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    first: dict[str, float] = {}
-    steps = []
-    while len(first) < len(prompts):
-        meter.begin(engine.stats().kv_allocated_bytes)
-        t = time.perf_counter()
-        record = recorder.step()
-        outputs = record.outputs
-        step_s = time.perf_counter() - t
-        # (launch, launched, wait, waited) of each forward, seconds from the step's start
-        forwards = [tuple(None if t is None else round(t, 5)
-                          for t in (f.launch_s, f.launched_s, f.wait_s, f.waited_s)) for f in record.forwards]
-        whole_step = meter.end(engine.stats().kv_allocated_bytes)  # across the engine's per-forward resets
-        now = meter.elapsed()
-        for out in outputs:
-            if out.error:
-                raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
-            first.setdefault(out.request_id, now)
-        plan = record.plan
-        # The engine's own figure is per forward (KV of rows allocated later in the step not
-        # subtracted); the whole-step one is the fallback for engines that expose none.
-        # The engine's record pairs its measurement with its prediction: with overlapped steps
-        # (StepExecutor.overlap_steps) a step's record also holds the previous step's deferred forward,
-        # measured and predicted (the plan's prediction is this step's alone).
-        own = record.memory  # None: the step failed or scheduled nothing
-        measured = own.measured_bytes if own is not None else whole_step
-        predicted = own.predicted_bytes if own is not None else plan.predicted_transient_bytes
-        steps.append(dict(
-            step_s=round(step_s, 6), predicted=predicted, plan_predicted=plan.predicted_transient_bytes,
-            measured=measured,
-            whole_step_measured=whole_step,
-            decodes=len(plan.decodes), chunks=[(c.num_forward_tokens, c.start + c.num_forward_tokens) for c in plan.prefills],
-            mixed=getattr(plan, "mixed", False),
-            # (launch, launched, wait, waited) of each forward, seconds from the step's start
-            forwards_s=forwards,
-        ))
-        if not engine.has_unfinished():
-            break
-    prefill_s = meter.elapsed()
-    meter.stepwise = max(s["measured"] for s in steps)
-    stats = engine.stats()
-    kv = stats.kv_allocated_bytes
-    result = meter.result(kv, stats.max_predicted_transient_bytes, [first[i] for i in ids], prefill_s,
-                          config=engine.config.model_dump(), steps=steps,
-                          engine_stats=dataclasses.asdict(stats))
-    peak_step = max(steps, key=lambda s: s["measured"])
-    result["peak_step"] = peak_step
-    result["memory_coefficients"] = getattr(engine, "memory_coefficients_source", None)
-    result["step_ratio_min"] = min(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
-    result["step_ratio_at_peak"] = peak_step["predicted"] / max(peak_step["measured"], 1)
-    result["underpredicted_steps"] = sum(1 for s in steps if s["predicted"] < s["measured"])
-    for rid in ids:
-        engine.abort(rid)
-    del engine, recorder
-    return result
-
-
-# --------------------------------------------------------------------------- driver
 def run_way(way: str, lm: LoadedModel, prompts, args, memory) -> dict:
     if way == "sequential":
         return run_sequential(lm, prompts, args.chunk or 512, memory)
@@ -438,35 +146,11 @@ def main(argv=None) -> dict:
         num_params=lm.num_params, model_build_s=lm.build_s, environment=environment(), ways={},
         flops=prefill_flops(lm.config, lengths),
     )
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model {args.model} {lm.dtype}: {lm.weights_bytes / 1e9:.2f} GB weights, built in {lm.build_s:.1f} s")
     if args.warmup != "none":
-        wl = lengths if args.warmup == "full" else warmup_lengths(lengths, args.chunk or 512)
-        wp = random_prompts(wl, lm.config["vocab_size"], args.seed + 1)
-        result["warmup"] = {"lengths": wl, "ways": {}}
-        for way in ways:
-            t = time.perf_counter()
-            w = run_way(way, lm, wp, args, memory)
-            free_memory()
-            result["warmup"]["ways"][way] = {k: w[k] for k in ("prefill_s", "mean_ttft_s", "transient_peak_bytes",
-                                                               "stepwise_transient_bytes")}
-            log(f"warm-up {way} {wl}: {time.perf_counter() - t:.1f} s (prefill {w['prefill_s']:.3f} s)")
+        warm_up(lm, ways, lengths, args, memory, result)
     for way in ways:
-        r = run_way(way, lm, prompts, args, memory)
-        free_memory()
-        r["leftover_active_bytes"] = mx.get_active_memory() - lm.weights_bytes
-        if args.peak_tflops:
-            r["tflops"] = result["flops"] / r["prefill_s"] / 1e12
-            r["mfu"] = r["tflops"] / args.peak_tflops
-        result["ways"][way] = r
-        log(f"{way}: transient {r['transient_peak_bytes'] / 1e9:.3f} GB, step-wise "
-            f"{r['stepwise_transient_bytes'] / 1e9:.3f} GB (peak over weights "
-            f"{r['peak_over_weights_bytes'] / 1e9:.3f} GB, KV {r['kv_live_bytes'] / 1e9:.3f} GB), predicted "
-            f"{'-' if r['predicted_peak_bytes'] is None else round(r['predicted_peak_bytes'] / 1e9, 3)} GB, "
-            f"prefill {r['prefill_s']:.3f} s, mean TTFT {r['mean_ttft_s']:.3f} s")
-        result["targets"] = targets(result["ways"])
-        if args.out:  # a later way may kill the process (MLX aborts on a failed allocation)
-            Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        measured_pass(lm, way, prompts, args, memory, result)
     for _ in range(args.repeat - 1):  # more timed passes, the ways interleaved (machine drift hits each)
         for way in ways:
             r = run_way(way, lm, prompts, args, memory)
@@ -483,6 +167,39 @@ def main(argv=None) -> dict:
     result["targets"] = targets(result["ways"])
     emit(result, args.json, args.out)
     return result
+
+
+def warm_up(lm: LoadedModel, ways: list[str], lengths: list[int], args, memory, result: dict) -> None:
+    """Every way once on other prompts (--warmup), into result["warmup"]."""
+    wl = lengths if args.warmup == "full" else warmup_lengths(lengths, args.chunk or 512)
+    wp = random_prompts(wl, lm.config["vocab_size"], args.seed + 1)
+    result["warmup"] = {"lengths": wl, "ways": {}}
+    for way in ways:
+        t = time.perf_counter()
+        w = run_way(way, lm, wp, args, memory)
+        free_memory()
+        result["warmup"]["ways"][way] = {k: w[k] for k in ("prefill_s", "mean_ttft_s", "transient_peak_bytes",
+                                                           "stepwise_transient_bytes")}
+        log(f"warm-up {way} {wl}: {time.perf_counter() - t:.1f} s (prefill {w['prefill_s']:.3f} s)")
+
+
+def measured_pass(lm: LoadedModel, way: str, prompts: list[list[int]], args, memory, result: dict) -> None:
+    """The first timed pass of a way, which also measures its memory, into result["ways"] (and --out)."""
+    r = run_way(way, lm, prompts, args, memory)
+    free_memory()
+    r["leftover_active_bytes"] = mx.get_active_memory() - lm.weights_bytes
+    if args.peak_tflops:
+        r["tflops"] = result["flops"] / r["prefill_s"] / 1e12
+        r["mfu"] = r["tflops"] / args.peak_tflops
+    result["ways"][way] = r
+    log(f"{way}: transient {r['transient_peak_bytes'] / 1e9:.3f} GB, step-wise "
+        f"{r['stepwise_transient_bytes'] / 1e9:.3f} GB (peak over weights "
+        f"{r['peak_over_weights_bytes'] / 1e9:.3f} GB, KV {r['kv_live_bytes'] / 1e9:.3f} GB), predicted "
+        f"{'-' if r['predicted_peak_bytes'] is None else round(r['predicted_peak_bytes'] / 1e9, 3)} GB, "
+        f"prefill {r['prefill_s']:.3f} s, mean TTFT {r['mean_ttft_s']:.3f} s")
+    result["targets"] = targets(result["ways"])
+    if args.out:  # a later way may kill the process (MLX aborts on a failed allocation)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

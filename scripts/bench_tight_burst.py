@@ -35,7 +35,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (MLX_LM_SERVER_DEFAULTS, MemoryWindow, PeakTracker, emit, environment,  # noqa: E402
-                          free_memory, load_bench_model, mlx_lm_generator, random_prompts, run_mlx_lm_burst)
+                          free_memory, load_bench_model, log, mlx_lm_generator, random_prompts, run_mlx_lm_burst)
 
 import mlx.core as mx  # noqa: E402
 
@@ -220,7 +220,6 @@ def main(argv=None) -> dict:
     model_max = lm.config.get("max_position_embeddings") or 4096
     max_len = min(args.max_model_len or model_max, model_max)
     prompts, new_tokens = burst(args, lm.config["vocab_size"], max_len)
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     result = dict(bench="tight_burst", argv=sys.argv[1:] if argv is None else argv, model=args.model,
                   dtype=lm.dtype, weights_bytes=lm.weights_bytes, environment=environment(),
                   prompt_lengths=[len(p) for p in prompts], new_tokens=new_tokens, engine={}, mlx_lm=None)

@@ -22,7 +22,7 @@ from bench_common import emit, environment, load_bench_model, random_prompts  # 
 
 def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, paths: dict = None) -> list[list[int]]:
     """`read_slices` False: every read a gather (no views, no paged decode attention). `paths`: filled with which decode paths the engine took."""
-    from bench_prefill_memory import make_engine
+    from bench_engine import make_engine
     from engine.core.types import SamplingParams
 
     # no views, and no paged decode attention (a config choice: the memory model then predicts gathers)

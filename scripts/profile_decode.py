@@ -61,7 +61,7 @@ def _cuda_profiler(start: bool) -> None:
 
 
 def profile_rows(lm, rows: int, prompt_tokens: int, steps: int, profile_step: int, overrides: dict) -> dict:
-    from bench_prefill_memory import make_engine
+    from bench_engine import make_engine
     from engine.core.types import SamplingParams
 
     max_tokens = steps + 16
