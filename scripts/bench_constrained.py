@@ -1,7 +1,7 @@
 """The cost of grammar-constrained decoding (`bench_serving.py --engine-only --constrained-fraction F`).
 
 The same N streams (random prompts, exactly --output-tokens each), run twice through the engine's step
-loop (bench_serving.run_engine_sync: pipelined decode on, as served): all free, then the first F x N
+loop (bench_serving_drivers.run_engine_sync: pipelined decode on, as served): all free, then the first F x N
 constrained by a JSON schema whose output never completes within --output-tokens (an array of at
 least 10,000 records: strings, integers, booleans, the structure between them), so both runs decode the
 same number of tokens. Reports TPOT of each run, of the free and the constrained rows of the second,
@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from bench_common import environment, free_memory, load_bench_model, random_prompts
+from bench_common import environment, free_memory, load_bench_model, log, random_prompts
 
 SCHEMA = {"type": "array", "minItems": 10000, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "count", "ok"],
@@ -54,7 +54,8 @@ def _median_cost(result: dict, passes: dict[str, list[dict]], key: str, median_k
 
 
 def constrained_cost(args) -> dict:
-    from bench_serving import arrival_times, run_engine_sync
+    from bench_serving_drivers import run_engine_sync
+    from bench_serving_stats import arrival_times
     from engine.core.types import Grammar, SamplingParams
 
     from engine.model.grammar import GrammarCompiler
@@ -69,7 +70,6 @@ def constrained_cost(args) -> dict:
     result = dict(bench="constrained_decoding", argv=sys.argv[1:], model=args.model, dtype=lm.dtype,
                   prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                   constrained_fraction=args.constrained_fraction, schema=SCHEMA, environment=environment(), runs={})
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     for conc in args.concurrency:
         args.concurrency_now = conc
         num_constrained = round(args.constrained_fraction * conc)

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ROOT, environment  # noqa: E402
+from bench_common import ROOT, environment, log  # noqa: E402
 from process_cpu import pids, read_stat  # noqa: E402
 from deployments.cluster_env import CLUSTER_ENV, with_cluster_env  # noqa: E402
-from bench_serving import RequestRecord, arrival_times, compare, fmt, summarize  # noqa: E402
+from bench_serving_stats import RequestRecord, arrival_times, compare, fmt, summarize  # noqa: E402
 
 
 class PromptMaker:
@@ -283,7 +283,6 @@ def http_mode(args) -> dict:
             raise SystemExit("--compare-mlx-lm needs --model (the folder mlx_lm.server loads)")
         targets.append(("mlx_lm_server", lambda: start_mlx_lm(args, folder),
                         f"http://127.0.0.1:{args.mlx_lm_port}"))
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     for rep in range(args.repeat):
         # each pass starts every server afresh; the order alternates (ABBA...), so drift of the host
         # and whatever the first server leaves behind fall on both

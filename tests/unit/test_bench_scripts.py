@@ -1,6 +1,6 @@
 """Pure logic of the benchmark scripts (no measuring): bench_memory_grid.py's backend fit on a synthetic
-grid, bench_serving.py's comparison over timed passes, and bench_http.py's passes (--repeat) against two
-stub OpenAI endpoints."""
+grid, bench_serving.py's comparison over timed passes (bench_serving_stats.py), and bench_http.py's passes
+(--repeat) against two stub OpenAI endpoints."""
 
 import json
 import sys
@@ -90,14 +90,14 @@ def test_largest_per_chunk_keeps_one_prefill_point_per_chunk_size():
 
 
 def test_serving_comparison_uses_the_median_of_the_passes():
-    serving = pytest.importorskip("bench_serving")
+    stats = pytest.importorskip("bench_serving_stats")
     runs = {}
     for rep, (ours, theirs) in enumerate([(400, 300), (410, 420), (390, 250)]):
         suffix = f"#{rep}" if rep else ""
         runs[f"engine@4{suffix}"] = dict(ttft_mean_s=0.07, output_tok_per_s=ours)
         runs[f"mlx_lm@4{suffix}"] = dict(ttft_mean_s=0.10, output_tok_per_s=theirs)
-    out = serving.compare(runs, [4, 8], "engine", "mlx_lm")["4"]
-    assert "8" not in serving.compare(runs, [4, 8], "engine", "mlx_lm")  # no run at 8
+    out = stats.compare(runs, [4, 8], "engine", "mlx_lm")["4"]
+    assert "8" not in stats.compare(runs, [4, 8], "engine", "mlx_lm")  # no run at 8
     assert out["passes"] == 3
     assert out["tok_per_s_ratio"] == pytest.approx(400 / 300)  # median over median, not the first pass
     assert [round(r, 3) for r in out["tok_per_s_ratio_per_pass"]] == [1.333, 0.976, 1.56]
