@@ -1,6 +1,6 @@
 """Pure logic of the benchmark scripts (no measuring): bench_memory_grid.py's backend fit on a synthetic
-grid, bench_serving.py's comparison over timed passes (bench_serving_stats.py), and bench_http.py's passes
-(--repeat) against two stub OpenAI endpoints."""
+grid (scripts/memory_grid), bench_serving.py's comparison over timed passes (bench_serving_stats.py), and
+bench_http.py's passes (--repeat) against two stub OpenAI endpoints."""
 
 import json
 import sys
@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-grid = pytest.importorskip("bench_memory_grid")
+# bench_memory_grid.py's parts (scripts/memory_grid)
+shapes = pytest.importorskip("memory_grid.shapes")
+predict = pytest.importorskip("memory_grid.predict")
+backend_fit = pytest.importorskip("memory_grid.backend_fit")
+replay = pytest.importorskip("memory_grid.replay")
+checks = pytest.importorskip("memory_grid.checks")
 
 SHAPE = dict(H=32, Hkv=8, d=128, D=4096, I=14336, V=128256, L=32, s=2)
 
@@ -23,26 +28,26 @@ def synthetic_grid(tmp_path, paged: bool, copies: bool = True) -> str:
         for n in range(c, 8192 + 1, c):
             plateau = 58e6 + 0.63e6 * c
             measured = plateau * min(1.0, 0.4 + 0.6 * n / (4 * c))
-            terms = grid.prefill_terms(SHAPE, c, n, n == 8192)
+            terms = shapes.prefill_terms(SHAPE, c, n, n == 8192)
             terms["prefill_gather"] = 0
             point = dict(kind="prefill", variant="m", c=c, n=n, logits=n == 8192, B=1, gathers=False,
                          measured=0, predicted=0, terms=terms, **({"copies_viewed_kv": True} if copies else {}))
-            point["measured"] = int(measured) + grid.fixed_bytes(SHAPE, point)  # the last query's KV copy
+            point["measured"] = int(measured) + shapes.fixed_bytes(SHAPE, point)  # the last query's KV copy
             points.append(point)
     for b in (1, 4, 16):
         for n in (1024, 4096, 8192):
             measured = 1e6 + b * (40 + n / 200) * 1e3 if paged else 1e6 + b * n * 8 * 516 * 5
             points.append(dict(kind="decode", variant="m", B=b, n=n, c=1, logits=True, gathers=not paged,
                                paged=paged, measured=int(measured), predicted=0,
-                               terms=grid.decode_terms(SHAPE, b, n, paged)))
+                               terms=shapes.decode_terms(SHAPE, b, n, paged)))
     path = tmp_path / f"grid_{paged}_{copies}.json"
     path.write_text(json.dumps(dict(points=points, shapes={"m": SHAPE})))
     return str(path)
 
 
 def test_fit_from_above_hugs_each_chunk_sizes_worst_case(tmp_path):
-    out = grid.fit_backend(synthetic_grid(tmp_path, paged=True), backend="cuda",
-                           exclude="prefill_scores,prefill_mask", chunk_maxima=True)
+    out = backend_fit.fit_backend(synthetic_grid(tmp_path, paged=True), backend="cuda",
+                                  exclude="prefill_scores,prefill_mask", chunk_maxima=True)
     coef = out["coefficients"]
     assert coef["prefill_scores"] == 0 and coef["prefill_mask"] == 0  # excluded
     assert coef["decode_paged"] is not None  # fitted: the grid's decodes were paged
@@ -50,7 +55,7 @@ def test_fit_from_above_hugs_each_chunk_sizes_worst_case(tmp_path):
     data = json.loads(Path(tmp_path / "grid_True_True.json").read_text())
     from engine.core.memory.coefficients import TransientCoefficients
     pts = data["points"]
-    pred = grid.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef))
+    pred = predict.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef))
     for c in (128, 256, 512, 1024):
         worst = max(p["measured"] for p in pts if p["kind"] == "prefill" and p["c"] == c)
         predicted = max(pv for pv, p in zip(pred, pts) if p["kind"] == "prefill" and p["c"] == c)
@@ -64,18 +69,18 @@ def test_a_fit_of_a_grid_measured_without_the_kv_copy_covers_the_copy(tmp_path):
     from engine.core.memory.coefficients import TransientCoefficients
 
     path = synthetic_grid(tmp_path, paged=True, copies=False)
-    coef = grid.fit_backend(path, backend="cuda", exclude="prefill_scores,prefill_mask", chunk_maxima=True)
+    coef = backend_fit.fit_backend(path, backend="cuda", exclude="prefill_scores,prefill_mask", chunk_maxima=True)
     data = json.loads(Path(path).read_text())
     pts = data["points"]
-    pred = grid.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef["coefficients"]))
+    pred = predict.engine_predictions(pts, data["shapes"], TransientCoefficients(**coef["coefficients"]))
     ends = [(pv, p) for pv, p in zip(pred, pts) if p["kind"] == "prefill" and p["logits"]]
-    assert ends and all(grid.fixed_bytes(SHAPE, p) == 0 for _, p in ends)
+    assert ends and all(shapes.fixed_bytes(SHAPE, p) == 0 for _, p in ends)
     copy = lambda p: p["n"] * SHAPE["Hkv"] * 2 * SHAPE["d"] * SHAPE["s"]  # noqa: E731
     assert all(pv >= p["measured"] + copy(p) for pv, p in ends)
 
 
 def test_gathering_grid_leaves_decode_paged_unfitted(tmp_path):
-    out = grid.fit_backend(synthetic_grid(tmp_path, paged=False), backend="cuda")
+    out = backend_fit.fit_backend(synthetic_grid(tmp_path, paged=False), backend="cuda")
     assert out["coefficients"]["decode_paged"] is None
     assert out["predicted_over_measured"]["min"] >= 1.0
 
@@ -84,7 +89,7 @@ def test_largest_per_chunk_keeps_one_prefill_point_per_chunk_size():
     pts = [dict(kind="prefill", variant="v", c=c, n=n, logits=False, gathers=False, measured=m)
            for c, n, m in ((128, 128, 5), (128, 256, 9), (128, 384, 7), (256, 256, 3))]
     pts.append(dict(kind="decode", variant="v", B=1, n=10, measured=1))
-    kept = grid.largest_per_chunk(pts, {"v": SHAPE})
+    kept = backend_fit.largest_per_chunk(pts, {"v": SHAPE})
     assert sorted((p["kind"], p.get("c"), p["measured"]) for p in kept) == [
         ("decode", None, 1), ("prefill", 128, 9), ("prefill", 256, 3)]
 
@@ -109,11 +114,11 @@ def test_replay_reproduces_a_recorded_h200_run_before_predicting_it_again():
     """The calibrated H200 run recorded its coefficients: its step plans rebuilt from the JSON (chunks
     read as views, decodes paged) give exactly the predictions it recorded; without views they do not."""
     path = str(Path(__file__).resolve().parents[2] / "scripts/data/h200_s5_prefill_calibrated.json")
-    out = grid.replay_prefill(path, "cuda", views=True)
+    out = replay.replay_prefill(path, "cuda", views=True)
     assert out["recorded_predictions_reproduced"] is True and out["paged_decodes"] is True
     assert out["underpredicted_steps"] == 0 and out["min_step_ratio"] >= 1.0
     with pytest.raises(ValueError, match="do not reproduce"):
-        grid.replay_prefill(path, "cuda", views=False)
+        replay.replay_prefill(path, "cuda", views=False)
 
 
 def test_replay_with_given_coefficients_predicts_with_them():
@@ -122,9 +127,9 @@ def test_replay_with_given_coefficients_predicts_with_them():
     path = Path(__file__).resolve().parents[2] / "scripts/data/h200_s5_prefill_calibrated.json"
     data = json.loads(path.read_text())
     coefficients = data["ways"]["engine"]["config"]["memory_coefficients"]
-    out = grid.replay_prefill(str(path), "cuda", views=True, coefficients=coefficients)
+    out = replay.replay_prefill(str(path), "cuda", views=True, coefficients=coefficients)
     assert [s["predicted"] for s in out["steps"]] == [s["predicted"] for s in data["ways"]["engine"]["steps"]]
-    shipped = grid.replay_prefill(str(path), "cuda", views=True)
+    shipped = replay.replay_prefill(str(path), "cuda", views=True)
     assert shipped["max_predicted_bytes"] != out["max_predicted_bytes"]
 
 
@@ -138,12 +143,12 @@ def test_replayed_h200_prefill_runs_of_qwen3_and_llama_are_predicted_within_1_2x
     runs = [f"{data}/h200_i21_prefill_families.json:qwen3-8b", f"{data}/h200_s10_a10_prefill.json",
             f"{data}/h200_s10_b10_prefill.json", f"{data}/h200_s7_prefill_repeat3.json"]
     for run in runs:
-        out = grid.replay_prefill(run, "cuda", views=True)
+        out = replay.replay_prefill(run, "cuda", views=True)
         assert out["underpredicted_steps"] == 0 and out["min_step_ratio"] >= 1.0, run
         assert run == runs[-1] or out["max_uncarried_step_ratio"] <= 1.2, run
-    assert [s["carried"] for s in grid.replay_prefill(runs[0], "cuda", views=True)["steps"]] == [False] * 10 + [True]
+    assert [s["carried"] for s in replay.replay_prefill(runs[0], "cuda", views=True)["steps"]] == [False] * 10 + [True]
     fit = json.loads(Path(f"{data}/h200_s7_fit_llama8b.json").read_text().strip().splitlines()[-1])["coefficients"]
-    scaled = grid.fit_scale(runs[:1], "cuda", True, fit, ["prefill_mlp", "prefill_hidden"], 1.13)
+    scaled = replay.fit_scale(runs[:1], "cuda", True, fit, ["prefill_mlp", "prefill_hidden"], 1.13)
     from engine.core.memory.coefficients import QWEN3_8B_BF16, SHAPE_CALIBRATIONS
 
     shipped = SHAPE_CALIBRATIONS[("cuda-ops8", QWEN3_8B_BF16)][1]
@@ -159,10 +164,10 @@ def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():
     from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
 
     data = Path(__file__).resolve().parents[2] / "scripts/data"
-    deep = grid.mixed_check(str(data / "h200_s7_grid_mixed.json"), CUDA_OPS8_COEFFICIENTS)
+    deep = checks.mixed_check(str(data / "h200_s7_grid_mixed.json"), CUDA_OPS8_COEFFICIENTS)
     assert deep["llama-8b"]["underpredicted"] == 0 and deep["llama-8b"]["num_points"] == 54
     assert all(isinstance(deep[v], str) for v in ("8b-2layers", "d2048-h16-i8192-v32k", "d4096-h64-i4096"))
-    eight = grid.mixed_check(str(data / "h200_s7_grid_mixed_8layers.json"), CUDA_OPS8_COEFFICIENTS)
+    eight = checks.mixed_check(str(data / "h200_s7_grid_mixed_8layers.json"), CUDA_OPS8_COEFFICIENTS)
     assert eight["llama-8b"]["underpredicted"] == 0 and eight["llama-8b"]["min"] >= 1.0
 
 

@@ -1,0 +1,82 @@
+"""Checks of recorded grids against the formulas (`check_steps`: the engine's own steps as recorded;
+`mixed_check`: mixed forwards with a set), and `merge_grids` (--merge)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .fit import ratio_stats
+from .predict import mixed_predictions, model_shape
+from .shapes import decode_terms
+
+
+def check_steps(path: str, slack_bytes: int = 0) -> dict:
+    """Predicted / measured of a grid's engine steps (--grids steps) per variant, as recorded: min,
+    median, max, and the steps above 1.2 x measured + `slack_bytes`."""
+    data = json.loads(Path(path).read_text())
+    pts = [p for p in data["points"] if p["kind"] == "step" and p["measured"] > 0]
+    out = {}
+    for v in sorted({p["variant"] for p in pts}):
+        sel = [p for p in pts if p["variant"] == v]
+        out[v] = dict(ratio_stats([p["predicted"] for p in sel], [p["measured"] for p in sel]),
+                      underpredicted=sum(p["predicted"] < p["measured"] for p in sel),
+                      above_1_2x_plus_slack=sum(p["predicted"] > 1.2 * p["measured"] + slack_bytes for p in sel),
+                      smallest_measured_bytes=min(p["measured"] for p in sel))
+    return out
+
+
+def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth: bool = False) -> dict:
+    """Predicted / measured of a grid's mixed points (--grids mixed) by variant, with `coefficients`, or
+    (None) what the engine would use for each variant's shape on `backend` under ops 8. `every_depth`:
+    also models the engine runs apart (`mixed_min_layers` 0), to see the formula on them."""
+    from engine.core.memory.coefficients import coefficients_for
+
+    data = json.loads(Path(path).read_text())
+    pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
+    out: dict = {}
+    for v in sorted({p["variant"] for p in pts}):
+        idx = [i for i, p in enumerate(pts) if p["variant"] == v]
+        coef = coefficients
+        if coef is None:
+            coef = coefficients_for(backend, 8, model_shape(data["shapes"][v]))[0]
+        if every_depth:
+            coef = dataclasses.replace(coef, mixed_min_layers=0)
+        pred = {i: q for i, q in zip(idx, mixed_predictions([pts[i] for i in idx], data["shapes"], coef))}
+        if pred[idx[0]] is None:
+            out[v] = "runs apart (no deeper than mixed_min_layers)"
+            continue
+        out[v] = dict(ratio_stats([pred[i] for i in idx], [pts[i]["measured"] for i in idx]),
+                      underpredicted=sum(pred[i] < pts[i]["measured"] for i in idx))
+    return out
+
+
+def merge_grids(prefill_path: str, decode_path: str) -> dict:
+    """One grid of the prefill points of both grids and the decode points of `decode_path` (same
+    variants), e.g. to refit after a change of the decode kernel alone (a second machine's prefill
+    points widen the fit's envelope). The decode points' terms are recomputed from their shapes with
+    this script's formulas: `decode_path` must have been measured with the current kernel."""
+    pre, dec = (json.loads(Path(f).read_text()) for f in (prefill_path, decode_path))
+    missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
+    if missing:
+        raise ValueError(f"variants {sorted(missing)} of {decode_path} are not in {prefill_path}")
+    points = [p for p in pre["points"] + dec["points"] if p["kind"] == "prefill"]
+    for p in dec["points"]:
+        if p["kind"] == "decode":
+            terms = decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))
+            points.append({**p, "terms": terms})
+    return dict(bench="memory_grid_merged", prefill_from=prefill_path, decode_from=decode_path,
+                model=pre.get("model"), dtype=pre.get("dtype"), environment=dec["environment"],
+                shapes=pre["shapes"], points=points)
+
+
+def mixed_checks(paths: list[str], backend: str) -> dict:
+    """--check-mixed: each grid's mixed points with the engine's sets for `backend` (under ops 8), with the
+    backend's set alone, and with the engine's sets where models of every depth mix."""
+    from engine.core.memory import coefficients as coefs
+
+    return {f: {"engine's sets": mixed_check(f, None, backend),
+                "backend set (no shape calibration)": mixed_check(f, coefs.coefficients_for_backend(backend, 8)),
+                "engine's sets, models of every depth mixing": mixed_check(f, None, backend, every_depth=True)}
+            for f in paths}

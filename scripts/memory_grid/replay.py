@@ -1,0 +1,189 @@
+"""Replay mode (--replay-prefill): the engine steps of bench_prefill_memory.py runs, their plans rebuilt
+from the JSON and predicted again with a backend's coefficients (`replay_prefill`), and the one-factor
+calibration of some coefficients on such runs (`fit_scale`, --fit-scale)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+from bench_common import DTYPES
+
+from .fit import base_coefficients, ceil_sig
+from .shapes import REPLAYED_LOOP_FAMILIES
+
+
+def prefill_bench_plans(data: dict, views: bool = False) -> list:
+    """StepPlans of the engine way of a bench_prefill_memory.py JSON, rebuilt from what each step
+    recorded (chunks as (tokens, context end), number of decoding rows) and the prompt lengths: a chunk
+    computes logits when it ends a prompt; a prompt of P tokens whose last chunk ran j steps ago decodes
+    with P + j keys; rows are greedy (the bench's SamplingParams); `views`: every chunk read its row as a
+    view of the pool (the JSON does not record it). Checked by recomputing the recorded predictions
+    (`replay_prefill`)."""
+    from engine.core.memory.model import PrefillChunkPlan, StepPlan
+
+    lengths = sorted(data["lengths"])
+    finished: dict = {}  # prompt length -> step index of its last chunk
+    plans = []
+    for i, st in enumerate(data["ways"]["engine"]["steps"]):
+        ends = [end for _, end in st["chunks"]]
+        pending = [n for n in lengths if n not in finished]
+        chunks = tuple(PrefillChunkPlan(c, end, computes_logits=end in pending, gathers=not views)
+                       for c, end in st["chunks"])
+        decoding = sorted(finished.items())
+        if len(decoding) != st["decodes"]:
+            raise ValueError(f"step {i}: {st['decodes']} decoding rows recorded, {len(decoding)} rebuilt")
+        plans.append(StepPlan(decode_context_lens=tuple(n + (i - k) for n, k in decoding), prefill_chunks=chunks))
+        for n in pending:
+            if n in ends:
+                finished[n] = i
+    return plans
+
+
+def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coefficients: Optional[dict] = None) -> dict:
+    """Predicted / measured transient of every engine step of a prefill benchmark JSON, with the
+    recorded plans and `backend`'s coefficients (pure arithmetic on engine/core/memory/model.py). Decodes are
+    paged when the run's engine asked for it on a GPU. The rebuilt plans are checked first: they must
+    give the predictions the run recorded, with the coefficients it ran with. Those are known for a run on
+    the CPU (the CPU set) and for one with `memory_coefficients` in its config (complete sets, as the fit
+    prints them), or the CPU set for GPU runs from before the CUDA sets; for other runs
+    `recorded_predictions_reproduced` is None."""
+    from engine.core.memory import coefficients as coefs, model as mem
+
+    path, _, key = path.partition(":")  # FILE:KEY: the run under KEY of a file of several
+    data = json.loads(Path(path).read_text())
+    data = data[key] if key else data
+    shape, loops = replayed_shape(data)
+    engine = data["ways"]["engine"]
+    steps, config = engine["steps"], engine.get("config", {})
+    on_gpu = "gpu" in str(data["environment"].get("device", ""))
+    # recorded before EngineConfig.execution: a top-level field
+    paged = bool(config.get("execution", {}).get("paged_attention", config.get("paged_attention"))) and on_gpu \
+        and loops  # only the engine's loops read the pool in place
+    plans = prefill_bench_plans(data, views)
+    mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
+    carried = deferred_steps(data, plans)
+    reproduced = reproduce_recorded(shape, plans, mixed, carried, [st["predicted"] for st in steps],
+                                    config, paged, on_gpu)
+    # the engine's set for the shape (a shape calibration where one ships), or `coefficients` (complete
+    # but for a family's `family_rows` in older fits: the backend's)
+    family = dict(family_rows=coefs.coefficients_for_backend(backend, 8).family_rows)
+    coef = (coefs.with_overrides(base_coefficients(), {**family, **coefficients}) if coefficients
+            else coefs.coefficients_for(backend, 8, shape)[0])
+    # the recorded runs' engines read a viewed chunk's last query without a copy
+    model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=False)
+    own = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
+    pred, carried = _carry(own, carried), _carried_above(own, carried)
+    meas = [st["measured"] for st in steps]
+    peak = max(range(len(steps)), key=lambda i: meas[i])
+    ratios = [p / m for p, m in zip(pred, meas)]
+    own = [r for r, c in zip(ratios, carried) if not c]  # a carried step may have measured a tail alone
+    return dict(file=path, backend=backend, mlx_env=data["environment"].get("mlx_env"), views=views,
+                paged_decodes=paged, recorded_predictions_reproduced=reproduced, coefficients=coef,
+                steps=[dict(predicted=p, measured=m, ratio=round(r, 3), carried=c)
+                       for p, m, r, c in zip(pred, meas, ratios, carried)],
+                min_uncarried_step_ratio=round(min(own), 3), max_uncarried_step_ratio=round(max(own), 3),
+                peak_step=peak, ratio_at_peak_step=round(ratios[peak], 3),
+                max_predicted_over_max_measured=round(max(pred) / max(meas), 3),
+                min_step_ratio=round(min(ratios), 3), max_step_ratio=round(max(ratios), 3),
+                underpredicted_steps=sum(r < 1 for r in ratios),
+                max_predicted_bytes=max(pred), max_measured_bytes=max(meas))
+
+
+def replayed_shape(data: dict) -> tuple:
+    """(the ModelShape of a recorded run's model, whether its engine ran it through its layer loops)."""
+    from bench_common import RANDOM_SHAPES
+
+    from engine.core.memory import model as mem
+
+    if data["model"] not in RANDOM_SHAPES:  # the JSON records the model's name, not its shape
+        raise ValueError(f"model {data['model']!r}: only the random shapes' are known here ({sorted(RANDOM_SHAPES)})")
+    config = RANDOM_SHAPES[data["model"]]
+    loops = config.get("model_type", "llama") in REPLAYED_LOOP_FAMILIES and not config.get("quantization")
+    return mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size, module_forwards=not loops), loops
+
+
+def reproduce_recorded(shape, plans: list, mixed: list[bool], carried: list[bool], wanted: list[int], config: dict,
+                       paged: bool, on_gpu: bool) -> Optional[bool]:
+    """Whether the rebuilt plans give the predictions the run recorded (`wanted`) with the coefficients it
+    ran with (`replay_prefill`): True, or None where those are not known; a ValueError where they are
+    and the plans do not give them."""
+    from engine.core.memory import coefficients as coefs, model as mem
+
+    recorded = None
+    if not on_gpu:
+        recorded = coefs.coefficients_for_backend("cpu")
+    elif config.get("memory_coefficients"):
+        recorded = coefs.with_overrides(base_coefficients(), config["memory_coefficients"])
+    if recorded is not None:
+        check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged, copies_viewed_kv=False)
+        again = _carry([check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)], carried)
+        if again != wanted:  # the rebuilt plans are the engine's
+            raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")
+        return True
+    # GPU runs of engines that predicted with the CPU set (before the CUDA sets existed)
+    cpu = mem.MemoryModel(shape, coefficients=coefs.coefficients_for_backend("cpu"), copies_viewed_kv=False)
+    if _carry([cpu.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)], carried) == wanted:
+        return True
+    return None
+
+
+def replay_runs(paths: list[str], backend: str, views: bool, coefficients: Optional[dict]) -> list[dict]:
+    """`replay_prefill` of each run, without the coefficients it predicted with (--replay-prefill)."""
+    result = [replay_prefill(f, backend, views, coefficients) for f in paths]
+    for run in result:
+        run.pop("coefficients")
+    return result
+
+
+def fit_scale(paths: list[str], backend: str, views: bool, coefficients: Optional[dict], terms: list[str],
+              margin: float) -> dict:
+    """One factor for the coefficients `terms` of the replay's set (`replay_prefill`: the engine's for
+    the shape, or `coefficients` over the backend's) such that the tightest step of the recorded runs
+    (a carried one aside) is predicted at `margin` x its measure, from above: a calibration of a model
+    whose runs measured one kind of step (e.g. one chunk size), the other terms kept. Prints the set."""
+    first = replay_prefill(paths[0], backend, views, coefficients)["coefficients"]
+    fixed = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)
+             if isinstance(getattr(first, f.name), (int, float)) and not isinstance(getattr(first, f.name), bool)
+             and f.name != "mixed_min_layers"}
+
+    def tightest(factor: float) -> float:
+        over = {**fixed, **{t: fixed[t] * factor for t in terms}}
+        return min(replay_prefill(f, backend, views, over)["min_uncarried_step_ratio"] for f in paths)
+
+    low, high = 0.0, 4.0
+    for _ in range(40):  # the tightest ratio grows with the factor
+        mid = (low + high) / 2
+        low, high = (mid, high) if tightest(mid) < margin else (low, mid)
+    scaled = {**fixed, **{t: ceil_sig(fixed[t] * high) for t in terms}}
+    runs = [replay_prefill(f, backend, views, scaled) for f in paths]
+    for run in runs:
+        run.pop("coefficients")
+    return dict(terms=terms, margin=margin, factor=round(high, 4), coefficients=scaled, runs=runs)
+
+
+def deferred_steps(data: dict, plans: list) -> list[bool]:
+    """Per step of a prefill benchmark's engine run: whether its record also holds the previous step's
+    last forward, left running into it (StepExecutor's overlapped steps: a last prompt chunk that samples
+    nothing; the record then carries that forward's prediction and measure). Known from the run's config
+    or from a record whose prediction is above its plan's."""
+    engine = data["ways"]["engine"]
+    config = engine.get("config", {})
+    overlap = config.get("overlap_steps", config.get("execution", {}).get("overlap_steps")) or any(
+        st.get("plan_predicted") is not None and st["predicted"] > st["plan_predicted"] for st in engine["steps"])
+    ends = [bool(pl.prefill_chunks) and not pl.prefill_chunks[-1].computes_logits for pl in plans]
+    return [bool(overlap) and i > 0 and ends[i - 1] for i in range(len(plans))]
+
+
+def _carry(predictions: list[int], carried: list[bool]) -> list[int]:
+    """Each step's prediction as its record holds it: with the previous step's where that step's last
+    forward ran into it (`deferred_steps`; the executor records the larger)."""
+    return [max(p, predictions[i - 1]) if c else p for i, (p, c) in enumerate(zip(predictions, carried))]
+
+
+def _carried_above(predictions: list[int], carried: list[bool]) -> list[bool]:
+    """The steps whose recorded prediction is the previous step's deferred chunk's, above their own: their
+    measure may be that chunk's tail alone, so their ratio says nothing of the formula's tightness."""
+    return [c and predictions[i - 1] > p for i, (p, c) in enumerate(zip(predictions, carried))]
