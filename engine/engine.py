@@ -252,7 +252,7 @@ class Engine:
         """One step: schedule, run the forwards, read back their tokens; returns its record, whose
         `outputs` are the requests' increments.
 
-        Forwards that write the KV pool never overlap on the device (runner.finish says why). Decode-
+        Forwards that write the KV pool never overlap on the device (engine/model/work.py finish says why). Decode-
         only steps are pipelined on the host (`StepOptions.async_decode`), like mlx-lm's
         BatchGenerator but without overlapping two forwards: while decode k runs, the engine builds
         decode k+1's graph (fed with k's tokens as a lazy array); once k is done it launches k+1

@@ -1,7 +1,7 @@
 """StepExecutor: runs a plan's forwards on the device, one at a time, each built while the previous one
 runs; the pipelined decode; the measured transient of every step.
 
-Forwards that write the KV pool never overlap on the device (runner.finish says why), so a step's
+Forwards that write the KV pool never overlap on the device (engine/model/work.py finish says why), so a step's
 transient is its largest forward's, which the memory model predicts (docs/memory.md). The executor
 owns the state that spans steps: the decode in flight, the prompt chunk left running (`_Deferred`), the
 measured tail that goes into the next record, and the largest predicted / measured transients.
@@ -221,7 +221,7 @@ class StepExecutor:
         return builds
 
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory):
-        """Run the plan's forwards one at a time on the device (runner.finish), each built while the
+        """Run the plan's forwards one at a time on the device (work.finish), each built while the
         previous one runs; the first while the previous step's last forward may still run (`_Deferred`).
         A prompt chunk whose graph cannot be built touches its own row only: its request goes into
         `failed`. The step's transient is MLX's peak over what was alive before its first launch, less

@@ -149,20 +149,20 @@ def test_engine_output_is_exact_with_contiguous_and_fragmented_rows(make_engine,
 @pytest.mark.parametrize("async_decode", [False, True])
 def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_decode):
     """Every forward writes the KV pool in place; on MLX's GPU backends a forward launched while the
-    previous one still runs would copy whole pool arrays (runner.finish). So no forward is launched
+    previous one still runs would copy whole pool arrays (work.finish). So no forward is launched
     before the previous one is finished, in steps mixing decode and prompt chunks and in pipelined
     decode alike, and every launched forward is finished."""
     import engine.executor
-    import engine.model.runner
+    import engine.model.work
 
     state = {"in_flight": False, "launches": 0}
-    real_finish = engine.model.runner.finish
+    real_finish = engine.model.work.finish
 
     def finish(*arrays):
         real_finish(*arrays)
         state["in_flight"] = False
 
-    monkeypatch.setattr(engine.model.runner, "finish", finish)  # Forward.finish
+    monkeypatch.setattr(engine.model.work, "finish", finish)  # Forward.finish
     monkeypatch.setattr(engine.executor, "finish", finish)  # the pipelined decode's wait
     eng = make_engine(max_num_seqs=4, prefill_chunk_size=8, max_num_batched_tokens=24,
                       async_decode=async_decode)

@@ -376,7 +376,7 @@ class MemoryModel:
 
         Both formulas grow with every argument; a chunk attends to at most max_model_len keys and a
         decode step has at most max_num_seqs rows of at most max_model_len keys each. Forwards never
-        overlap on the device (runner.finish), pipelined decode included; a step mixes its decode rows
+        overlap on the device (engine/model/work.py finish), pipelined decode included; a step mixes its decode rows
         into a chunk's forward only within this bound (Scheduler.schedule).
         """
         chunk = min(prefill_chunk_size, max_model_len)
