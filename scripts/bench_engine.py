@@ -7,6 +7,7 @@ Not part of the engine: the benchmarks import the engine like any user would.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -45,6 +46,19 @@ def engine_memory_limit(lm: LoadedModel, lengths: list[int], max_tokens: int, co
 ENGINE_OVERRIDES: dict = {}  # --engine-config
 
 
+# Set (to 1) for the runs that validate, on a GPU, the layer loops of the families not yet validated
+# there (engine/model/families.py GPU_LOOP_FAMILIES): RunnerOptions.gpu_unvalidated_loops
+GPU_UNVALIDATED_LOOPS_ENV = "MLX_SERVE_GPU_UNVALIDATED_LOOPS"
+
+
+def runner_options(**fields):
+    """RunnerOptions with `fields`, and the not yet GPU-validated families' loops where the environment
+    asks for them (GPU_UNVALIDATED_LOOPS_ENV)."""
+    from engine.model.runner import RunnerOptions
+
+    return RunnerOptions(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1", **fields)
+
+
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
                 layer_loops: bool = True, async_decode: bool = True, overlap_steps: Optional[bool] = None,
                 read_slices: bool = True, mixed_batches: bool = True, mix_beyond_bound: bool = False,
@@ -56,7 +70,6 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
     from engine.config import EngineConfig
     from engine.core.types import StepOptions
     from engine.engine import Engine
-    from engine.model.runner import RunnerOptions
 
     fields = dict(model=lm.name, dtype=lm.dtype, max_model_len=max_model_len_for(lm, max(lengths) + max_tokens),
                   **ENGINE_OVERRIDES)
@@ -65,8 +78,8 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
     fields.update(overrides)
     limit = engine_memory_limit(lm, lengths, max_tokens, EngineConfig(**fields))
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(memory_limit_bytes=limit, **fields), lm.config,
-                    runner_options=RunnerOptions(layer_loops=layer_loops, read_slices=read_slices,
-                                                 mixed_batches=mixed_batches),
+                    runner_options=runner_options(layer_loops=layer_loops, read_slices=read_slices,
+                                                  mixed_batches=mixed_batches),
                     step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps,
                                              mix_beyond_bound=mix_beyond_bound))
     return engine

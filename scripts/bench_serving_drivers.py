@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 from bench_common import MLX_LM_SERVER_DEFAULTS, MemoryWindow, memory_model_for, mlx_lm_generator, mlx_lm_step
-from bench_engine import admitting_limit_bytes, max_model_len_for, model_max_len
+from bench_engine import admitting_limit_bytes, max_model_len_for, model_max_len, runner_options
 from bench_serving_stats import RequestRecord, summarize
 
 
@@ -313,9 +313,7 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, gram
     from engine.config import EngineConfig
     from engine.core.types import StepOptions
     from engine.engine import Engine
-    from engine.model.runner import RunnerOptions
-
-    options = options or RunnerOptions()
+    options = options or runner_options()
     memory = memory_model_for(lm)
     need = max(len(p) for p in prompts) + args.output_tokens
     model_max = model_max_len(lm)
