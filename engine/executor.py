@@ -1,10 +1,10 @@
 """StepExecutor: runs a plan's forwards on the device, one at a time, each built while the previous one
 runs; the pipelined decode; the measured transient of every step.
 
-Forwards that write the KV pool never overlap on the device (engine/model/work.py finish says why), so a step's
-transient is its largest forward's, which the memory model predicts (docs/memory.md). The executor
-owns the state that spans steps: the decode in flight, the prompt chunk left running (`_Deferred`), the
-measured tail that goes into the next record, and the largest predicted / measured transients.
+Forwards that write the KV pool never overlap on the device (engine/model/work.py `finish`), so a step's
+transient is its largest forward's, which the memory model predicts (docs/memory.md). It owns what
+spans steps: the decode in flight, the prompt chunk left running (`_Deferred`), the measured tail that
+goes into the next record, the largest predicted / measured transients.
 """
 
 from __future__ import annotations
@@ -88,10 +88,7 @@ class StepExecutor:
         self._launch_base_bytes = 0  # MLX active memory when the in-flight decode was launched
         self._t0 = time.perf_counter()  # the step's start, for its forwards' timings
         self._timings: list[list] = []  # per forward: ForwardTiming's fields, seconds
-        self.num_steps = 0
-        self.max_predicted_bytes = 0
-        self.max_measured_bytes = 0
-        self.last_predicted_bytes = 0
+        self.num_steps = self.max_predicted_bytes = self.max_measured_bytes = self.last_predicted_bytes = 0
 
     @property
     def pipelining(self) -> bool:
