@@ -54,21 +54,17 @@ class ExecutionConfig(BaseModel):
         "Raise it only with coefficients fitted for it (memory_coefficients).",
     )
 
-    pad_last_chunk: Optional[bool] = Field(
-        None,
+    pad_last_chunk: bool = Field(
+        False,
         description="A prompt's last chunk computes up to the next multiple of 128 tokens (or of a smaller "
         "power of two where that would pass the chunk size, the step's budget or the free memory) past "
         "the prompt's end, so the (tokens, context) shapes of prompt chunks repeat: MLX's CUDA backend "
         "builds a cuDNN attention graph on the host for each new shape, several times a repeated "
         "chunk's cost. The pad's KV goes to the request's own slots past its prompt, which decode "
-        "overwrites; outputs are unchanged. None: off on every backend (on the CPU the pad is extra "
-        "compute with no graph to save; on CUDA its effect on a burst's wall time is not yet measured: "
-        "docs/benchmarks.md).",
+        "overwrites; outputs are unchanged. Off by default: on the CPU the pad is extra compute with no "
+        "graph to save, and on CUDA its effect on a burst's wall time is not yet measured "
+        "(docs/benchmarks.md).",
     )
-
-    def resolved_pad_last_chunk(self, backend: str) -> bool:
-        """Whether prompts' last chunks are padded on MLX backend `backend` ("cpu", "cuda", "metal")."""
-        return bool(self.pad_last_chunk)
 
     def resolved_max_ops_per_buffer(self, backend: str) -> Optional[int]:
         """The value for MLX backend `backend` ("cpu", "cuda", "metal"); None: MLX's default."""
@@ -190,13 +186,9 @@ class EngineConfig(BaseModel):
     def for_backend(self, backend: str) -> "EngineConfig":
         """This configuration with the values that depend on the device resolved for `backend` (a new
         object: the engine keeps it as its `config`, so every reader sees what the engine runs with)."""
-        update = {}
-        if self.max_num_batched_tokens is None:
-            update["max_num_batched_tokens"] = self.resolved_max_num_batched_tokens(backend)
-        if self.execution.pad_last_chunk is None:
-            update["execution"] = self.execution.model_copy(
-                update={"pad_last_chunk": self.execution.resolved_pad_last_chunk(backend)})
-        return self.model_copy(update=update) if update else self
+        if self.max_num_batched_tokens is not None:
+            return self
+        return self.model_copy(update={"max_num_batched_tokens": self.resolved_max_num_batched_tokens(backend)})
 
     @model_validator(mode="after")
     def _cross_field(self) -> "EngineConfig":

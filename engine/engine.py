@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.backend import backend_coefficients, device_memory_bytes, mlx_backend, resolve_dtype  # noqa: F401
+from engine import backend as device_backend  # one place to read (and, in tests, to stand in for) the backend
 from engine.config import EngineConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import with_overrides
@@ -54,7 +54,7 @@ class Engine:
         """`runner_options`: the runner's ways of building forwards; `step_options`: how steps run
         (tests and benchmarks compare them; the defaults are what measured best). `grammar_compiler`:
         one made for this tokenizer already (else made on the first constrained request: ~0.5 s)."""
-        backend = mlx_backend()
+        backend = device_backend.mlx_backend()
         # the device's defaults resolved (max_num_batched_tokens): what the scheduler, stats and callers read
         self.config = config = config.for_backend(backend)
         self.model = model
@@ -72,7 +72,7 @@ class Engine:
         model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (
-            int(config.memory_utilization * device_memory_bytes())
+            int(config.memory_utilization * device_backend.device_memory_bytes())
             if config.memory_limit_bytes == "auto" else config.memory_limit_bytes
         )
         max_memory, kv_budget = self._kv_budget(config, weights_bytes)
@@ -85,7 +85,7 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,
                             mix_beyond_bound=step_options.mix_beyond_bound, max_memory_bytes=max_memory,
-                            pad_last_chunk=config.execution.resolved_pad_last_chunk(backend)),
+                            pad_last_chunk=config.execution.pad_last_chunk),
             self.memory, self.kv, view_reads=self.runner.pool.read_slices)
         # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
         # next step: what measured best (StepOptions' defaults).
@@ -126,7 +126,7 @@ class Engine:
                                     num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                                     num_kv_layers=pool.num_layers - len(pool.ring_layers),
                                     layer_windows=layout.layer_windows if pool.window is not None else ())
-        coefficients, self.memory_coefficients_source = backend_coefficients(
+        coefficients, self.memory_coefficients_source = device_backend.backend_coefficients(
             shape, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
             max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend),
             prefill_chunk_size=config.prefill_chunk_size)
@@ -168,9 +168,9 @@ class Engine:
         from engine.model.loader import load_model, resolve_model_path
 
         # Before any GPU work: MLX reads it once per process, at its GPU backend's first commit.
-        export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(mlx_backend()))
-        export_cuda_cache_defaults(mlx_backend())
-        dtype = resolve_dtype(config.dtype)
+        export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(device_backend.mlx_backend()))
+        export_cuda_cache_defaults(device_backend.mlx_backend())
+        dtype = device_backend.resolve_dtype(config.dtype)
         path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))
         model, tokenizer = load_model(path)
         if config.dtype == "auto" and mx.default_device() == mx.cpu:

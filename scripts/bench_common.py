@@ -118,12 +118,6 @@ class LoadedModel:
     build_s: float
 
 
-def resolve_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
 def _random_weights(model: nn.Module, dtype: mx.Dtype, init: str, seed: int) -> None:
     """Replace the (still lazy, never evaluated) float32 init with small normals or zeros in `dtype`,
     evaluated a few tensors at a time so no float32 copy of the model ever exists."""
@@ -161,7 +155,7 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
     folder or cached Hugging Face repo id. `layers` truncates a random
     shape (the per-layer transient does not depend on the number of layers)."""
     from engine.config import MAX_OPS_ENV, ExecutionConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
-    from engine.engine import mlx_backend
+    from engine.backend import mlx_backend, resolve_dtype
 
     # Benchmarks build engines around this model, not with Engine.from_config: the engine's default
     # batching (what its memory model assumes) is set here, before any GPU work. An explicit
@@ -288,7 +282,7 @@ def memory_model_for(loaded: LoadedModel, overrides: Optional[dict] = None, cpu_
     """The engine's memory model for this model on this MLX backend (as Engine builds it);
     `overrides`: EngineConfig.memory_coefficients; `cpu_math`: False for forwards through mlx-lm's
     modules (MLX's attention: the set the CPU engine uses with RunnerOptions.cpu_math off)."""
-    from engine.engine import backend_coefficients
+    from engine.backend import backend_coefficients
     from engine.core.memory.model import MemoryModel, ModelShape
     from engine.core.memory.coefficients import with_overrides
 

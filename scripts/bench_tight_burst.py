@@ -196,7 +196,7 @@ def parse_args(argv=None):
                    help="the engine's max_model_len (default: the model's); prompts are clipped to fit it")
     p.add_argument("--engine-config", default=None, help="JSON of further EngineConfig fields")
     p.add_argument("--pad-last-chunk", default="auto", choices=["auto", "on", "off"],
-                   help="ExecutionConfig.pad_last_chunk (auto: the engine's choice for the backend)")
+                   help="ExecutionConfig.pad_last_chunk (auto: the engine's default)")
     p.add_argument("--budgets", default="",
                    help="max_num_batched_tokens values to run each headroom with (comma-separated; default: "
                         "the engine's)")

@@ -8,7 +8,6 @@ through mlx-lm's modules gather, and the memory model predicts the gather for th
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -213,10 +212,8 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     paged decodes (the ops-8 CUDA set is fitted on them), the forwards' bound is smaller than with
     gathering decodes and the KV budget no smaller; decode is still mlx-lm's greedy."""
     import engine.backend as backend_module
-    import engine.engine as engine_module
     import engine.model.runner as runner_module
 
-    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
     monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
     monkeypatch.setattr(runner_module, "CudaPagedAttention", ReferenceAttention)
     monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
@@ -245,9 +242,7 @@ def test_the_coefficient_set_follows_max_ops_per_buffer_not_the_environment(make
     """On CUDA (the CPU standing in) the memory model's set follows execution.max_ops_per_buffer: the
     ops-8 set by default, the default-MLX set for larger batches, whatever the environment holds."""
     import engine.backend as backend_module
-    import engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "mlx_backend", lambda: "cuda")
     monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")
     monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "64")
     assert make_engine().memory_coefficients_source == "cuda-ops8 set"
