@@ -24,7 +24,8 @@ import mlx.nn as nn
 from engine.model.layers.bound import BoundModel, language_model
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
-from engine.model.layers.decode_path import DecodePath, ReferenceOps
+from engine.model.layers.decode_path import DecodePath
+from engine.model.layers.ops import ReferenceOps
 from engine.model.layers.decode_path import unsupported as decode_unsupported
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections

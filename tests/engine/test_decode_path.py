@@ -10,7 +10,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine.model.layers.decode_path import CompiledLayers, DecodePath, ReferenceOps, unsupported
+from engine.model.layers.decode_path import DecodePath, unsupported
+from engine.model.layers.ops import ReferenceOps
 from engine.model.kernels.paged_attention import ReferenceAttention
 from engine.core.types import SamplingParams
 

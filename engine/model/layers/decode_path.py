@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.model.layers import block, bound
-from engine.model.layers.ops import ReferenceOps, RopeSpec  # noqa: F401 - the loops' ops, imported from here too
+from engine.model.layers.ops import ReferenceOps, RopeSpec
 
 logger = logging.getLogger(__name__)
 
