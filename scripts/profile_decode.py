@@ -27,14 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import emit, environment, load_bench_model, random_prompts  # noqa: E402
+from bench_serving_stats import percentile  # noqa: E402
 
 
 def _ms(values: list[float]) -> dict:
+    """Median, 10th and 90th percentiles in ms (none for no values)."""
     if not values:
         return {}
-    values = sorted(values)
-    return dict(median=round(1000 * statistics.median(values), 3), p10=round(1000 * values[len(values) // 10], 3),
-                p90=round(1000 * values[(9 * len(values)) // 10], 3))
+    return {name: round(1000 * percentile(values, q), 3) for name, q in (("median", 0.5), ("p10", 0.1), ("p90", 0.9))}
 
 
 def _anatomy(records: list) -> dict:
@@ -140,6 +140,21 @@ def summarise_ncu(path: str) -> dict:
                 top_kernels=[dict(name=n, count=c, ms=round(t / 1e6, 4)) for n, (c, t) in top])
 
 
+def decode_floors(config: dict, dtype_bytes: int, rows: int, context: int, bandwidth_tbs: float) -> dict:
+    """The bytes a decode of `rows` rows with `context` keys each must read (every layer's projections
+    and the LM head once, every row's KV once) and that read's time at `bandwidth_tbs`."""
+    from bench_common import matmul_params
+
+    h = config["num_attention_heads"]
+    kv_per_token = (2 * config["num_hidden_layers"] * (config.get("num_key_value_heads") or h)
+                    * (config.get("head_dim") or config["hidden_size"] // h) * dtype_bytes)
+    weights = (matmul_params(config) + config["vocab_size"] * config["hidden_size"]) * dtype_bytes
+    kv = rows * context * kv_per_token
+    ms = lambda n: round(1e3 * n / (bandwidth_tbs * 1e12), 3)  # noqa: E731
+    return dict(rows=rows, context=context, bandwidth_tbs=bandwidth_tbs, weights_bytes=weights, kv_bytes=kv,
+                weights_ms=ms(weights), kv_ms=ms(kv), floor_ms=ms(weights + kv))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-8b")
@@ -152,11 +167,20 @@ def main(argv=None) -> dict:
                    "cuProfilerStart/Stop, for ncu --profile-from-start off")
     p.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
     p.add_argument("--ncu-csv", help="only summarise this ncu CSV log")
+    p.add_argument("--floors", help="only the bytes-read floor of a decode of ROWS:CONTEXT (--model a random shape)")
+    p.add_argument("--bandwidth-tbs", type=float, default=4.3, help="--floors: the device's copy rate, TB/s")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.ncu_csv:
-        result = summarise_ncu(args.ncu_csv)
+    if args.ncu_csv or args.floors:
+        if args.ncu_csv:
+            result = summarise_ncu(args.ncu_csv)
+        else:
+            from bench_common import RANDOM_SHAPES
+
+            rows, context = (int(x) for x in args.floors.split(":"))
+            result = decode_floors(RANDOM_SHAPES[args.model], 2 if args.dtype in ("bfloat16", "float16") else 4,
+                                   rows, context, args.bandwidth_tbs)
         emit(result, args.json, args.out)
         return result
     import json

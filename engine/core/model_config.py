@@ -112,10 +112,6 @@ class ConfigShape:
     loop_mlp_arrays: int = 3
     qk_norms: bool = False  # the attention normalizes each query and key head (Qwen3, Gemma 3)
 
-    @property
-    def extra_hidden_rows(self) -> float:
-        return self.extra_attention_rows + self.extra_mlp_rows + self.fused_qkv_rows
-
     @classmethod
     def from_config(cls, config: dict) -> "ConfigShape":
         name = config.get("model_type") or "llama"  # test configs without model_type are llamas
