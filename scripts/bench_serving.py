@@ -61,6 +61,8 @@ def engine_only(args) -> dict:
     result["comparison"] = compare(result["runs"], args.concurrency, "engine", "mlx_lm")
     result["comparisons"] = {b: compare(result["runs"], args.concurrency, b, "mlx_lm")
                              for b in backends if b != "mlx_lm"}
+    if "mlx_lm_wide" in backends:
+        result["comparison_wide"] = compare(result["runs"], args.concurrency, "engine", "mlx_lm_wide")
     return result
 
 
@@ -120,7 +122,8 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    "engine_sync_modules (forwards through mlx-lm's modules, layer_loops=false), "
                    "engine_sync_uncompiled and engine_uncompiled (the decode loop's layers built in Python, "
                    "compiled_decode=false), engine_sync_thread (engine_sync in a "
-                   "thread of its own), mlx_lm")
+                   "thread of its own), mlx_lm, mlx_lm_wide (mlx_lm with its completion batch raised to the "
+                   "concurrency)")
 
 
 def add_load_arguments(p: argparse.ArgumentParser) -> None:

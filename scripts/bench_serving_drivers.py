@@ -335,6 +335,9 @@ def backend_runners() -> dict:
     from engine.model.runner import RunnerOptions
 
     return {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
+            "mlx_lm_wide": (lambda lm, prompts, arrivals, args: run_mlx_lm(lm, prompts, arrivals, args, dict(
+                MLX_LM_SERVER_DEFAULTS, completion_batch_size=max(args.concurrency_now,
+                                                                  MLX_LM_SERVER_DEFAULTS["completion_batch_size"])))),
             "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
             "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, execution={"paged_attention": False})),
             "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
