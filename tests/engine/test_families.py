@@ -326,7 +326,7 @@ def test_families_whose_loops_no_gpu_ran_take_mlx_lms_modules_on_a_gpu(checkpoin
     from engine.model.runner import RunnerOptions
 
     config = EngineConfig(model="x", prefill_chunk_size=16, memory_limit_bytes=2 << 30)
-    for family, loops_on_gpu in (("gemma3_text", False), ("qwen3_moe", False), ("qwen3", True)):
+    for family, loops_on_gpu in (("gemma", False), ("gemma3_text", True), ("qwen3", True)):
         model, _ = load_model(checkpoints(family))
         for backend, loops in (("cpu", True), ("metal", loops_on_gpu)):
             runner = Engine._build_runner(model, config, RunnerOptions(), backend)
