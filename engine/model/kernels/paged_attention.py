@@ -235,13 +235,17 @@ class CudaPagedAttention(PagedAttention):
     """The two CUDA kernels (module docstring)."""
 
     def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS,
-                 spans: bool = True, keys_per_span: Optional[int] = None):
+                 spans: bool = True, keys_per_span: Optional[int] = None, span_loads: int = 0,
+                 span_threads: int = 0, tiled: bool = False):
         """`keys_per_partial` and `threads`: the short-span kernel's; `spans`: where the head size allows,
         the long-span kernel (engine/model/kernels/split_attention.py) with as many keys per span as
         still fill the device (fewer partials than the memory model's PAGED_PARTIAL_KEYS spans count);
-        `keys_per_span` fixes that length (timing variants, scripts/bench_decode_attention.py)."""
+        `keys_per_span`, `span_loads`, `span_threads` fix its span, loads in flight and threads (timing
+        variants, scripts/bench_decode_attention.py; 0 or None: split_attention's)."""
         super().__init__(num_kv_heads, block_size)
-        self.spans, self.keys_per_span = spans, keys_per_span
+        self.spans, self.keys_per_span, self.tiled = spans, keys_per_span, tiled
+        self.span_loads = span_loads or split_attention.SPAN_LOADS
+        self.span_threads = span_threads or split_attention.SPAN_THREADS
         if block_size % keys_per_partial or keys_per_partial % (threads // 32):
             raise ValueError(f"keys_per_partial={keys_per_partial} must divide block_size={block_size} "
                              f"and be a multiple of threads / 32 = {threads // 32}")
@@ -254,6 +258,10 @@ class CudaPagedAttention(PagedAttention):
         self._span_partial = mx.fast.cuda_kernel(
             name="pool_attention_span", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
             output_names=["part", "stats"], source=split_attention.SPAN_PARTIAL, header=_HEADER)
+        self._tiled_partial = mx.fast.cuda_kernel(
+            name="pool_attention_tiled", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            output_names=["part", "stats"], source=split_attention.TILED_PARTIAL,
+            header=_HEADER + split_attention.TILED_HEADER)
         self._combine = mx.fast.cuda_kernel(
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
@@ -268,15 +276,16 @@ class CudaPagedAttention(PagedAttention):
             self._scales[scale] = mx.array([scale], mx.float32)
         B, hq, _, d = queries.shape
         hkv, nrep, span = self.num_kv_heads, hq // self.num_kv_heads, self.spans and split_attention.supports(d)
+        tiled = span and self.tiled and split_attention.tiled_supports(d, queries.dtype.size)
         if span:
-            threads, kernel = split_attention.SPAN_THREADS, self._span_partial
+            threads, kernel = self.span_threads, self._tiled_partial if tiled else self._span_partial
             ch = self.keys_per_span or split_attention.span_keys(B, hkv, table.shape[1] * self.block_size)
             np_ = -(-table.shape[1] * self.block_size // ch)
         else:
             ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
             np_ = table.shape[1] * (self.block_size // ch)
         template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
-                    ("CH", ch), ("THREADS", threads)]
+                    ("CH", ch), ("THREADS", threads)] + ([("U", self.span_loads)] if span and not tiled else [])
         part, stats = kernel(
             inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
             grid=(B * hkv * np_ * threads, 1, 1), threadgroup=(threads, 1, 1),

@@ -22,7 +22,6 @@ SPAN_PARTIAL = """
   constexpr int KPI = 32 / LPK;
   constexpr int NW = THREADS / 32;
   constexpr int STRIDE = NW * KPI;
-  constexpr int U = 4;
   struct alignas(16) Vec { T v[VEC]; };
   const float NEG_INF = -__int_as_float(0x7f800000);
   __shared__ float sm_m[NW][NREP];
@@ -151,12 +150,150 @@ SPAN_PARTIAL = """
   }
 """
 
+# The same span's keys staged through shared memory: the block copies tiles of TK keys (K and V,
+# 16 bytes per copy, cp.async) into two buffers, the next tile's copies in flight while the warps
+# compute on the current one from shared memory (no key rows held in registers: more blocks fit).
+TILED_HEADER = """
+__device__ __forceinline__ unsigned pa_smem(const void* p) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return static_cast<unsigned>(a);
+}
+template <typename T, int D, int TK, int THREADS, int BLOCK>
+__device__ __forceinline__ void pa_load_tile(T* sk, T* sv, const T* k_pool, const T* v_pool, const int* row_table,
+                                             size_t head_rows, int first, int n, int tid) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int LPK = D / VEC;
+  constexpr int CHUNKS = TK * LPK;
+  for (int c = tid; c < 2 * CHUNKS; c += THREADS) {
+    const int which = c / CHUNKS;
+    const int cc = c % CHUNKS;
+    const int kk = cc / LPK;
+    const int part = cc % LPK;
+    const int k = first + kk;
+    if (k < n) {
+      const size_t row = head_rows + (size_t)row_table[k / BLOCK] * BLOCK + k % BLOCK;
+      const T* src = (which ? v_pool : k_pool) + row * D + part * VEC;
+      T* dst = (which ? sv : sk) + kk * D + part * VEC;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(pa_smem(dst)), "l"(src));
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::);
+}
+"""
+
+TILED_PARTIAL = """
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int LPK = D / VEC;
+  constexpr int KPI = 32 / LPK;
+  constexpr int NW = THREADS / 32;
+  constexpr int TK = 4096 / D;
+  constexpr int ROUNDS = TK / (NW * KPI);
+  struct alignas(16) Vec { T v[VEC]; };
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  __shared__ __align__(16) T sk[2][TK * D];
+  __shared__ __align__(16) T sv[2][TK * D];
+  __shared__ float sm_m[NW][NREP];
+  __shared__ float sm_l[NW][NREP];
+  __shared__ float sm_acc[NW][NREP][D];
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int sub = lane / LPK;
+  const int dl = lane % LPK;
+  const int NB = table_shape[1];
+  const int NS = (NB * BLOCK + CH - 1) / CH;
+  const int g = blockIdx.x;
+  const int j = g % NS;
+  const int b = g / (NS * HKV);
+  const int h = (g / NS) % HKV;
+  const int n = min(CH, lengths[b] - j * CH);
+  float* part_out = part + (size_t)g * NREP * D;
+  float* stats_out = stats + (size_t)g * NREP * 2;
+  if (n <= 0) {
+    for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
+    if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
+    return;
+  }
+  const size_t head_rows = (size_t)h * (k_pool_shape[0] / HKV);
+  const int* row_table = table + (size_t)b * NB;
+  const int span0 = j * CH;  // the span's first position: the tiles count keys from it
+  const float sc = scale[0];
+  float qr[NREP][VEC];
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
+    const T* qp = q + ((size_t)(b * HKV + h) * NREP + r) * D + dl * VEC;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) qr[r][e] = static_cast<float>(qp[e]) * sc;
+  }
+  float m[NREP], l[NREP], acc[NREP][VEC];
+  #pragma unroll
+  for (int r = 0; r < NREP; ++r) {
+    m[r] = NEG_INF; l[r] = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[r][e] = 0.0f;
+  }
+  const int NT = (n + TK - 1) / TK;
+  pa_load_tile<T, D, TK, THREADS, BLOCK>(sk[0], sv[0], k_pool, v_pool, row_table, head_rows, span0, span0 + n, tid);
+  for (int t = 0; t < NT; ++t) {
+    if (t + 1 < NT) {
+      pa_load_tile<T, D, TK, THREADS, BLOCK>(sk[(t + 1) & 1], sv[(t + 1) & 1], k_pool, v_pool, row_table,
+                                             head_rows, span0 + (t + 1) * TK, span0 + n, tid);
+      asm volatile("cp.async.wait_group 1;" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::);
+    }
+    __syncthreads();
+    const T* tk = sk[t & 1];
+    const T* tv = sv[t & 1];
+    #pragma unroll
+    for (int rd = 0; rd < ROUNDS; ++rd) {
+      const int kk = warp * KPI + sub + rd * NW * KPI;
+      const bool valid = t * TK + kk < n;
+      const Vec kvec = *reinterpret_cast<const Vec*>(tk + kk * D + dl * VEC);
+      const Vec vvec = *reinterpret_cast<const Vec*>(tv + kk * D + dl * VEC);
+      float s[NREP];
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        s[r] = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) s[r] += qr[r][e] * static_cast<float>(kvec.v[e]);
+      }
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {
+        #pragma unroll
+        for (int o = LPK / 2; o > 0; o >>= 1) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+      }
+      if (valid) {
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) {
+          const float mn = fmaxf(m[r], s[r]);
+          const float c = __expf(m[r] - mn);
+          const float pr = __expf(s[r] - mn);
+          l[r] = l[r] * c + pr;
+          #pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[r][e] = acc[r][e] * c + pr * static_cast<float>(vvec.v[e]);
+          m[r] = mn;
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this buffer before the load of tile t + 2 overwrites it
+  }
+""" + SPAN_PARTIAL[SPAN_PARTIAL.index("  // the warp's KPI key groups"):]
+
 SPAN_THREADS = 128
+SPAN_LOADS = 4  # keys each lane loads before using any (the kernel's U)
 
 
 def supports(head_dim: int) -> bool:
     """Whether one key's row splits into 16-byte loads over a divisor of a warp's lanes."""
     return head_dim % 8 == 0 and 32 % (head_dim // 8) == 0
+
+
+def tiled_supports(head_dim: int, dtype_bytes: int) -> bool:
+    """The tiled kernel's shapes: 2-byte elements (8 per 16-byte copy), rows split over a divisor of a
+    warp's lanes, and a tile's rounds (4096 / D keys, NW * 32 / (D / 8) per round) whole."""
+    return dtype_bytes == 2 and supports(head_dim) and (4096 // head_dim) % (SPAN_THREADS // 32 * 256 // head_dim) == 0
 
 
 # multiprocessors of the GPU the span is sized for (an H100 / H200): on a smaller GPU the spans come out
