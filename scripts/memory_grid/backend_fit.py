@@ -5,11 +5,9 @@ MemoryModel itself under-predicts no point of the grid."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Optional
 
-from .fit import base_coefficients, ceil_sig, envelope_fit, math_ceil, nnls, nnls_active_set, ratio_stats
+from .fit import base_coefficients, ceil_sig, read_keyed, envelope_fit, math_ceil, nnls, nnls_active_set, ratio_stats
 from .predict import engine_predictions, point_phases
 from .shapes import CHUNK_STAGES, CPU_PAGE_BYTES, fixed_bytes, prefill_terms
 
@@ -187,7 +185,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     per-layer coefficients): it is then that depth (valid for models up to that depth), or
     `layers_in_flight` if given (e.g. the window a multi-depth fit found, so that the terms the grid
     does not fit, kept at their base values, count as many layers as in the backend's set)."""
-    data = json.loads(Path(path).read_text())
+    data = read_keyed(path)
     shapes = data["shapes"]
     pts = fitted_points(data, variants, forward_path)
     every = pts

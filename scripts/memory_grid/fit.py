@@ -10,6 +10,15 @@ from pathlib import Path
 from .shapes import DECODE_TERMS, PREFILL_TERMS
 
 
+def read_keyed(spec: str) -> dict:
+    """The JSON at `spec`: FILE, or FILE:KEY for the run or grid under KEY of a file of several (A/B: nested)."""
+    path, _, key = spec.partition(":")
+    data = json.loads(Path(path).read_text())
+    for part in (k for k in key.split("/") if k):
+        data = data[part]
+    return data
+
+
 def base_coefficients():
     """The CPU set without its per-forward constants (step_overhead_bytes, prefill_overhead_bytes,
     prefill_layer_rows): what sets fitted elsewhere, and recorded runs' overrides, complete."""

@@ -5,40 +5,43 @@ calibration of some coefficients on such runs (`fit_scale`, --fit-scale)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Optional
 
 from bench_common import DTYPES
 
-from .fit import base_coefficients, ceil_sig
+from .fit import base_coefficients, ceil_sig, read_keyed
 from .shapes import REPLAYED_LOOP_FAMILIES
 
 
 def prefill_bench_plans(data: dict, views: bool = False) -> list:
     """StepPlans of the engine way of a bench_prefill_memory.py JSON, rebuilt from what each step
-    recorded (chunks as (tokens, context end), number of decoding rows) and the prompt lengths: a chunk
-    computes logits when it ends a prompt; a prompt of P tokens whose last chunk ran j steps ago decodes
-    with P + j keys; rows are greedy (the bench's SamplingParams); `views`: every chunk read its row as a
-    view of the pool (the JSON does not record it). Checked by recomputing the recorded predictions
+    recorded (chunks as (tokens, context end), number of decoding rows) and the prompt lengths: each chunk
+    continues the first prompt (in arrival order, `lengths`) whose prefilled tokens plus the chunk's end
+    where it says (the scheduler serves its waiting prompts first come, first served); a chunk computes
+    logits when it ends its prompt; a prompt of P tokens whose last chunk ran j steps ago decodes with
+    P + j keys; rows are greedy (the bench's SamplingParams); `views`: every chunk read its row as a view
+    of the pool (the JSON does not record it). Checked by recomputing the recorded predictions
     (`replay_prefill`)."""
     from engine.core.memory.model import PrefillChunkPlan, StepPlan
 
-    lengths = sorted(data["lengths"])
-    finished: dict = {}  # prompt length -> step index of its last chunk
+    lengths = list(data["lengths"])
+    done = [0] * len(lengths)  # tokens prefilled per prompt
+    finished: dict = {}  # prompt index -> step index of its last chunk
     plans = []
     for i, st in enumerate(data["ways"]["engine"]["steps"]):
-        ends = [end for _, end in st["chunks"]]
-        pending = [n for n in lengths if n not in finished]
-        chunks = tuple(PrefillChunkPlan(c, end, computes_logits=end in pending, gathers=not views)
-                       for c, end in st["chunks"])
         decoding = sorted(finished.items())
         if len(decoding) != st["decodes"]:
             raise ValueError(f"step {i}: {st['decodes']} decoding rows recorded, {len(decoding)} rebuilt")
-        plans.append(StepPlan(decode_context_lens=tuple(n + (i - k) for n, k in decoding), prefill_chunks=chunks))
-        for n in pending:
-            if n in ends:
-                finished[n] = i
+        chunks = []
+        for c, end in st["chunks"]:
+            k = next((k for k, n in enumerate(lengths) if done[k] < n and done[k] + c == end), None)
+            if k is None:
+                raise ValueError(f"step {i}: no prompt of {lengths} (prefilled {done}) ends a chunk of {c} at {end}")
+            done[k] = end
+            chunks.append(PrefillChunkPlan(c, end, computes_logits=end == lengths[k], gathers=not views))
+        plans.append(StepPlan(decode_context_lens=tuple(lengths[k] + (i - j) for k, j in decoding),
+                              prefill_chunks=tuple(chunks)))
+        finished.update((k, i) for k, n in enumerate(lengths) if done[k] == n and k not in finished)
     return plans
 
 
@@ -52,9 +55,8 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     `recorded_predictions_reproduced` is None."""
     from engine.core.memory import coefficients as coefs, model as mem
 
-    path, _, key = path.partition(":")  # FILE:KEY: the run under KEY of a file of several
-    data = json.loads(Path(path).read_text())
-    data = data[key] if key else data
+    data = read_keyed(path)  # FILE:KEY: the run under KEY of a file of several
+    path = path.partition(":")[0]
     shape, loops = replayed_shape(data)
     engine = data["ways"]["engine"]
     steps, config = engine["steps"], engine.get("config", {})
@@ -65,15 +67,16 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     plans = prefill_bench_plans(data, views)
     mixed = [bool(st.get("mixed")) for st in steps]  # decode rows in the first chunk's forward
     carried = deferred_steps(data, plans)
+    # runs recorded before the engine copied a viewed chunk's KV for its last query say nothing of it
+    copies = bool(engine.get("copies_viewed_kv"))
     reproduced = reproduce_recorded(shape, plans, mixed, carried, [st["predicted"] for st in steps],
-                                    config, paged, on_gpu)
+                                    config, paged, on_gpu, copies)
     # the engine's set for the shape (a shape calibration where one ships), or `coefficients` (complete
     # but for a family's `family_rows` in older fits: the backend's)
     family = dict(family_rows=coefs.coefficients_for_backend(backend, 8).family_rows)
     coef = (coefs.with_overrides(base_coefficients(), {**family, **coefficients}) if coefficients
             else coefs.coefficients_for(backend, 8, shape)[0])
-    # the recorded runs' engines read a viewed chunk's last query without a copy
-    model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=False)
+    model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=copies)
     own = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     pred, carried = _carry(own, carried), _carried_above(own, carried)
     meas = [st["measured"] for st in steps]
@@ -93,20 +96,31 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
 
 
 def replayed_shape(data: dict) -> tuple:
-    """(the ModelShape of a recorded run's model, whether its engine ran it through its layer loops)."""
+    """(the ModelShape of a recorded run's model as its engine counted it, whether that engine ran it
+    through its layer loops): the loops of the families they ran when the older runs were recorded, and of
+    the others where the run asked for them on a GPU (GPU_UNVALIDATED_LOOPS_ENV); a model's sliding-window
+    layers keep their KV in rings (engine/model/kv_pool.py: the engine's pool always has them)."""
     from bench_common import RANDOM_SHAPES
+    from bench_engine import GPU_UNVALIDATED_LOOPS_ENV
 
     from engine.core.memory import model as mem
+
+    from .shapes import loops_family
 
     if data["model"] not in RANDOM_SHAPES:  # the JSON records the model's name, not its shape
         raise ValueError(f"model {data['model']!r}: only the random shapes' are known here ({sorted(RANDOM_SHAPES)})")
     config = RANDOM_SHAPES[data["model"]]
-    loops = config.get("model_type", "llama") in REPLAYED_LOOP_FAMILIES and not config.get("quantization")
-    return mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size, module_forwards=not loops), loops
+    asked = (data["environment"].get("mlx_env") or {}).get(GPU_UNVALIDATED_LOOPS_ENV) == "1"
+    loops = not config.get("quantization") and (config.get("model_type", "llama") in REPLAYED_LOOP_FAMILIES
+                                                or (asked and loops_family(config)))
+    shape = mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size, module_forwards=not loops)
+    if shape.layer_windows:
+        shape = dataclasses.replace(shape, num_kv_layers=sum(w is None for w in shape.layer_windows))
+    return shape, loops
 
 
 def reproduce_recorded(shape, plans: list, mixed: list[bool], carried: list[bool], wanted: list[int], config: dict,
-                       paged: bool, on_gpu: bool) -> Optional[bool]:
+                       paged: bool, on_gpu: bool, copies: bool = False) -> Optional[bool]:
     """Whether the rebuilt plans give the predictions the run recorded (`wanted`) with the coefficients it
     ran with (`replay_prefill`): True, or None where those are not known; a ValueError where they are
     and the plans do not give them."""
@@ -118,7 +132,7 @@ def reproduce_recorded(shape, plans: list, mixed: list[bool], carried: list[bool
     elif config.get("memory_coefficients"):
         recorded = coefs.with_overrides(base_coefficients(), config["memory_coefficients"])
     if recorded is not None:
-        check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged, copies_viewed_kv=False)
+        check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged, copies_viewed_kv=copies)
         again = _carry([check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)], carried)
         if again != wanted:  # the rebuilt plans are the engine's
             raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")

@@ -72,6 +72,8 @@ def shape_of(config: dict, dtype_bytes: int, layer_loops: bool = True) -> dict:
     from engine.core.memory.shape import ModelShape
 
     shape = ModelShape.from_config(config, dtype_bytes, module_forwards=not (layer_loops and loops_family(config)))
+    if shape.layer_windows:  # the engine's pool keeps the sliding layers' KV in rings (engine/model/kv_pool.py)
+        shape = dataclasses.replace(shape, num_kv_layers=sum(w is None for w in shape.layer_windows))
     return dict(H=shape.num_heads, Hkv=shape.num_kv_heads, d=shape.head_dim, D=shape.hidden_size,
                 I=shape.intermediate_size, V=shape.vocab_size, L=shape.num_layers, s=dtype_bytes,
                 model_shape=dataclasses.asdict(shape))
