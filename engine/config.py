@@ -56,7 +56,7 @@ class ExecutionConfig(BaseModel):
 
     pad_last_chunk: bool = Field(
         False,
-        description="A prompt's last chunk computes up to the next multiple of 128 tokens (or of a smaller "
+        description="A prompt's last chunk computes up to the next multiple of chunk_granule tokens (or of a smaller "
         "power of two where that would pass the chunk size, the step's budget or the free memory) past "
         "the prompt's end, so the (tokens, context) shapes of prompt chunks repeat: MLX's CUDA backend "
         "builds a cuDNN attention graph on the host for each new shape, several times a repeated "
@@ -65,6 +65,21 @@ class ExecutionConfig(BaseModel):
         "graph to save, and on CUDA its effect on a burst's wall time is not yet measured "
         "(docs/benchmarks.md).",
     )
+    chunk_granule: int = Field(
+        128, ge=1, le=1 << 16,
+        description="A power of two: prompt chunks cut short (by the step's budget or the free memory) end "
+        "on a multiple of it, or of a smaller power of two where it would take more than a quarter of the "
+        "chunk; with pad_last_chunk a prompt's last chunk is padded up to it. A coarser grid repeats more "
+        "(tokens, context) shapes on MLX's CUDA backend (fewer cuDNN graph builds) at the cost of shorter "
+        "cut chunks and more pad tokens computed (docs/benchmarks.md).",
+    )
+
+    @field_validator("chunk_granule")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"chunk_granule={value} is not a power of two")
+        return value
 
     def resolved_max_ops_per_buffer(self, backend: str) -> Optional[int]:
         """The value for MLX backend `backend` ("cpu", "cuda", "metal"); None: MLX's default."""

@@ -85,7 +85,8 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.prefill_chunk_size, self.max_model_len,
                             mix_beyond_bound=step_options.mix_beyond_bound, max_memory_bytes=max_memory,
-                            pad_last_chunk=config.execution.pad_last_chunk),
+                            pad_last_chunk=config.execution.pad_last_chunk,
+                            chunk_granule=config.execution.chunk_granule),
             self.memory, self.kv, view_reads=self.runner.pool.read_slices)
         # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
         # next step: what measured best (StepOptions' defaults).

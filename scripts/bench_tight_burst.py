@@ -19,6 +19,9 @@ process:
 - mlx_lm: mlx-lm's BatchGenerator with mlx_lm.server's defaults on the same burst (no memory limit:
   its peak is what the burst needs there).
 
+--replay: no model runs; the burst goes through the Scheduler alone with the engine's CUDA memory model of
+a random shape, for each of `--granules` x `--pad-last-chunk` (tight_burst_replay.py).
+
 headroom = limit - weights; kv_share_of_headroom = the engine's KV budget / headroom (what admission
 may reserve); kv_peak_share_of_headroom = the largest KV pool it allocated / headroom.
 """
@@ -98,8 +101,13 @@ def build_engine(lm, limit: int, args, budget: Optional[int]):
 
     fields = dict(model=lm.name, dtype=lm.dtype, memory_limit_bytes=limit, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, **json.loads(args.engine_config or "{}"))
+    execution = dict(fields.get("execution", {}))
     if args.pad_last_chunk != "auto":
-        fields["execution"] = {**fields.get("execution", {}), "pad_last_chunk": args.pad_last_chunk == "on"}
+        execution["pad_last_chunk"] = args.pad_last_chunk == "on"
+    if args.chunk_granule is not None:
+        execution["chunk_granule"] = args.chunk_granule
+    if execution:
+        fields["execution"] = execution
     if budget:
         fields["max_num_batched_tokens"] = budget
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
@@ -195,8 +203,16 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's max_model_len (default: the model's); prompts are clipped to fit it")
     p.add_argument("--engine-config", default=None, help="JSON of further EngineConfig fields")
-    p.add_argument("--pad-last-chunk", default="auto", choices=["auto", "on", "off"],
-                   help="ExecutionConfig.pad_last_chunk (auto: the engine's default)")
+    p.add_argument("--pad-last-chunk", default="auto",
+                   help="ExecutionConfig.pad_last_chunk: auto (the engine's default) | on | off; --replay: "
+                        "a comma-separated list of on / off")
+    p.add_argument("--chunk-granule", type=int, default=None,
+                   help="ExecutionConfig.chunk_granule (default: the engine's)")
+    p.add_argument("--replay", action="store_true",
+                   help="replay the burst through the Scheduler alone (tight_burst_replay.py): no model runs")
+    p.add_argument("--granules", default="128", help="--replay: chunk granules (comma-separated)")
+    p.add_argument("--weights-bytes", type=int, default=None,
+                   help="--replay: the weights' bytes (recorded by a GPU run; the headroom is above them)")
     p.add_argument("--budgets", default="",
                    help="max_num_batched_tokens values to run each headroom with (comma-separated; default: "
                         "the engine's)")
@@ -207,7 +223,32 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    pads = args.pad_last_chunk.split(",")
+    if any(v not in ("auto", "on", "off") for v in pads) or (len(pads) > 1 and not args.replay):
+        p.error(f"--pad-last-chunk={args.pad_last_chunk}: one of auto, on, off (a list of on / off with --replay)")
+    return args
+
+
+def main_replay(args, headrooms: list[int]) -> dict:
+    """--replay: the burst's prompts as the model run draws them, through tight_burst_replay.replay."""
+    from bench_common import RANDOM_SHAPES
+    from tight_burst_replay import replay
+
+    config = RANDOM_SHAPES[args.model]
+    model_max = config.get("max_position_embeddings") or 4096
+    max_len = min(args.max_model_len or model_max, model_max)
+    args.max_model_len = max_len
+    prompts, new_tokens = burst(args, config["vocab_size"], max_len)
+    result = dict(bench="tight_burst_replay", argv=sys.argv[1:], model=args.model, dtype=args.dtype,
+                  **replay(args, prompts, new_tokens, headrooms, args.weights_bytes))
+    for name, runs in result["variants"].items():
+        log(name + ": " + ", ".join(
+            f"{h / 1e9:g} GB {r['num_new_chunk_shapes']}/{r['num_chunk_shapes']} new/shapes, {r['num_steps']} steps "
+            f"({r['num_memory_limited_steps']} cut), {r['num_chunk_tokens']} chunk tokens" for h, r in
+            ((int(k), v) for k, v in runs.items())))
+    emit(result, args.json, args.out)
+    return result
 
 
 def main(argv=None) -> dict:
@@ -216,6 +257,8 @@ def main(argv=None) -> dict:
         headrooms = [int(float(x) * 1e9) for x in args.headroom_gb.split(",")]
     else:
         headrooms = [int(float(x) * 1e6) for x in (args.headroom_mb or "300").split(",")]
+    if args.replay:
+        return main_replay(args, headrooms)
     lm = load_bench_model(args.model, args.dtype, args.layers)
     model_max = lm.config.get("max_position_embeddings") or 4096
     max_len = min(args.max_model_len or model_max, model_max)

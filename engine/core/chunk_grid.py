@@ -12,15 +12,16 @@ of a prompt chunk (docs/benchmarks.md). The scheduler (scheduler.py) therefore
 
 from __future__ import annotations
 
-# A chunk ends on a multiple of this many tokens, or of a smaller power of two where this one would take
-# more than a quarter of a cut chunk or reach past what a padded one may compute.
-CHUNK_GRANULE = 128
+# The default grid (ExecutionConfig.chunk_granule): a chunk ends on a multiple of this many tokens, or of
+# a smaller power of two where this one would take more than a quarter of a cut chunk or reach past what a
+# padded one may compute.
+DEFAULT_CHUNK_GRANULE = 128
 
 
-def aligned_chunk(start: int, num_tokens: int) -> int:
+def aligned_chunk(start: int, num_tokens: int, granule: int = DEFAULT_CHUNK_GRANULE) -> int:
     """Tokens of a chunk of at most `num_tokens` (>= 1) from `start` that ends on a multiple of the
-    largest power of two <= CHUNK_GRANULE that keeps at least three quarters of it (never 0)."""
-    grid = CHUNK_GRANULE
+    largest power of two <= `granule` (a power of two) that keeps at least three quarters of it (never 0)."""
+    grid = granule
     while True:
         tokens = (start + num_tokens) // grid * grid - start
         if 4 * tokens >= 3 * num_tokens or grid == 1:
@@ -28,13 +29,13 @@ def aligned_chunk(start: int, num_tokens: int) -> int:
         grid //= 2
 
 
-def padded_ends(end: int, max_end: int) -> list[int]:
+def padded_ends(end: int, max_end: int, granule: int = DEFAULT_CHUNK_GRANULE) -> list[int]:
     """Where a prompt's last chunk, ending the prompt at `end`, may compute up to, most preferred first:
-    `end` rounded up to a multiple of CHUNK_GRANULE, then of each smaller power of two, those that stay
+    `end` rounded up to a multiple of `granule` (a power of two), then of each smaller power of two, those that stay
     <= `max_end`; `end` itself last (no pad). A chunk that starts on the grid so gets both its tokens and
     its context on it."""
     ends = []
-    grid = CHUNK_GRANULE
+    grid = granule
     while grid > 1:
         padded = -(-end // grid) * grid
         if end < padded <= max_end and padded not in ends:

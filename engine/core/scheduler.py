@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
-from engine.core.chunk_grid import aligned_chunk, padded_ends
+from engine.core.chunk_grid import DEFAULT_CHUNK_GRANULE, aligned_chunk, padded_ends
 from engine.core.kv_manager import KVManager
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledChunk, SchedulerOutput,
@@ -55,6 +55,8 @@ class SchedulerConfig:
     # ExecutionConfig.pad_last_chunk), within the chunk size, the step's budget, the row's blocks,
     # max_model_len and the free memory.
     pad_last_chunk: bool = False
+    # The power of two cut and padded chunks end on (chunk_grid.py; ExecutionConfig.chunk_granule).
+    chunk_granule: int = DEFAULT_CHUNK_GRANULE
 
 
 class Scheduler:
@@ -283,7 +285,7 @@ class Scheduler:
         fitted = self._fit_chunk(request, start, n, room)
         cut = fitted < n
         if 0 < fitted < min(remaining, self.config.prefill_chunk_size):
-            fitted = aligned_chunk(start, fitted)
+            fitted = aligned_chunk(start, fitted, self.config.chunk_granule)
         if fitted < at_least:
             return 0, cut
         pad = self._pad_tokens(request, start, fitted, budget, room) if fitted == remaining else 0
@@ -301,7 +303,7 @@ class Scheduler:
         end = start + num_tokens
         max_end = min(start + min(self.config.prefill_chunk_size, budget), self.config.max_model_len,
                       self.kv.num_slots(request.request_id))
-        for padded in padded_ends(end, max_end):
+        for padded in padded_ends(end, max_end, self.config.chunk_granule):
             if room is None or padded == end or self._chunk_bytes(request, start, padded - start, end) <= room:
                 return padded - end
         return 0
@@ -311,7 +313,7 @@ class Scheduler:
         most `num_tokens` tokens that fits `room`, ending on the grid unless it ends the prompt."""
         fitted = self._fit_chunk(request, start, num_tokens, room)
         if 0 < fitted < min(request.num_prompt_tokens - start, self.config.prefill_chunk_size):
-            return aligned_chunk(start, fitted)
+            return aligned_chunk(start, fitted, self.config.chunk_granule)
         return fitted
 
     def _chunk_bytes(self, request: Request, start: int, num_tokens: int, real_end: Optional[int] = None) -> int:

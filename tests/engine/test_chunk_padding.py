@@ -45,6 +45,7 @@ def test_padded_last_chunks_give_mlx_lm_greedy_tokens(make_engine, tiny_parts, r
                          prefix_cache_fraction=0.0, runner_options=OPTIONS[way],
                          execution={"pad_last_chunk": True})
     assert engine.scheduler.config.pad_last_chunk and engine.config.execution.pad_last_chunk
+    assert engine.scheduler.config.chunk_granule == engine.config.execution.chunk_granule == 128
     seen = watch_pads(engine)
     rng = random.Random(chunk)
     vocab = engine.memory.shape.vocab_size

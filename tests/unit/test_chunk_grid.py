@@ -2,7 +2,7 @@
 fake model shape, no mlx. The engine's outputs with padding: tests/engine/test_chunk_padding.py."""
 
 
-from engine.core.chunk_grid import CHUNK_GRANULE, padded_ends
+from engine.core.chunk_grid import DEFAULT_CHUNK_GRANULE as CHUNK_GRANULE, padded_ends
 from engine.core.types import FinishReason
 from tests.unit.test_scheduler import make, make_tight, req, run_step, tight_workloads
 
@@ -14,6 +14,22 @@ def test_padded_ends_coarsest_grid_first_within_the_limit():
     assert padded_ends(300, 300) == [300]  # no room: no pad
     assert padded_ends(256, 1000) == [256]  # on the grid already
     assert padded_ends(5, 8) == [8, 6, 5]
+
+
+def test_padded_ends_on_a_coarser_granule():
+    """ExecutionConfig.chunk_granule 512: the pad may reach the next multiple of 512 first."""
+    assert padded_ends(300, 1000, 512) == [512, 384, 320, 304, 300]
+    assert padded_ends(600, 2000, 512) == [1024, 768, 640, 608, 600]
+    assert padded_ends(600, 1000, 512) == [768, 640, 608, 600]  # 1024 would pass the limit
+    assert padded_ends(600, 700, 512) == [640, 608, 600]
+    assert padded_ends(1024, 2048, 512) == [1024]
+
+
+def test_scheduler_pads_to_its_configured_granule():
+    s = make(budget=1024, chunk=512, max_model_len=2048, kv_tokens=8192, pad=True, granule=512)
+    s.add(req("a", 300, max_tokens=300))
+    a = last_chunk(s.schedule(), "a")
+    assert (a.num_tokens, a.num_pad_tokens, a.num_forward_tokens) == (300, 212, 512)
 
 
 def last_chunk(out, request_id):

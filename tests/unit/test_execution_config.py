@@ -84,6 +84,16 @@ def test_last_chunk_padding_is_opt_in(backend):
         EngineConfig(execution={"pad_last_chunk": "sometimes"})
 
 
+def test_chunk_granule_is_a_power_of_two():
+    assert ExecutionConfig().chunk_granule == 128
+    assert EngineConfig(execution={"chunk_granule": 512}).for_backend("cuda").execution.chunk_granule == 512
+    for bad in (384, 100, 0, -128, 1 << 17):
+        with pytest.raises(ValueError, match="chunk_granule"):
+            ExecutionConfig(chunk_granule=bad)
+    with pytest.raises(ValueError, match="chunk_granule=384"):
+        EngineConfig(execution={"chunk_granule": 384})
+
+
 def test_default_step_budget_rises_to_what_the_other_fields_need():
     assert EngineConfig(max_num_seqs=4096).resolved_max_num_batched_tokens("cpu") == 4096
     assert EngineConfig(prefill_chunk_size=16384).resolved_max_num_batched_tokens("cuda") == 16384

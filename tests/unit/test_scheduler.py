@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from engine.core.memory.model import MemoryModel, ModelShape
 from engine.core.types import FinishReason, Request, SamplingParams
 from engine.core.kv_manager import KVManager
-from engine.core.chunk_grid import CHUNK_GRANULE, aligned_chunk
+from engine.core.chunk_grid import DEFAULT_CHUNK_GRANULE as CHUNK_GRANULE, aligned_chunk
 from engine.core.scheduler import Scheduler, SchedulerConfig
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -14,9 +14,10 @@ SHAPE = ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, he
 STEP = 16
 
 
-def make(max_num_seqs=8, budget=32, chunk=8, max_model_len=512, kv_tokens=4096, pad=False) -> Scheduler:
+def make(max_num_seqs=8, budget=32, chunk=8, max_model_len=512, kv_tokens=4096, pad=False,
+         granule=CHUNK_GRANULE) -> Scheduler:
     memory = MemoryModel(SHAPE, kv_step=STEP)
-    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, pad_last_chunk=pad)
+    cfg = SchedulerConfig(max_num_seqs, budget, chunk, max_model_len, pad_last_chunk=pad, chunk_granule=granule)
     kv = KVManager(STEP, memory.kv_bytes_per_token, kv_tokens * memory.kv_bytes_per_token)
     return Scheduler(cfg, memory, kv)
 
@@ -252,6 +253,14 @@ def test_aligned_chunk_ends_on_the_coarsest_grid_that_keeps_three_quarters():
     assert aligned_chunk(512, 188) == 160  # ends at 672: 640 would keep 128 of 188, under three quarters
     assert aligned_chunk(100, 50) == 44  # ends at 144, a multiple of 16
     assert aligned_chunk(5, 3) == 3 and aligned_chunk(7, 1) == 1  # never 0
+
+
+def test_aligned_chunk_on_a_coarser_granule():
+    """ExecutionConfig.chunk_granule 512: the same rule, on multiples of 512 where they keep three quarters."""
+    assert aligned_chunk(0, 1100, 512) == 1024 and aligned_chunk(0, 700, 512) == 640  # 512 < 3/4 of 700
+    assert aligned_chunk(512, 700, 512) == 640  # ends at 1152: 1024 (on 512 or 256) keeps 512 of 700
+    assert aligned_chunk(0, 300, 512) == 256 and aligned_chunk(100, 50, 512) == 44  # as with 128
+    assert aligned_chunk(0, 300, 128) == aligned_chunk(0, 300)
 
 
 def ends_on_grid(chunk) -> bool:

@@ -1,0 +1,131 @@
+"""Replay mode of bench_tight_burst.py (--replay): the burst through the Scheduler alone (pure Python, no
+forward runs), with the memory model the engine builds for a random shape (bench_common.RANDOM_SHAPES) on
+MLX's CUDA backend: the layer loops' coefficients for ops 8, paged decodes, mixed steps, chunks read as
+views of the pool. Every step samples a token for each decode row and each prompt it ends; requests
+finish at max_tokens. What it counts is what the engine's records count (bench_tight_burst.step_summary):
+distinct (forward tokens, context) pairs of prompt chunks, those no earlier run of the process had (the
+bench's warm-up burst first), steps, steps cut by memory, tokens computed (pads included), KV's share.
+Pipelined decodes and deferred chunks change no plan of a step that holds a prompt chunk, so they are
+not modelled.
+
+    python scripts/bench_tight_burst.py --replay --model llama-8b --dtype bfloat16 --headroom-gb 3,6,12 \
+        --max-num-seqs 64 --max-model-len 8448 --granules 128,256,512,1024 --pad-last-chunk off,on \
+        --weights-bytes 16060522512 --json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from bench_common import DTYPES, RANDOM_SHAPES
+
+# The engine's fields the replay builds its scheduler from (EngineConfig's defaults on a GPU).
+KV_BLOCK_TOKENS = 256
+CUDA_OPS_PER_BUFFER = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySetting:
+    """One engine configuration of the replay."""
+
+    headroom_bytes: int
+    weights_bytes: int
+    max_num_seqs: int
+    max_model_len: int
+    pad_last_chunk: bool
+    chunk_granule: int
+    max_num_batched_tokens: int = 8192
+    prefill_chunk_size: int = 512
+    memory_margin_fraction: float = 0.02
+    prefix_cache_fraction: float = 0.25
+
+
+def build_scheduler(model: str, dtype: str, setting: ReplaySetting):
+    """The scheduler, memory model and KV manager Engine.__init__ builds for `model` on MLX's CUDA backend
+    under memory limit weights + headroom (engine/engine.py: _build_memory_model, _kv_budget)."""
+    from engine.core.kv_manager import KVManager
+    from engine.core.memory.coefficients import coefficients_for
+    from engine.core.memory.model import MemoryModel, ModelShape
+    from engine.core.scheduler import Scheduler, SchedulerConfig
+
+    shape = ModelShape.from_config(RANDOM_SHAPES[model], DTYPES[dtype].size, setting.weights_bytes,
+                                   module_forwards=False)
+    coefficients, _ = coefficients_for("cuda", CUDA_OPS_PER_BUFFER, shape, cpu_math=False,
+                                       prefill_chunk_size=setting.prefill_chunk_size)
+    memory = MemoryModel(shape, kv_step=KV_BLOCK_TOKENS, coefficients=coefficients, paged_decode=True,
+                         mixed=True, copies_viewed_kv=True)
+    available = setting.headroom_bytes
+    max_memory = available - int(setting.memory_margin_fraction * available)
+    floor = memory.floor_transient_bytes(setting.prefill_chunk_size, setting.max_model_len)
+    kv_budget = memory.kv_budget_bytes(max_memory, floor)
+    kv = KVManager(KV_BLOCK_TOKENS, memory.kv_bytes_per_token, kv_budget,
+                   int(setting.prefix_cache_fraction * kv_budget))
+    config = SchedulerConfig(setting.max_num_seqs, setting.max_num_batched_tokens, setting.prefill_chunk_size,
+                             setting.max_model_len, max_memory_bytes=max_memory,
+                             pad_last_chunk=setting.pad_last_chunk, chunk_granule=setting.chunk_granule)
+    return Scheduler(config, memory, kv, view_reads=True)
+
+
+def replay_run(model: str, dtype: str, setting: ReplaySetting, prompts: list[list[int]], new_tokens: list[int],
+               seen_shapes: set) -> dict:
+    """Steps of the burst through the scheduler: step records of bench_tight_burst.step_entry's keys that
+    step_summary reads, and that summary (`seen_shapes` updated)."""
+    from bench_tight_burst import step_summary
+
+    from engine.core.types import FinishReason, Request, SamplingParams
+
+    scheduler = build_scheduler(model, dtype, setting)
+    for i, (prompt, m) in enumerate(zip(prompts, new_tokens)):
+        scheduler.add(Request(f"b{i}", list(prompt), SamplingParams(max_tokens=m, ignore_eos=True)))
+    steps, max_kv = [], 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        max_kv = max(max_kv, scheduler.kv.pool_bytes)
+        steps.append(dict(
+            predicted=out.predicted_transient_bytes, measured=0, free_transient_bytes=out.free_transient_bytes,
+            memory_limited=out.memory_limited, chunks=len(out.prefills), decodes=len(out.decodes),
+            chunk_shapes=[[c.num_forward_tokens, c.start + c.num_forward_tokens, 0, c.num_pad_tokens]
+                          for c in out.prefills],
+            forwards=[None] * (len(out.prefills) + (bool(out.decodes) and not out.mixed))))
+        sampled = {c.request_id: 1 for c in out.prefills if c.completes_prompt}
+        sampled.update({i: 1 for i in out.decodes})
+        for request in scheduler.update(out, sampled):
+            if request.num_output_tokens >= request.sampling.max_tokens:
+                scheduler.finish(request.request_id, FinishReason.LENGTH, request.num_computed_tokens)
+    summary = step_summary(steps, seen_shapes)
+    for key in ("max_measured_bytes", "num_underpredicted_steps", "step_ratio_min", "step_ratio_median"):
+        summary.pop(key)
+    return dict(headroom_bytes=setting.headroom_bytes, kv_budget_bytes=scheduler.kv.kv_budget_bytes,
+                kv_share_of_headroom=scheduler.kv.kv_budget_bytes / setting.headroom_bytes,
+                kv_peak_share_of_headroom=max_kv / setting.headroom_bytes,
+                transient_bound_bytes=scheduler.transient_bound_bytes,
+                floor_transient_bytes=scheduler.floor_transient_bytes,
+                num_chunk_tokens=sum(c[0] for s in steps for c in s["chunk_shapes"]), **summary,
+                chunk_shapes_per_step=[[c[:2] for c in s["chunk_shapes"]] for s in steps])
+
+
+def replay(args, prompts: list[list[int]], new_tokens: list[int], headrooms: list[int],
+           weights_bytes: Optional[int]) -> dict:
+    """Every (granule, pad) variant at every headroom, each in its own "process": the bench's warm-up
+    burst first (at the largest headroom), then the headrooms in order, shapes new to that sequence."""
+    weights = weights_bytes or RANDOM_SHAPES[args.model].get("weights_bytes") or 0
+    granules = [int(g) for g in args.granules.split(",")]
+    pads = [p == "on" for p in (args.pad_last_chunk if args.pad_last_chunk != "auto" else "off").split(",")]
+    variants = {}
+    for granule in granules:
+        for pad in pads:
+            def setting(headroom: int) -> ReplaySetting:
+                return ReplaySetting(headroom, weights, args.max_num_seqs, args.max_model_len, pad, granule)
+            seen: set = set()
+            small = [p[: max(8, len(p) // 8)] for p in prompts[:6]]
+            replay_run(args.model, args.dtype, setting(max(headrooms)), small,
+                       [min(8, m) for m in new_tokens[:6]], seen)
+            runs = {str(h): replay_run(args.model, args.dtype, setting(h), prompts, new_tokens, seen)
+                    for h in headrooms}
+            if not args.steps:
+                for run in runs.values():
+                    run.pop("chunk_shapes_per_step")
+            variants[f"granule_{granule}_pad_{'on' if pad else 'off'}"] = runs
+    return dict(method=__doc__.split("\n\n")[0].replace("\n", " "), weights_bytes=weights,
+                prompt_tokens=sum(len(p) for p in prompts), variants=variants)
