@@ -236,12 +236,14 @@ class CudaPagedAttention(PagedAttention):
 
     def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS,
                  spans: bool = True, keys_per_span: Optional[int] = None, span_loads: int = 0,
-                 span_threads: int = 0, tiled: bool = False):
+                 span_threads: int = 0, tiled: bool = True):
         """`keys_per_partial` and `threads`: the short-span kernel's; `spans`: where the head size allows,
         the long-span kernel (engine/model/kernels/split_attention.py) with as many keys per span as
         still fill the device (fewer partials than the memory model's PAGED_PARTIAL_KEYS spans count);
         `keys_per_span`, `span_loads`, `span_threads` fix its span, loads in flight and threads (timing
-        variants, scripts/bench_decode_attention.py; 0 or None: split_attention's)."""
+        variants, scripts/bench_decode_attention.py; 0 or None: split_attention's); `tiled`: for 2-byte
+        elements, the span kernel that stages its keys through shared memory (a third faster on the
+        H200: docs/decode.md)."""
         super().__init__(num_kv_heads, block_size)
         self.spans, self.keys_per_span, self.tiled = spans, keys_per_span, tiled
         self.span_loads = span_loads or split_attention.SPAN_LOADS
