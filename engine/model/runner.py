@@ -134,14 +134,15 @@ class ModelRunner:
         self-check here; else decode gathers (logged)."""
         why_not = self._loops_why_not() or self._kernel_why_not() or unsupported(
             num_heads, num_kv_heads, head_dim, block_size, dtype)
-        if why_not is None:
+        for tiled in (True, False) if why_not is None else ():  # the tiled kernel, else the span kernel
             try:
-                kernel = CudaPagedAttention(num_kv_heads, block_size)
+                kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=tiled)
                 self_check(kernel, num_heads, head_dim, dtype)
                 self.use_paged_attention(kernel)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure means: do without it
                 why_not = f"{type(exc).__name__}: {exc}"
+                logger.warning("paged decode attention (tiled=%s) failed its self-check: %s", tiled, why_not)
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:

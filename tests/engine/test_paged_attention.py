@@ -182,20 +182,27 @@ def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
         self_check(Wrong(2, 256), num_heads=4, head_dim=64, dtype=mx.float32)
 
 
-@pytest.mark.parametrize("works", [True, False])
+@pytest.mark.parametrize("works", ["both", "span", "none"])
 def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, monkeypatch, caplog, works):
+    """The tiled kernel if it passes its self-check, else the span kernel if that one does, else none."""
     import engine.model.runner as runner_module
     from engine.model.runner import ModelRunner
 
     class FakeKernel(ReferenceAttention):  # stands for the CUDA kernel on this CPU
+        def __init__(self, num_kv_heads, block_size, tiled=True):
+            super().__init__(num_kv_heads, block_size)
+            self.tiled = tiled
+
         def __call__(self, queries, *args):
             out = super().__call__(queries, *args)
-            return out if works else out + 1.0
+            ok = works == "both" or (works == "span" and not self.tiled)
+            return out if ok else out + 1.0
 
     monkeypatch.setattr(runner_module, "CudaPagedAttention", FakeKernel)
     runner = ModelRunner(tiny_parts[0], paged_attention=True)
-    if works:
+    if works != "none":
         assert isinstance(runner.pool.paged, FakeKernel)
+        assert runner.pool.paged.tiled == (works == "both")
     else:
         assert runner.pool.paged is None
         assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
@@ -215,7 +222,8 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     import engine.model.runner as runner_module
 
     monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
-    monkeypatch.setattr(runner_module, "CudaPagedAttention", ReferenceAttention)
+    monkeypatch.setattr(runner_module, "CudaPagedAttention", lambda kv_heads, block, tiled=True: ReferenceAttention(
+        kv_heads, block))
     monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
     # small chunks, many long rows: the decode term decides the bound
     paged = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0)

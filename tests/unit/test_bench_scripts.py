@@ -378,3 +378,21 @@ def test_long_span_attention_fills_the_device_and_takes_head_sizes_a_warp_splits
         assert rows * heads * -(-length // keys) >= 4 * 132 or keys == 64
         assert keys == 1024 or rows * heads * -(-length // (2 * keys)) < 4 * 132
     assert [supports(d) for d in (64, 96, 128, 256, 80)] == [True, False, True, True, False]
+
+
+def test_tiled_attention_takes_only_shapes_its_shared_memory_and_rounds_allow():
+    """The tiled decode kernel (split_attention.TILED_PARTIAL) holds two K and two V tiles of 4096
+    2-byte elements and every warp's state per query head of a group in static shared memory (48 KB at
+    most): Llama-3-8B's groups of 4 at D = 128 and Gemma-3-12B's of 2 at D = 256 fit; groups of 8 at
+    D = 128 (Qwen3-30B-A3B, 70B shapes) do not and take the span kernel; 4-byte elements and thread
+    counts whose warps do not split a tile into whole rounds never take it."""
+    from engine.model.kernels.split_attention import STATIC_SHARED_BYTES, tiled_shared_bytes, tiled_supports
+
+    assert tiled_shared_bytes(128, 4, 128) == 41088 and tiled_shared_bytes(256, 2, 128) == 41024  # nvcc's smem
+    assert [tiled_supports(128, 2, n) for n in (1, 2, 4, 8)] == [True, True, True, False]
+    assert [tiled_supports(256, 2, n) for n in (1, 2, 4)] == [True, True, False]
+    assert tiled_supports(64, 2, 8) and not tiled_supports(64, 2, 16)
+    assert not tiled_supports(128, 4, 4) and not tiled_supports(96, 2, 4)
+    assert not tiled_supports(128, 2, 4, threads=1024) and not tiled_supports(128, 2, 4, threads=96)
+    for d, n in ((64, 8), (128, 4), (256, 2)):
+        assert tiled_shared_bytes(d, n, 128) <= STATIC_SHARED_BYTES

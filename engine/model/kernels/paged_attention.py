@@ -241,9 +241,9 @@ class CudaPagedAttention(PagedAttention):
         the long-span kernel (engine/model/kernels/split_attention.py) with as many keys per span as
         still fill the device (fewer partials than the memory model's PAGED_PARTIAL_KEYS spans count);
         `keys_per_span`, `span_loads`, `span_threads` fix its span, loads in flight and threads (timing
-        variants, scripts/bench_decode_attention.py; 0 or None: split_attention's); `tiled`: for 2-byte
-        elements, the span kernel that stages its keys through shared memory (a third faster on the
-        H200: docs/decode.md)."""
+        variants, scripts/bench_decode_attention.py; 0 or None: split_attention's); `tiled`: where
+        split_attention.tiled_supports allows, the span kernel that stages its keys through shared
+        memory (docs/decode.md)."""
         super().__init__(num_kv_heads, block_size)
         self.spans, self.keys_per_span, self.tiled = spans, keys_per_span, tiled
         self.span_loads = span_loads or split_attention.SPAN_LOADS
@@ -271,14 +271,15 @@ class CudaPagedAttention(PagedAttention):
     def fixed_span(self, keys: int) -> "CudaPagedAttention":
         """The same kernels with `keys` keys per span of the long-span kernel (its self-check's longest)."""
         return CudaPagedAttention(self.num_kv_heads, self.block_size, self.keys_per_partial, self.threads,
-                                  spans=True, keys_per_span=keys)
+                                  spans=True, keys_per_span=keys, span_loads=self.span_loads,
+                                  span_threads=self.span_threads, tiled=self.tiled)
 
     def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
         B, hq, _, d = queries.shape
         hkv, nrep, span = self.num_kv_heads, hq // self.num_kv_heads, self.spans and split_attention.supports(d)
-        tiled = span and self.tiled and split_attention.tiled_supports(d, queries.dtype.size)
+        tiled = span and self.tiled and split_attention.tiled_supports(d, queries.dtype.size, nrep, self.span_threads)
         if span:
             threads, kernel = self.span_threads, self._tiled_partial if tiled else self._span_partial
             ch = self.keys_per_span or split_attention.span_keys(B, hkv, table.shape[1] * self.block_size)

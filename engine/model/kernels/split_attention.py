@@ -189,6 +189,8 @@ TILED_PARTIAL = """
   constexpr int NW = THREADS / 32;
   constexpr int TK = 4096 / D;
   constexpr int ROUNDS = TK / (NW * KPI);
+  static_assert(sizeof(T) == 2, "tiled attention: 2-byte elements (tiled_supports)");
+  static_assert(ROUNDS >= 1 && ROUNDS * NW * KPI == TK, "tiled attention: whole rounds per tile (tiled_supports)");
   struct alignas(16) Vec { T v[VEC]; };
   const float NEG_INF = -__int_as_float(0x7f800000);
   __shared__ __align__(16) T sk[2][TK * D];
@@ -290,10 +292,27 @@ def supports(head_dim: int) -> bool:
     return head_dim % 8 == 0 and 32 % (head_dim // 8) == 0
 
 
-def tiled_supports(head_dim: int, dtype_bytes: int) -> bool:
+# CUDA's limit on a kernel's static shared memory
+STATIC_SHARED_BYTES = 48 * 1024
+TILE_ELEMENTS = 4096  # one tile of K (or V) in shared memory: 4096 / D keys (the kernel's TK)
+
+
+def tiled_shared_bytes(head_dim: int, num_rep: int, threads: int) -> int:
+    """The tiled kernel's static shared memory: two tiles each of K and V, and every warp's running max,
+    sum and accumulator per query head of the group."""
+    return 2 * 2 * TILE_ELEMENTS * 2 + (threads // 32) * num_rep * (2 + head_dim) * 4
+
+
+def tiled_supports(head_dim: int, dtype_bytes: int, num_rep: int, threads: int = SPAN_THREADS) -> bool:
     """The tiled kernel's shapes: 2-byte elements (8 per 16-byte copy), rows split over a divisor of a
-    warp's lanes, and a tile's rounds (4096 / D keys, NW * 32 / (D / 8) per round) whole."""
-    return dtype_bytes == 2 and supports(head_dim) and (4096 // head_dim) % (SPAN_THREADS // 32 * 256 // head_dim) == 0
+    warp's lanes, a tile's keys (4096 / D) in whole rounds of the block's warps, and its shared memory
+    within CUDA's static limit (a query group of 8 heads at D = 128 is past it: the span kernel serves it)."""
+    if dtype_bytes != 2 or not supports(head_dim) or threads % 32 or head_dim > TILE_ELEMENTS:
+        return False
+    keys_per_round = threads // 32 * (32 // (head_dim // 8))
+    tile_keys = TILE_ELEMENTS // head_dim
+    return (tile_keys % keys_per_round == 0 and tile_keys >= keys_per_round
+            and tiled_shared_bytes(head_dim, num_rep, threads) <= STATIC_SHARED_BYTES)
 
 
 # multiprocessors of the GPU the span is sized for (an H100 / H200): on a smaller GPU the spans come out
