@@ -51,6 +51,8 @@ def build_scheduler(model: str, dtype: str, setting: ReplaySetting):
 
     shape = ModelShape.from_config(RANDOM_SHAPES[model], DTYPES[dtype].size, setting.weights_bytes,
                                    module_forwards=False)
+    if shape.layer_windows:  # the engine keeps those layers' KV in rings counted with the weights: not built here
+        raise ValueError(f"--replay: {model} has sliding-window layers, which this replay does not model")
     coefficients, _ = coefficients_for("cuda", CUDA_OPS_PER_BUFFER, shape, cpu_math=False,
                                        prefill_chunk_size=setting.prefill_chunk_size)
     memory = MemoryModel(shape, kv_step=KV_BLOCK_TOKENS, coefficients=coefficients, paged_decode=True,

@@ -75,7 +75,8 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     # but for a family's `family_rows` in older fits: the backend's)
     family = dict(family_rows=coefs.coefficients_for_backend(backend, 8).family_rows)
     coef = (coefs.with_overrides(base_coefficients(), {**family, **coefficients}) if coefficients
-            else coefs.coefficients_for(backend, 8, shape)[0])
+            else coefs.coefficients_for(backend, 8, shape if loops else None,
+                                        prefill_chunk_size=config.get("prefill_chunk_size"))[0])
     model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=copies)
     own = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     pred, carried = _carry(own, carried), _carried_above(own, carried)
@@ -111,8 +112,9 @@ def replayed_shape(data: dict) -> tuple:
         raise ValueError(f"model {data['model']!r}: only the random shapes' are known here ({sorted(RANDOM_SHAPES)})")
     config = RANDOM_SHAPES[data["model"]]
     asked = (data["environment"].get("mlx_env") or {}).get(GPU_UNVALIDATED_LOOPS_ENV) == "1"
-    loops = not config.get("quantization") and (config.get("model_type", "llama") in REPLAYED_LOOP_FAMILIES
-                                                or (asked and loops_family(config)))
+    recorded = data["ways"]["engine"].get("chunk_loop")  # runs since it was recorded say it
+    loops = recorded if recorded is not None else not config.get("quantization") and (
+        config.get("model_type", "llama") in REPLAYED_LOOP_FAMILIES or (asked and loops_family(config)))
     shape = mem.ModelShape.from_config(config, DTYPES[data["dtype"]].size, module_forwards=not loops)
     if shape.layer_windows:
         shape = dataclasses.replace(shape, num_kv_layers=sum(w is None for w in shape.layer_windows))

@@ -260,7 +260,7 @@ def test_aligned_chunk_on_a_coarser_granule():
     assert aligned_chunk(0, 1100, 512) == 1024 and aligned_chunk(0, 700, 512) == 640  # 512 < 3/4 of 700
     assert aligned_chunk(512, 700, 512) == 640  # ends at 1152: 1024 (on 512 or 256) keeps 512 of 700
     assert aligned_chunk(0, 300, 512) == 256 and aligned_chunk(100, 50, 512) == 44  # as with 128
-    assert aligned_chunk(0, 300, 128) == aligned_chunk(0, 300)
+    assert aligned_chunk(0, 1000, 128) == 896 and aligned_chunk(0, 1000, 512) == 768  # the granule decides
 
 
 def ends_on_grid(chunk) -> bool:
