@@ -13,20 +13,9 @@ divide 32 use the short-span kernel (`supports`).
 
 from __future__ import annotations
 
-# Block g = ((b * HKV) + h) * NS + j covers positions [j * CH, (j + 1) * CH) of row b (each key's pool
-# block looked up in the row's table); lane = sub * LPK + dl holds dims [dl * 8, dl * 8 + 8) of keys
-# warp * KPI + sub + i * NW * KPI, U of them loaded before any is used.
-SPAN_PARTIAL = """
-  constexpr int VEC = 8;
-  constexpr int LPK = D / VEC;
-  constexpr int KPI = 32 / LPK;
-  constexpr int NW = THREADS / 32;
-  constexpr int STRIDE = NW * KPI;
-  struct alignas(16) Vec { T v[VEC]; };
-  const float NEG_INF = -__int_as_float(0x7f800000);
-  __shared__ float sm_m[NW][NREP];
-  __shared__ float sm_l[NW][NREP];
-  __shared__ float sm_acc[NW][NREP][D];
+# Both span kernels: block g's row b, KV head h and span j, its keys n (none: an empty partial), and
+# the lanes' parts of the queries (scaled) with the running max, sum and accumulator per query head.
+_BLOCK_SETUP = """
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -45,9 +34,9 @@ SPAN_PARTIAL = """
     pa_empty_span<NREP, D, THREADS>(part_out, stats_out, tid);  // engine/model/kernels/paged_attention.py's header
     return;
   }
-  const size_t S = k_pool_shape[0] / HKV;
-  const int* row_table = table + (size_t)b * NB;
-  const float sc = scale[0];
+"""
+
+_QUERY_SETUP = """
   float qr[NREP][VEC];
   #pragma unroll
   for (int r = 0; r < NREP; ++r) {
@@ -62,7 +51,26 @@ SPAN_PARTIAL = """
     #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[r][e] = 0.0f;
   }
-  for (int w0 = warp * KPI; w0 < n; w0 += STRIDE * U) {  // uniform over the warp: its shuffles need every lane
+"""
+
+# Block g = ((b * HKV) + h) * NS + j covers positions [j * CH, (j + 1) * CH) of row b (each key's pool
+# block looked up in the row's table); lane = sub * LPK + dl holds dims [dl * 8, dl * 8 + 8) of keys
+# warp * KPI + sub + i * NW * KPI, U of them loaded before any is used.
+SPAN_PARTIAL = """
+  constexpr int VEC = 8;
+  constexpr int LPK = D / VEC;
+  constexpr int KPI = 32 / LPK;
+  constexpr int NW = THREADS / 32;
+  constexpr int STRIDE = NW * KPI;
+  struct alignas(16) Vec { T v[VEC]; };
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  __shared__ float sm_m[NW][NREP];
+  __shared__ float sm_l[NW][NREP];
+  __shared__ float sm_acc[NW][NREP][D];
+""" + _BLOCK_SETUP + """  const size_t S = k_pool_shape[0] / HKV;
+  const int* row_table = table + (size_t)b * NB;
+  const float sc = scale[0];
+""" + _QUERY_SETUP + """  for (int w0 = warp * KPI; w0 < n; w0 += STRIDE * U) {  // uniform over the warp: its shuffles need every lane
     Vec kv[U], vv[U];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -198,44 +206,11 @@ TILED_PARTIAL = """
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
   __shared__ float sm_acc[NW][NREP][D];
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int warp = tid / 32;
-  const int sub = lane / LPK;
-  const int dl = lane % LPK;
-  const int NB = table_shape[1];
-  const int NS = (NB * BLOCK + CH - 1) / CH;
-  const int g = blockIdx.x;
-  const int j = g % NS;
-  const int b = g / (NS * HKV);
-  const int h = (g / NS) % HKV;
-  const int n = min(CH, lengths[b] - j * CH);
-  float* part_out = part + (size_t)g * NREP * D;
-  float* stats_out = stats + (size_t)g * NREP * 2;
-  if (n <= 0) {
-    for (int i = tid; i < NREP * D; i += THREADS) part_out[i] = 0.0f;
-    if (tid < NREP) { stats_out[2 * tid] = NEG_INF; stats_out[2 * tid + 1] = 0.0f; }
-    return;
-  }
-  const size_t head_rows = (size_t)h * (k_pool_shape[0] / HKV);
+""" + _BLOCK_SETUP + """  const size_t head_rows = (size_t)h * (k_pool_shape[0] / HKV);
   const int* row_table = table + (size_t)b * NB;
   const int span0 = j * CH;  // the span's first position: the tiles count keys from it
   const float sc = scale[0];
-  float qr[NREP][VEC];
-  #pragma unroll
-  for (int r = 0; r < NREP; ++r) {
-    const T* qp = q + ((size_t)(b * HKV + h) * NREP + r) * D + dl * VEC;
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) qr[r][e] = static_cast<float>(qp[e]) * sc;
-  }
-  float m[NREP], l[NREP], acc[NREP][VEC];
-  #pragma unroll
-  for (int r = 0; r < NREP; ++r) {
-    m[r] = NEG_INF; l[r] = 0.0f;
-    #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[r][e] = 0.0f;
-  }
-  const int NT = (n + TK - 1) / TK;
+""" + _QUERY_SETUP + """  const int NT = (n + TK - 1) / TK;
   pa_load_tile<T, D, TK, THREADS, BLOCK>(sk[0], sv[0], k_pool, v_pool, row_table, head_rows, span0, span0 + n, tid);
   for (int t = 0; t < NT; ++t) {
     if (t + 1 < NT) {
