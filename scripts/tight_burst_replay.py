@@ -20,14 +20,20 @@ from typing import Optional
 
 from bench_common import DTYPES, RANDOM_SHAPES
 
-# The engine's fields the replay builds its scheduler from (EngineConfig's defaults on a GPU).
-KV_BLOCK_TOKENS = 256
+from engine.engine import KV_BLOCK_TOKENS
+
 CUDA_OPS_PER_BUFFER = 8
+
+
+def _gpu_default(field: str):
+    """EngineConfig's default for `field` as the engine resolves it on a GPU."""
+    from engine.config import EngineConfig
+    return getattr(EngineConfig().for_backend("cuda"), field)
 
 
 @dataclasses.dataclass(frozen=True)
 class ReplaySetting:
-    """One engine configuration of the replay."""
+    """One engine configuration of the replay: the bench's options, the rest EngineConfig's GPU defaults."""
 
     headroom_bytes: int
     weights_bytes: int
@@ -35,10 +41,10 @@ class ReplaySetting:
     max_model_len: int
     pad_last_chunk: bool
     chunk_granule: int
-    max_num_batched_tokens: int = 8192
-    prefill_chunk_size: int = 512
-    memory_margin_fraction: float = 0.02
-    prefix_cache_fraction: float = 0.25
+    max_num_batched_tokens: int = dataclasses.field(default_factory=lambda: _gpu_default("max_num_batched_tokens"))
+    prefill_chunk_size: int = dataclasses.field(default_factory=lambda: _gpu_default("prefill_chunk_size"))
+    memory_margin_fraction: float = dataclasses.field(default_factory=lambda: _gpu_default("memory_margin_fraction"))
+    prefix_cache_fraction: float = dataclasses.field(default_factory=lambda: _gpu_default("prefix_cache_fraction"))
 
 
 def build_scheduler(model: str, dtype: str, setting: ReplaySetting):
