@@ -75,7 +75,7 @@ RANDOM_SHAPES = {"llama-8b": LLAMA_8B, "llama-test": LLAMA_TEST, "qwen3-8b": QWE
                                     num_attention_heads=8, num_key_value_heads=2, head_dim=64),
                  "gemma-test": dict(model_type="gemma", hidden_size=256, num_hidden_layers=4, intermediate_size=768,
                                     num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
-                                    vocab_size=256000, rope_theta=10000.0),
+                                    vocab_size=49152, rope_theta=10000.0),
                  "gemma3-test": dict(GEMMA3_12B, hidden_size=256, num_hidden_layers=6, intermediate_size=768,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=128)}
 
