@@ -135,8 +135,9 @@ class Engine:
                                     num_kv_layers=pool.num_layers - len(pool.ring_layers),
                                     layer_windows=layout.layer_windows if pool.window is not None else ())
         # a shape's calibration was fitted on the engine's loops: mlx-lm's modules take the backend's set
+        loops = runner.chunk_path is not None
         coefficients, self.memory_coefficients_source = device_backend.backend_coefficients(
-            shape if runner.chunk_path is not None else None, cpu_math=runner.chunk_path is not None and runner.ops.cpu_math,
+            shape if loops else None, cpu_math=loops and runner.ops.cpu_math,
             max_ops_per_buffer=config.execution.resolved_max_ops_per_buffer(backend),
             prefill_chunk_size=config.prefill_chunk_size)
         if config.memory_coefficients:
