@@ -204,6 +204,11 @@ def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
     models = [MemoryModel(shape, coefficients=c, paged_decode=True) for c in (calibrated, CUDA_OPS8_COEFFICIENTS)]
     for rows in ([100], [8192] * 16):  # no Gemma decode measured: never below the set's
         assert models[0].decode_bytes(rows) >= models[1].decode_bytes(rows)
+    # nor a fragmented row's gathered chunk KV: the grid read views only
+    for n in (2048, 8192):
+        extra = [m.prefill_chunk_bytes(512, n, gathers=True) - m.prefill_chunk_bytes(512, n, gathers=False)
+                 for m in models]
+        assert extra[0] >= extra[1] > 0, (n, extra)
 
 
 def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():

@@ -36,6 +36,9 @@ class TransientCoefficients:
     # The per-layer terms count min(L, layers_in_flight) layers: 1 where MLX frees a layer's
     # intermediates before the next layer runs (CPU); more on CUDA, which frees them per committed batch.
     layers_in_flight: int = 1
+    # layers whose gathered row KV (a chunk of a fragmented row) coexist, where a calibration fitted on
+    # views only counts fewer layers in flight than its set (0: layers_in_flight)
+    row_gather_layers: int = 0
     step_overhead_bytes: int = 0  # added to every forward (0 on CPU)
     prefill_overhead_bytes: int = 0  # added to every prompt chunk of more than one token (0 on CPU)
     # x I*s per layer in flight, whatever the chunk's size (prompt chunks of more than one token): a
@@ -215,8 +218,8 @@ def with_overrides(base: TransientCoefficients, overrides: Optional[dict] = None
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"memory_coefficients: {name}={value!r} must be a number >= 0")
     values = dict(overrides)
-    for name in ("layers_in_flight", "mixed_min_layers", "step_overhead_bytes", "prefill_overhead_bytes",
-                 "attention_query_blocks", "allocation_page_bytes"):
+    for name in ("layers_in_flight", "row_gather_layers", "mixed_min_layers", "step_overhead_bytes",
+                 "prefill_overhead_bytes", "attention_query_blocks", "allocation_page_bytes"):
         if name in values:
             values[name] = int(values[name])
     for name in ("head_apart", "phases_apart"):
@@ -260,7 +263,8 @@ QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
 # chunk size's largest point with one layer in flight: the least over-prediction of 1-7 (its layers hold
 # more operations than a llama's, so fewer of them share a committed batch, and the arrays the shape
 # counts per layer in flight, its sliding layers' scores and output norms, count once). The decode terms
-# are the set's times its 7 layers in flight (no Gemma decode was measured: never below the set's):
+# are the set's times its 7 layers in flight, and a fragmented row's gathered chunk KV counts the set's 7
+# layers (no Gemma decode or gathered chunk was measured: never below the set's):
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_i21_prefill_families.json:at_c25d549/gemma3-12b_grid \
 #         --backend cuda --fit-variants gemma3-12b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
 #         --layers-in-flight 1
@@ -277,7 +281,8 @@ SHAPE_CALIBRATIONS = {
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.056, prefill_hidden=3.694, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9), 512),
     ("cuda-ops8", GEMMA3_12B_BF16): ("gemma-3-12b bf16 calibration of the cuda-ops8 set (layer loops)", replace(
-        CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, prefill_mlp=9.118, prefill_hidden=36.47, prefill_gather=1.331,
+        CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, row_gather_layers=7, prefill_mlp=9.118, prefill_hidden=36.47,
+        prefill_gather=1.331,
         prefill_layer_rows=201.4, family_rows=22.8, step_overhead_bytes=6185000, prefill_overhead_bytes=6185000,
         decode_gather=7.007, decode_scores=0.126, decode_mlp=19.11, decode_hidden=18.1, decode_paged=7.126), 2048),
 }

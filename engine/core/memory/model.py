@@ -213,7 +213,9 @@ class MemoryModel:
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
         copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
         last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
-        gather = self._over_layers(gathered, n, c) if gathers and not paged else self._window_gather(n, c, paged=paged)
+        rows_gathered = min(self.shape.num_layers, self.coefficients.row_gather_layers) or None
+        gather = (self._over_layers(gathered, n, c, rows_gathered) if gathers and not paged
+                  else self._window_gather(n, c, paged=paged))
         return TransientTerms(
             prefill_scores=self._over_layers(scores, n, c),
             decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * s.num_heads * keys, n, c) if c == 1 else 0,
