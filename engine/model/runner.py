@@ -50,6 +50,7 @@ class RunnerOptions:
     compiled_decode: bool = True  # on MLX's CUDA backend only
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
+    tiled_attention: bool = True  # False: the paged kernel's untiled span kernel (to compare the two)
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False
@@ -60,7 +61,7 @@ class ModelRunner:
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
-                 stage_waits: bool = False):
+                 stage_waits: bool = False, tiled_attention: bool = True):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -69,7 +70,7 @@ class ModelRunner:
         `paged_attention`: the engine's decode loop reads the pool in place with the CUDA kernel (the
         engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
         allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
-        decode gathers.
+        decode gathers. `tiled_attention`: that kernel's tiled variant where it applies (else the span one).
         `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
         (engine/model/layers/fused.py), for models they run; mlx-lm's modules running the same model
         object compute the original layers.
@@ -98,7 +99,8 @@ class ModelRunner:
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
         self._build_loops(fuse, mixed, layer_loops, compiled_decode, cpu_math)
         if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
-            self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype)
+            self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,
+                                      tiled_attention)
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step
@@ -129,20 +131,20 @@ class ModelRunner:
             logger.info("prompt chunks run mlx-lm's modules (%s)", loops_why_not)
 
     def _enable_paged_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                             dtype) -> None:
+                             dtype, tiled: bool = True) -> None:
         """The CUDA kernel for one-query forwards, if this model's shape allows it and it passes its
         self-check here; else decode gathers (logged)."""
         why_not = self._loops_why_not() or self._kernel_why_not() or unsupported(
             num_heads, num_kv_heads, head_dim, block_size, dtype)
-        for tiled in (True, False) if why_not is None else ():  # the tiled kernel, else the span kernel
+        for variant in ((True, False) if tiled else (False,)) if why_not is None else ():  # tiled, else span
             try:
-                kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=tiled)
+                kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=variant)
                 self_check(kernel, num_heads, head_dim, dtype)
                 self.use_paged_attention(kernel)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure means: do without it
                 why_not = f"{type(exc).__name__}: {exc}"
-                logger.warning("paged decode attention (tiled=%s) failed its self-check: %s", tiled, why_not)
+                logger.warning("paged decode attention (tiled=%s) failed its self-check: %s", variant, why_not)
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:

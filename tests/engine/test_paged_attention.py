@@ -203,6 +203,8 @@ def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, mon
     if works != "none":
         assert isinstance(runner.pool.paged, FakeKernel)
         assert runner.pool.paged.tiled == (works == "both")
+        untiled = ModelRunner(tiny_parts[0], paged_attention=True, tiled_attention=False)  # asked for the span one
+        assert isinstance(untiled.pool.paged, FakeKernel) and not untiled.pool.paged.tiled
     else:
         assert runner.pool.paged is None
         assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
