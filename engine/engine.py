@@ -123,7 +123,8 @@ class Engine:
                            cpu_math=options.cpu_math and backend == "cpu",
                            read_slices=options.read_slices, max_rows=config.max_num_seqs,
                            max_forward_tokens=config.prefill_chunk_size, stage_waits=backend == "cpu",
-                           tiled_attention=options.tiled_attention)
+                           tiled_attention=options.tiled_attention,
+                           fused_rope=options.fused_rope and backend == "cuda")
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str) -> MemoryModel:

@@ -49,14 +49,18 @@ ENGINE_OVERRIDES: dict = {}  # --engine-config
 # Set (to 1) for the runs that validate, on a GPU, the layer loops of the families not yet validated
 # there (engine/model/families.py GPU_LOOP_FAMILIES): RunnerOptions.gpu_unvalidated_loops
 GPU_UNVALIDATED_LOOPS_ENV = "MLX_SERVE_GPU_UNVALIDATED_LOOPS"
+# RunnerOptions.fused_rope (engine/model/kernels/qk_rope.py, opt-in until measured) in every benchmark
+FUSED_ROPE_ENV = "MLX_SERVE_FUSED_ROPE"
 
 
 def runner_options(**fields):
-    """RunnerOptions with `fields`, and the not yet GPU-validated families' loops where the environment
-    asks for them (GPU_UNVALIDATED_LOOPS_ENV)."""
+    """RunnerOptions with `fields`, and the not yet GPU-validated families' loops and the fused q/k
+    rope kernel where the environment asks for them (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV)."""
     from engine.model.runner import RunnerOptions
 
-    return RunnerOptions(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1", **fields)
+    env = dict(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1",
+               fused_rope=os.environ.get(FUSED_ROPE_ENV) == "1")
+    return RunnerOptions(**{**env, **fields})
 
 
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,

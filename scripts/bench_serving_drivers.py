@@ -345,6 +345,10 @@ def backend_runners() -> dict:
             "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(layer_loops=False))),
             "engine_sync_span": (lambda *a, **k: run_engine_sync(*a, **k, options=runner_options(
                 tiled_attention=False))),
+            "engine_sync_fused_rope": (lambda *a, **k: run_engine_sync(*a, **k, options=runner_options(
+                fused_rope=True))),
+            "engine_fused_rope": (lambda *a, **k: run_engine_async(*a, **k, options=runner_options(
+                fused_rope=True))),
             "engine_sync_uncompiled": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
                 compiled_decode=False))),
             "engine_uncompiled": (lambda *a, **k: run_engine_async(*a, **k, options=RunnerOptions(

@@ -31,6 +31,7 @@ from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start, sliding_window
 from engine.model.layers.mixed import MixedForward
+from engine.model.kernels import qk_rope
 from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
 from engine.model.sampling import DeferredSampling, RequestSampler, sample_rows
 from engine.model.work import DecodeWork, Forward, PrefillWork, stage_list
@@ -51,6 +52,7 @@ class RunnerOptions:
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
     tiled_attention: bool = True  # False: the paged kernel's untiled span kernel (to compare the two)
+    fused_rope: bool = False  # CUDA: decode's q/k norms and RoPE in one kernel (opt-in until measured)
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False
@@ -61,7 +63,7 @@ class ModelRunner:
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
-                 stage_waits: bool = False, tiled_attention: bool = True):
+                 stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -71,6 +73,8 @@ class ModelRunner:
         engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
         allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
         decode gathers. `tiled_attention`: that kernel's tiled variant where it applies (else the span one).
+        `fused_rope`: the decode loop's q/k norms, RoPE and q/k/v layout in one CUDA kernel
+        (engine/model/kernels/qk_rope.py) where it passes its self-check.
         `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
         (engine/model/layers/fused.py), for models they run; mlx-lm's modules running the same model
         object compute the original layers.
@@ -101,6 +105,10 @@ class ModelRunner:
         if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,
                                       tiled_attention)
+        if fused_rope and self.decode_path is not None:
+            why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype)
+            if why is not None:
+                logger.warning("fused q/k rope kernel not used (%s)", why)
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step

@@ -42,6 +42,8 @@ class ReferenceOps:
 
     def __init__(self, cpu_math: bool = False):
         self.cpu_math = cpu_math
+        # the CUDA kernel for rope_qkv (engine/model/kernels/qk_rope.py), where the runner enabled it
+        self.qk_rope = None
 
     def attention(self, queries, keys, values, scale: float, mask=None, stages: Optional[list] = None,
                   softcap: Optional[float] = None) -> mx.array:
@@ -102,6 +104,8 @@ class ReferenceOps:
         """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d] (q, k rotated);
         `norms`: ((weight, eps) of the query heads' RMSNorm, that of the key heads') applied before
         RoPE, as qwen3's and gemma3's attention do, or None."""
+        if self.qk_rope is not None and self.qk_rope.handles(rope):
+            return self.qk_rope(qkv, offsets, rope, heads, kv_heads, norms)
         B, d = qkv.shape[0], rope.head_dim
         q, k, v = mx.split(qkv, [heads * d, (heads + kv_heads) * d], axis=-1)
         q, k = q.reshape(B, 1, heads, d), k.reshape(B, 1, kv_heads, d)

@@ -1,0 +1,167 @@
+"""A decode step's q/k head norms, RoPE and q/k/v layout in one kernel, on MLX's CUDA backend.
+
+Per layer the decode loop (engine/model/layers/decode_path.py, `ReferenceOps.rope_qkv`) turns the fused
+q/k/v product [B, 1, (H + 2 H_kv) d] into q [B, H, 1, d], k and v [B, H_kv, 1, d]: RoPE of q and of k
+(two kernels), their head RMSNorms before it where the family has them (Qwen3, Gemma 3: two more), and
+v's copy into its layout. At 16 rows a decode step is the host's launch of some 600 kernels
+(docs/decode.md), so each kernel a layer drops is a step's time. This one does all of it: one thread
+block per (row, head) of D / 2 threads, each rotating one pair (i, i + D / 2) of the head's dims, as
+MLX's non-traditional RoPE does, with MLX's own arithmetic (rms_norm.cu, rope.cu: float sums and
+rotation, the normed value rounded to the weights' type before the weight's product and the rotation).
+
+`ReferenceOps.rope_qkv` stays the definition; `self_check` compares the two before the runner uses the
+kernel (RunnerOptions.fused_rope), which falls back to the reference where it fails.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+# grid: B * (H + 2 HKV) blocks of D / 2 threads; inputs: qkv [B, (H + 2 HKV) D], offsets [B],
+# q_norm and k_norm [D] and their eps [2] (unread without NORM), rope [2] (scale, log2 of the base;
+# FREQS: rope holds the scale and freqs the D / 2 frequencies, as Llama3RoPE passes them to mx.fast.rope)
+SOURCE = """
+  constexpr int NH = H + 2 * HKV;
+  constexpr int HALF = D / 2;
+  static_assert(HALF % 32 == 0 && HALF <= 1024, "qk_rope: D / 2 a multiple of a warp");
+  const int tid = threadIdx.x;
+  const int g = blockIdx.x;
+  const int b = g / NH;
+  const int hd = g % NH;
+  const T* x = qkv + (size_t)g * D;
+  if (hd >= H + HKV) {  // v: its layout only
+    T* o = v + ((size_t)b * HKV + (hd - H - HKV)) * D;
+    o[tid] = x[tid];
+    o[tid + HALF] = x[tid + HALF];
+    return;
+  }
+  const bool is_q = hd < H;
+  T a = x[tid];
+  T c = x[tid + HALF];
+  if (NORM) {
+    __shared__ float partial[HALF / 32];
+    const float fa = static_cast<float>(a);
+    const float fc = static_cast<float>(c);
+    float ss = fa * fa + fc * fc;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if (tid % 32 == 0) partial[tid / 32] = ss;
+    __syncthreads();
+    ss = 0.0f;
+    for (int i = 0; i < HALF / 32; ++i) ss += partial[i];
+    const float r = rsqrt(ss / D + eps[is_q ? 0 : 1]);
+    const T* w = is_q ? q_norm : k_norm;
+    a = w[tid] * static_cast<T>(fa * r);
+    c = w[tid + HALF] * static_cast<T>(fc * r);
+  }
+  const float L = rope[0] * static_cast<float>(offsets[b]);
+  float inv_freq;
+  if (FREQS) {
+    inv_freq = 1.0 / freqs[tid];
+  } else {
+    const float d = static_cast<float>(tid) / static_cast<float>(HALF);
+    inv_freq = exp2(-d * rope[1]);
+  }
+  const float theta = L * inv_freq;
+  const float ct = cos(theta);
+  const float st = sin(theta);
+  const float x1 = static_cast<float>(a);
+  const float x2 = static_cast<float>(c);
+  T* o = is_q ? q + ((size_t)b * H + hd) * D : k + ((size_t)b * HKV + (hd - H)) * D;
+  o[tid] = static_cast<T>(x1 * ct - x2 * st);
+  o[tid + HALF] = static_cast<T>(x1 * st + x2 * ct);
+"""
+
+
+def supports(rope, head_dim: int, dtype) -> Optional[str]:
+    """Why the kernel cannot rotate with `rope` (an engine/model/layers/ops.py RopeSpec) at this head
+    size and dtype (None: it can)."""
+    module = rope.module
+    if type(module).__name__ not in ("RoPE", "Llama3RoPE"):
+        return f"rotary embedding {type(module).__name__}"
+    if module.dims != head_dim or module.traditional:
+        return "partial or traditional rotation"
+    if head_dim % 64 or head_dim > 2048:
+        return f"head size {head_dim} (a multiple of 64 up to 2048)"
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"dtype {dtype}"
+    return None
+
+
+class CudaQKRope:
+    """The kernel (module docstring), called as `ReferenceOps.rope_qkv` is, for the RopeSpecs it was
+    given (their parameters made into arrays once, outside any compiled trace)."""
+
+    def __init__(self, ropes: list):
+        self._kernel = mx.fast.cuda_kernel(
+            name="qk_rope", input_names=["qkv", "offsets", "q_norm", "k_norm", "eps", "rope", "freqs"],
+            output_names=["q", "k", "v"], source=SOURCE)
+        self._params = {}
+        for rope in ropes:
+            freqs = rope.freqs.astype(mx.float32) if rope.freqs is not None else mx.zeros((1,), mx.float32)
+            self._params[id(rope)] = (mx.array([rope.scale, rope.log2_base], mx.float32), freqs)
+        self._ropes = list(ropes)  # their ids key the parameters
+        mx.eval(list(self._params.values()))
+
+    def handles(self, rope) -> bool:
+        return id(rope) in self._params
+
+    def __call__(self, qkv: mx.array, offsets: mx.array, rope, heads: int, kv_heads: int,
+                 norms: Optional[tuple] = None) -> tuple:
+        """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d]; `norms` as
+        `ReferenceOps.rope_qkv`'s ((weight, eps) of the q heads' RMSNorm, the k heads'), or None."""
+        B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
+        params, freqs = self._params[id(rope)]
+        if norms is None:
+            q_norm = k_norm = mx.zeros((1,), dtype)
+            eps = mx.zeros((2,), mx.float32)
+        else:
+            (q_norm, q_eps), (k_norm, k_eps) = norms
+            eps = mx.array([q_eps, k_eps], mx.float32)
+        nh = heads + 2 * kv_heads
+        q, k, v = self._kernel(
+            inputs=[qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs],
+            template=[("T", dtype), ("D", d), ("H", heads), ("HKV", kv_heads), ("NORM", norms is not None),
+                      ("FREQS", rope.freqs is not None)],
+            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
+            output_shapes=[(B, heads, 1, d), (B, kv_heads, 1, d), (B, kv_heads, 1, d)],
+            output_dtypes=[dtype, dtype, dtype])
+        return q, k, v
+
+
+def self_check(kernel, reference, ropes: list, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> None:
+    """Run `kernel` against `reference` (both called as `ReferenceOps.rope_qkv`) for each of the model's
+    RopeSpecs on rows at offsets 0, 7 and 3000; raise if it fails or differs."""
+    d = ropes[0].head_dim
+    qkv = mx.random.normal((3, 1, (heads + 2 * kv_heads) * d), key=mx.random.key(7)).astype(dtype)
+    offsets = mx.array([0, 7, 3000], mx.int32)
+    tolerance = 1e-4 if dtype == mx.float32 else 5e-2
+    for rope in ropes:  # as the compiled decode layers call it (decode_path.CompiledLayers)
+        got = mx.compile(lambda x, o, r=rope: kernel(x, o, r, heads, kv_heads, norms))(qkv, offsets)
+        want = reference(qkv, offsets, rope, heads, kv_heads, norms)
+        for name, a, b in zip("qkv", got, want):
+            err = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            if not err <= tolerance:  # NaN fails too
+                raise RuntimeError(f"fused q/k rope kernel: {name} differs from the reference by {err}")
+
+
+def enable(ops, decode_path, dtype) -> Optional[str]:
+    """Give `ops` (the layer loops' ReferenceOps) the kernel for `decode_path`'s layers if every layer's
+    rotation allows it and it passes `self_check` here; returns why not (None: enabled)."""
+    from engine.model.layers.decode_path import qk_norms
+    from engine.model.layers.ops import ReferenceOps
+
+    ropes, d = decode_path.ropes, decode_path.head_dim
+    why = next((w for w in (supports(r, d, dtype) for r in ropes) if w is not None), None)
+    if why is not None:
+        return why
+    try:
+        kernel = CudaQKRope(ropes)
+        distinct = list({r.key(): r for r in ropes}.values())
+        self_check(kernel, ReferenceOps().rope_qkv, distinct, decode_path.heads, decode_path.kv_heads,
+                   qk_norms(decode_path.layers[0]), dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure means: do without it
+        return f"{type(exc).__name__}: {exc}"
+    ops.qk_rope = kernel
+    return None

@@ -1,0 +1,64 @@
+"""The fused q/k norm + RoPE kernel's plumbing (engine/model/kernels/qk_rope.py), on the CPU where the
+kernel itself cannot run: which rotations it takes, how the runner enables it (its self-check against
+ReferenceOps.rope_qkv decides), and that the decode loop then calls it for every layer."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.model.kernels import qk_rope
+from engine.model.layers.ops import ReferenceOps, RopeSpec
+
+
+def test_it_takes_full_non_traditional_rotations_of_head_sizes_a_warp_pair_splits():
+    ok = RopeSpec(nn.RoPE(128, base=10000.0), 128)
+    assert qk_rope.supports(ok, 128, mx.bfloat16) is None and qk_rope.supports(ok, 128, mx.float32) is None
+    assert "partial" in qk_rope.supports(RopeSpec(nn.RoPE(64), 128), 128, mx.bfloat16)
+    assert "partial" in qk_rope.supports(RopeSpec(nn.RoPE(128, traditional=True), 128), 128, mx.bfloat16)
+    assert "head size" in qk_rope.supports(RopeSpec(nn.RoPE(96), 96), 96, mx.bfloat16)
+    assert "dtype" in qk_rope.supports(ok, 128, mx.int32)
+
+
+class ReferenceKernel:
+    """Stands for the CUDA kernel on this CPU: the reference's results (or wrong ones), counting calls."""
+
+    wrong = False
+
+    def __init__(self, ropes):
+        self.ids, self.calls = {id(r) for r in ropes}, 0
+
+    def handles(self, rope) -> bool:
+        return id(rope) in self.ids
+
+    def __call__(self, qkv, offsets, rope, heads, kv_heads, norms=None):
+        self.calls += 1
+        q, k, v = ReferenceOps().rope_qkv(qkv, offsets, rope, heads, kv_heads, norms)
+        return (q + 1.0, k, v) if self.wrong else (q, k, v)
+
+
+def test_the_runner_enables_it_only_if_it_passes_its_self_check(tiny_parts, monkeypatch, make_engine,
+                                                                  reference_greedy):
+    from engine.model.runner import ModelRunner
+
+    monkeypatch.setattr(qk_rope, "CudaQKRope", ReferenceKernel)
+    monkeypatch.setattr(qk_rope, "supports", lambda *args: None)  # the tiny model's heads are 16 wide
+    runner = ModelRunner(tiny_parts[0], fused_rope=True)
+    kernel = runner.ops.qk_rope
+    assert isinstance(kernel, ReferenceKernel) and kernel.calls == 1  # the self-check (one kind of layer)
+    assert ModelRunner(tiny_parts[0]).ops.qk_rope is None  # not asked for
+    monkeypatch.setattr(ReferenceKernel, "wrong", True)
+    assert ModelRunner(tiny_parts[0], fused_rope=True).ops.qk_rope is None  # differs: not used
+    # enabled, every decode layer's rotation goes through it and greedy tokens are mlx-lm's
+    monkeypatch.setattr(ReferenceKernel, "wrong", False)
+    engine = make_engine(max_num_seqs=2)
+    assert qk_rope.enable(engine.runner.ops, engine.runner.decode_path, mx.float32) is None
+    kernel = engine.runner.ops.qk_rope
+    prompt = list(range(5, 30))
+    from engine.core.types import SamplingParams
+    engine.add_request("a", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step().outputs for t in o.new_token_ids]
+    assert tokens == reference_greedy(tiny_parts[0], prompt, 5)
+    assert kernel.calls >= 1 + 4 * len(engine.runner.decode_path.layers)  # self-check, then each layer a step
