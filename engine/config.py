@@ -79,9 +79,9 @@ class ExecutionConfig(BaseModel):
         "grid (tokens: multiples of chunk_granule up to prefill_chunk_size; context: multiples of "
         "chunk_granule up to max_model_len) over a scratch row of garbage KV, so that MLX's CUDA backend "
         "builds the cuDNN attention graph of each before requests meet it (engine/warmup.py). With "
-        "pad_last_chunk most chunks then have a warm shape. The KV pool takes the whole KV budget at "
-        "startup (a chunk's keys are a view of it whose strides key the graph). Costs startup time; "
-        "off by default until a burst on a GPU measures it (docs/benchmarks.md).",
+        "pad_last_chunk nearly every chunk then has a warm shape. Costs startup time and, for the "
+        "scratch row, KV for max_model_len tokens while it runs; off by default until a burst on a GPU "
+        "measures it (docs/benchmarks.md).",
     )
 
     @field_validator("chunk_granule")

@@ -6,9 +6,7 @@ the graphs in an LRU cache (engine/config.py CUDA_CACHE_DEFAULTS sizes it). A bu
 meets many such pairs at once. The scheduler ends cut chunks on the chunk grid and, with
 pad_last_chunk, pads a prompt's last chunk to it (engine/core/chunk_grid.py), so the pairs a server
 meets are those of the grid: this computes one chunk of each, over a scratch row whose KV is garbage
-(no output is read), before the engine serves. A chunk reads its keys as a view of the pool, and the
-view's strides are part of the graph's key, so the pool takes the whole KV budget first and keeps that
-layout (it never grows after).
+(no output is read), before the engine serves.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ def warm_chunk_shapes(engine, max_shapes: int) -> WarmupReport:
     shapes = grid_shapes(granule, config.prefill_chunk_size, max_len)[:max_shapes]
     try:
         (row,) = kv.place_admitted()
-        # the whole budget's pool now: a chunk's keys are a view of it, whose strides (part of the
-        # attention graph's key) change when the pool grows
-        runner.grow_pool(kv.grow_to_budget())
+        if kv.num_pool_blocks > runner.num_pool_blocks:
+            runner.grow_pool(kv.num_pool_blocks)
         runner.add_row(WARMUP_REQUEST_ID, row.block_ids, engine.scratch_sampler(), ring=row.ring)
         for start, tokens in shapes:
             runner.warm_chunk(WARMUP_REQUEST_ID, start, tokens)

@@ -79,13 +79,6 @@ class KVManager:
         """Blocks the pool must hold for every block handed out so far."""
         return self.allocator.num_blocks
 
-    def grow_to_budget(self) -> int:
-        """Let the pool hold every block the KV budget allows from now on (it never grows after); returns
-        its blocks. The runner's pool arrays keep one layout then (engine/warmup.py)."""
-        if self.allocator.max_blocks > self.allocator.num_blocks:
-            self.allocator.grow(self.allocator.max_blocks)
-        return self.allocator.num_blocks
-
     def num_slots(self, request_id: str) -> int:
         """Token positions the request's placed blocks hold (0: none placed): a padded last prompt chunk
         (scheduler.py `_pad_tokens`) computes no position past them, so it needs no block of its own."""
