@@ -73,16 +73,6 @@ class ExecutionConfig(BaseModel):
         "(tokens, context) shapes on MLX's CUDA backend (fewer cuDNN graph builds) at the cost of shorter "
         "cut chunks and more pad tokens computed (docs/benchmarks.md).",
     )
-    warm_chunk_shapes: bool = Field(
-        False,
-        description="At startup, compute one prompt chunk of every (tokens, context) shape on the chunk "
-        "grid (tokens: multiples of chunk_granule up to prefill_chunk_size; context: multiples of "
-        "chunk_granule up to max_model_len) over a scratch row of garbage KV, so that MLX's CUDA backend "
-        "builds the cuDNN attention graph of each before requests meet it (engine/warmup.py). With "
-        "pad_last_chunk nearly every chunk then has a warm shape. Costs startup time and, for the "
-        "scratch row, KV for max_model_len tokens while it runs; off by default until a burst on a GPU "
-        "measures it (docs/benchmarks.md).",
-    )
 
     @field_validator("chunk_granule")
     @classmethod
@@ -114,8 +104,7 @@ def export_max_ops_per_buffer(value: Optional[int]) -> None:
 # and, by default, throws once the process has missed it more than twice its size in its lifetime: a
 # server meets a new (tokens, context) pair for most prompts, so the throw would fail a step of a
 # healthy replica. The engine keeps more graphs and turns the throw off (an explicit setting wins).
-SDPA_CACHE_ENV = "MLX_CUDA_SDPA_CACHE_SIZE"
-CUDA_CACHE_DEFAULTS = {SDPA_CACHE_ENV: "1024", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+CUDA_CACHE_DEFAULTS = {"MLX_CUDA_SDPA_CACHE_SIZE": "1024", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 
 
 def export_cuda_cache_defaults(backend: str) -> None:

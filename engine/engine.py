@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -20,8 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine import backend as device_backend  # one place to read (and, in tests, to stand in for) the backend
-from engine.config import (CUDA_CACHE_DEFAULTS, SDPA_CACHE_ENV, EngineConfig, export_cuda_cache_defaults,
-                           export_max_ops_per_buffer)
+from engine.config import EngineConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
@@ -35,7 +33,6 @@ from engine.model.families import GPU_LOOP_FAMILIES, family_of
 from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
 from engine.model.runner import ModelRunner, RunnerOptions
 from engine.model.sampling import RequestSampler
-from engine.warmup import WarmupReport, warm_chunk_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +100,6 @@ class Engine:
         self._grammar_compiler = grammar_compiler
         self._grammar_lock = threading.Lock()
         self._matchers: dict[str, GrammarMatcher] = {}  # compiled grammars of requests without a row yet
-        self.warmup: Optional[WarmupReport] = None
-        if config.execution.warm_chunk_shapes:  # no more shapes than MLX's CUDA attention cache keeps
-            cache_size = int(os.environ.get(SDPA_CACHE_ENV, CUDA_CACHE_DEFAULTS[SDPA_CACHE_ENV]))
-            self.warmup = warm_chunk_shapes(self, cache_size)
 
     @staticmethod
     def _build_runner(model: nn.Module, config: EngineConfig, options: RunnerOptions, backend: str) -> ModelRunner:
@@ -228,10 +221,6 @@ class Engine:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer._tokenizer, self.memory.shape.vocab_size,
                                                          sorted(self.eos_token_ids))
             return self._grammar_compiler
-
-    def scratch_sampler(self) -> RequestSampler:
-        """A sampler for a row whose tokens nobody reads (engine/warmup.py)."""
-        return RequestSampler(SamplingParams(max_tokens=1), self.config.seed)
 
     def _make_sampler(self, request: Request) -> RequestSampler:
         """A new row's sampler, with the matcher its grammar was compiled into at add_request."""

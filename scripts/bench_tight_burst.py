@@ -129,12 +129,6 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
                     engine_error=str(exc), num_requests=len(prompts), num_refused=len(prompts),
                     kv_share_of_headroom=0.0)
     stats0 = engine.stats()
-    warmup = engine.warmup  # ExecutionConfig.warm_chunk_shapes: its shapes are built before the burst
-    if warmup is not None and seen_shapes is not None:
-        from engine.warmup import grid_shapes
-        granule, chunk = engine.config.execution.chunk_granule, engine.config.prefill_chunk_size
-        warmed = grid_shapes(granule, chunk, warmup.max_context)[:warmup.num_shapes]
-        seen_shapes.update((tokens, start + tokens) for start, tokens in warmed)
     refused, steps, failed = [], [], 0
     with PeakTracker() as tracker:
         tracker.start()
@@ -175,8 +169,6 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
         num_failed=failed, num_finished=num_done, output_tokens=sum(new_tokens),
         prompt_tokens=sum(len(p) for p in prompts), **step_summary(steps, seen_shapes),
         config=engine.config.model_dump(), steps=steps if args.steps else None,
-        warmup_s=None if warmup is None else warmup.seconds,
-        warmup_shapes=None if warmup is None else warmup.num_shapes,
     )
     del engine
     free_memory()

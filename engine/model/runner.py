@@ -294,15 +294,6 @@ class ModelRunner:
         token = sample_rows(logits, [self.samplers[work.request_id]])
         return Forward(stages + [[token]], token)  # every layer's KV write is in its graph (attention reads it)
 
-    def warm_chunk(self, request_id: str, start: int, num_tokens: int) -> None:
-        """Compute, and wait for, a prompt chunk of `num_tokens` tokens at `start` of the row (its KV
-        before `start` whatever the pool holds there): a forward of that shape built once
-        (engine/warmup.py)."""
-        self.rows[request_id].offset = start
-        forward = self.prefill(PrefillWork(request_id, [0] * num_tokens, start, sample=False))
-        self.launch(forward)
-        forward.finish()
-
     def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None,
                defer_sampling: bool = False) -> "Forward":
         """Build (only: nothing runs) one batched decode forward of `work`'s rows; `launch` runs it.
