@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 
 from engine.model.kernels import qk_rope
 from engine.model.layers.ops import ReferenceOps, RopeSpec
@@ -25,7 +26,7 @@ class ReferenceKernel:
 
     wrong = False
 
-    def __init__(self, ropes):
+    def __init__(self, ropes, norm_eps=()):
         self.ids, self.calls = {id(r) for r in ropes}, 0
 
     def handles(self, rope) -> bool:
@@ -62,3 +63,32 @@ def test_the_runner_enables_it_only_if_it_passes_its_self_check(tiny_parts, monk
         tokens += [t for o in engine.step().outputs for t in o.new_token_ids]
     assert tokens == reference_greedy(tiny_parts[0], prompt, 5)
     assert kernel.calls >= 1 + 4 * len(engine.runner.decode_path.layers)  # self-check, then each layer a step
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="the kernel runs on CUDA only")
+def test_the_cuda_kernel_equals_the_reference():
+    """On a CUDA device: the kernel against ReferenceOps.rope_qkv for Llama 3's, Qwen3's (head norms) and
+    Gemma 3's (two bases, linear scaling) rotations, 1-64 rows at offsets up to 32k."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    cases = [(initialize_rope(128, 500000.0, False, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor":
+                                                    4.0, "original_max_position_embeddings": 8192,
+                                                    "rope_type": "llama3"}, 131072), 32, 8, False),
+             (nn.RoPE(128, base=1000000.0), 32, 8, True),
+             (nn.RoPE(256, base=10000.0), 16, 8, True), (nn.RoPE(256, base=1000000.0, scale=0.125), 16, 8, True)]
+    for module, heads, kv_heads, with_norms in cases:
+        rope = RopeSpec(module, module.dims)
+        d = module.dims
+        for dtype in (mx.bfloat16, mx.float32):
+            norms = ((mx.random.uniform(0.5, 1.5, (d,)).astype(dtype), 1e-6),
+                     (mx.random.uniform(0.5, 1.5, (d,)).astype(dtype), 1e-6)) if with_norms else None
+            kernel = qk_rope.CudaQKRope([rope], ((1e-6, 1e-6),))
+            for rows in (1, 16, 64):
+                qkv = mx.random.normal((rows, 1, (heads + 2 * kv_heads) * d)).astype(dtype)
+                offsets = mx.random.randint(0, 32768, (rows,)).astype(mx.int32)
+                got = kernel(qkv, offsets, rope, heads, kv_heads, norms)
+                want = ReferenceOps().rope_qkv(qkv, offsets, rope, heads, kv_heads, norms)
+                for a, b in zip(got, want):
+                    assert a.shape == b.shape and a.dtype == b.dtype
+                    assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=2e-2 if dtype != mx.float32
+                                       else 1e-4, rtol=2e-2).item()

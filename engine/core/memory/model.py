@@ -213,7 +213,8 @@ class MemoryModel:
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
         copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
         last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
-        rows_gathered = min(self.shape.num_layers, self.coefficients.row_gather_layers) or None
+        # never fewer layers than in flight: a calibration's row_gather_layers only raises the count
+        rows_gathered = max(self.layer_factor, min(self.shape.num_layers, self.coefficients.row_gather_layers))
         gather = (self._over_layers(gathered, n, c, rows_gathered) if gathers and not paged
                   else self._window_gather(n, c, paged=paged))
         return TransientTerms(

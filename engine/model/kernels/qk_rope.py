@@ -3,7 +3,7 @@
 Per layer the decode loop (engine/model/layers/decode_path.py, `ReferenceOps.rope_qkv`) turns the fused
 q/k/v product [B, 1, (H + 2 H_kv) d] into q [B, H, 1, d], k and v [B, H_kv, 1, d]: RoPE of q and of k
 (two kernels), their head RMSNorms before it where the family has them (Qwen3, Gemma 3: two more), and
-v's copy into its layout. At 16 rows a decode step is the host's launch of some 600 kernels
+v's copy into its layout. At 16 rows a decode step's time is the host's launch of its kernels
 (docs/decode.md), so each kernel a layer drops is a step's time. This one does all of it: one thread
 block per (row, head) of D / 2 threads, each rotating one pair (i, i + D / 2) of the head's dims, as
 MLX's non-traditional RoPE does, with MLX's own arithmetic (rms_norm.cu, rope.cu: float sums and
@@ -93,7 +93,9 @@ class CudaQKRope:
     """The kernel (module docstring), called as `ReferenceOps.rope_qkv` is, for the RopeSpecs it was
     given (their parameters made into arrays once, outside any compiled trace)."""
 
-    def __init__(self, ropes: list):
+    def __init__(self, ropes: list, norm_eps: tuple = ()):
+        """`ropes`: the RopeSpecs it rotates with; `norm_eps`: the (q, k) eps pairs of the layers' head
+        norms. Their arrays are made here, once, outside any compiled trace."""
         self._kernel = mx.fast.cuda_kernel(
             name="qk_rope", input_names=["qkv", "offsets", "q_norm", "k_norm", "eps", "rope", "freqs"],
             output_names=["q", "k", "v"], source=SOURCE)
@@ -102,7 +104,9 @@ class CudaQKRope:
             freqs = rope.freqs.astype(mx.float32) if rope.freqs is not None else mx.zeros((1,), mx.float32)
             self._params[id(rope)] = (mx.array([rope.scale, rope.log2_base], mx.float32), freqs)
         self._ropes = list(ropes)  # their ids key the parameters
-        mx.eval(list(self._params.values()))
+        self._eps = {pair: mx.array(pair, mx.float32) for pair in set(norm_eps) | {(0.0, 0.0)}}
+        self._unread = {t: mx.zeros((1,), t) for t in (mx.float16, mx.bfloat16, mx.float32)}
+        mx.eval(list(self._params.values()), list(self._eps.values()), list(self._unread.values()))
 
     def handles(self, rope) -> bool:
         return id(rope) in self._params
@@ -114,11 +118,12 @@ class CudaQKRope:
         B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
         params, freqs = self._params[id(rope)]
         if norms is None:
-            q_norm = k_norm = mx.zeros((1,), dtype)
-            eps = mx.zeros((2,), mx.float32)
+            q_norm = k_norm = self._unread[dtype]
+            eps = self._eps[(0.0, 0.0)]
         else:
             (q_norm, q_eps), (k_norm, k_eps) = norms
-            eps = mx.array([q_eps, k_eps], mx.float32)
+            pair = (float(q_eps), float(k_eps))
+            eps = self._eps[pair] if pair in self._eps else mx.array(pair, mx.float32)
         nh = heads + 2 * kv_heads
         q, k, v = self._kernel(
             inputs=[qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs],
@@ -141,8 +146,9 @@ def self_check(kernel, reference, ropes: list, heads: int, kv_heads: int, norms:
         got = mx.compile(lambda x, o, r=rope: kernel(x, o, r, heads, kv_heads, norms))(qkv, offsets)
         want = reference(qkv, offsets, rope, heads, kv_heads, norms)
         for name, a, b in zip("qkv", got, want):
-            err = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
-            if not err <= tolerance:  # NaN fails too
+            b = b.astype(mx.float32)
+            err = mx.abs(a.astype(mx.float32) - b).max().item()
+            if not err <= tolerance * max(1.0, mx.abs(b).max().item()):  # relative to the values; NaN fails
                 raise RuntimeError(f"fused q/k rope kernel: {name} differs from the reference by {err}")
 
 
@@ -154,10 +160,13 @@ def enable(ops, decode_path, dtype) -> Optional[str]:
 
     ropes, d = decode_path.ropes, decode_path.head_dim
     why = next((w for w in (supports(r, d, dtype) for r in ropes) if w is not None), None)
+    norms = [qk_norms(layer) for layer in decode_path.layers]
+    if why is None and any(n is not None and (n[0][0].dtype != dtype or n[1][0].dtype != dtype) for n in norms):
+        why = "head norm weights of another dtype than the activations"  # MLX's rms_norm would promote
     if why is not None:
         return why
     try:
-        kernel = CudaQKRope(ropes)
+        kernel = CudaQKRope(ropes, tuple((float(n[0][1]), float(n[1][1])) for n in norms if n is not None))
         distinct = list({r.key(): r for r in ropes}.values())
         self_check(kernel, ReferenceOps().rope_qkv, distinct, decode_path.heads, decode_path.kv_heads,
                    qk_norms(decode_path.layers[0]), dtype)
