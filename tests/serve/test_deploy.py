@@ -93,6 +93,8 @@ def test_readme_deploy_commands_serve_a_chat(tmp_path):
                   cwd=str(REPO_ROOT))
     try:
         wait_url(f"http://127.0.0.1:{dash}/api/version", 120, head, ok=(200, 401, 403))
+        # the dashboard answers before its Serve module does (a deploy then gets a 500 on a loaded host)
+        wait_url(f"http://127.0.0.1:{dash}/api/serve/applications/", 120, head, ok=(200, 401, 403))
         config = tiny_config(tmp_path / "serve.yaml", http)
         address = f"http://127.0.0.1:{dash}"
 
