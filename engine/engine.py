@@ -358,7 +358,8 @@ class Engine:
         decode = runner.decode_path
         return ExecutionPaths(paged_attention=runner.paged_attention, decode_loop=decode is not None,
                               compiled_decode=decode is not None and decode.compiled is not None,
-                              chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None)
+                              chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
+                              fused_rope=runner.ops.qk_rope is not None)
 
     def stats(self) -> EngineStats:
         s, kv, ex = self.scheduler, self.kv, self.executor

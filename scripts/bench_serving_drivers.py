@@ -5,6 +5,7 @@ BatchGenerator (`run_mlx_lm`), and AsyncEngine as the replica runs it (`run_engi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Callable
@@ -79,6 +80,7 @@ def run_engine_sync(lm, prompts, arrivals, args, breakdown: bool = True, samplin
     result.update(mem.result())
     result["num_steps"] = engine.stats().num_steps
     result["max_num_batched_tokens"] = engine.config.max_num_batched_tokens  # resolved for the device
+    result["execution_paths"] = dataclasses.asdict(engine.execution_paths())  # what the run really took
     result["first_steps"] = times.first_steps_from_start()
     result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
     result["tpot_by_request_s"] = [r.tpot_s for r in records]

@@ -366,6 +366,7 @@ class ExecutionPaths:
     compiled_decode: bool  # that loop's layers built from compiled traces
     chunk_loop: bool  # prompt chunks run the engine's layer loop
     mixed_batches: bool  # decode rows can ride in a prompt chunk's forward
+    fused_rope: bool = False  # decode's q/k norms and RoPE in one CUDA kernel (RunnerOptions.fused_rope)
 
 
 @dataclass(frozen=True)
