@@ -62,8 +62,7 @@ class ExecutionConfig(BaseModel):
         "builds a cuDNN attention graph on the host for each new shape, several times a repeated "
         "chunk's cost. The pad's KV goes to the request's own slots past its prompt, which decode "
         "overwrites; outputs are unchanged. Off by default: on the CPU the pad is extra compute with no "
-        "graph to save, and on CUDA its effect on a burst's wall time is not yet measured "
-        "(docs/benchmarks.md).",
+        "graph to save, and on an H200 burst it saved little wall time (docs/tight_burst.md).",
     )
     chunk_granule: int = Field(
         128, ge=1, le=1 << 16,
@@ -71,7 +70,7 @@ class ExecutionConfig(BaseModel):
         "on a multiple of it, or of a smaller power of two where it would take more than a quarter of the "
         "chunk; with pad_last_chunk a prompt's last chunk is padded up to it. A coarser grid repeats more "
         "(tokens, context) shapes on MLX's CUDA backend (fewer cuDNN graph builds) at the cost of shorter "
-        "cut chunks and more pad tokens computed (docs/benchmarks.md).",
+        "cut chunks and more pad tokens computed (docs/tight_burst.md).",
     )
 
     @field_validator("chunk_granule")

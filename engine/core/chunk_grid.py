@@ -1,7 +1,7 @@
 """The grid prompt chunks end on, so their (tokens, context) shapes repeat from prompt to prompt. No mlx.
 
 On MLX's CUDA backend attention builds a cuDNN graph on the host for every new (query, key) length pair
-of a prompt chunk (docs/benchmarks.md). The scheduler (scheduler.py) therefore
+of a prompt chunk (docs/tight_burst.md). The scheduler (scheduler.py) therefore
 - ends a chunk cut short of both its prompt's end and `prefill_chunk_size` (by the free memory or by the
   step's budget) on the grid (`aligned_chunk`);
 - where `SchedulerConfig.pad_last_chunk`, computes a prompt's last chunk up to the grid past the prompt's
