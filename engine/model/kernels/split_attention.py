@@ -53,6 +53,39 @@ _QUERY_SETUP = """
   }
 """
 
+def _key_update(k: str, v: str, guarded: bool) -> str:
+    """Both span kernels' step for one key per lane group: the GQA group's scores against the key `k`
+    (a register vector; `guarded`: none where `valid` is false, for registers a load may have skipped),
+    summed over the key's lanes, then the online softmax's update of the running max, sum and
+    accumulator with the values `v` (valid keys only)."""
+    dot = "#pragma unroll\n{i}for (int e = 0; e < VEC; ++e) s[r] += qr[r][e] * static_cast<float>(" + k + ".v[e]);"
+    score = ("        if (valid) {\n          " + dot.format(i="          ") + "\n        }\n" if guarded
+             else "        " + dot.format(i="        ") + "\n")
+    return f"""      float s[NREP];
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {{
+        s[r] = 0.0f;
+{score}      }}
+      #pragma unroll
+      for (int r = 0; r < NREP; ++r) {{
+        #pragma unroll
+        for (int o = LPK / 2; o > 0; o >>= 1) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+      }}
+      if (valid) {{
+        #pragma unroll
+        for (int r = 0; r < NREP; ++r) {{
+          const float mn = fmaxf(m[r], s[r]);
+          const float c = __expf(m[r] - mn);
+          const float pr = __expf(s[r] - mn);
+          l[r] = l[r] * c + pr;
+          #pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[r][e] = acc[r][e] * c + pr * static_cast<float>({v}.v[e]);
+          m[r] = mn;
+        }}
+      }}
+"""
+
+
 # Block g = ((b * HKV) + h) * NS + j covers positions [j * CH, (j + 1) * CH) of row b (each key's pool
 # block looked up in the row's table); lane = sub * LPK + dl holds dims [dl * 8, dl * 8 + 8) of keys
 # warp * KPI + sub + i * NW * KPI, U of them loaded before any is used.
@@ -85,33 +118,7 @@ SPAN_PARTIAL = """
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const bool valid = w0 + sub + u * STRIDE < n;
-      float s[NREP];
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) {
-        s[r] = 0.0f;
-        if (valid) {
-          #pragma unroll
-          for (int e = 0; e < VEC; ++e) s[r] += qr[r][e] * static_cast<float>(kv[u].v[e]);
-        }
-      }
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) {
-        #pragma unroll
-        for (int o = LPK / 2; o > 0; o >>= 1) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
-      }
-      if (valid) {
-        #pragma unroll
-        for (int r = 0; r < NREP; ++r) {
-          const float mn = fmaxf(m[r], s[r]);
-          const float c = __expf(m[r] - mn);
-          const float pr = __expf(s[r] - mn);
-          l[r] = l[r] * c + pr;
-          #pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[r][e] = acc[r][e] * c + pr * static_cast<float>(vv[u].v[e]);
-          m[r] = mn;
-        }
-      }
-    }
+""" + _key_update("kv[u]", "vv[u]", guarded=True) + """    }
   }
   // the warp's KPI key groups into one state (lanes of the same dims), then the warps in shared memory
   #pragma unroll
@@ -229,31 +236,7 @@ TILED_PARTIAL = """
       const bool valid = t * TK + kk < n;
       const Vec kvec = *reinterpret_cast<const Vec*>(tk + kk * D + dl * VEC);
       const Vec vvec = *reinterpret_cast<const Vec*>(tv + kk * D + dl * VEC);
-      float s[NREP];
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) {
-        s[r] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < VEC; ++e) s[r] += qr[r][e] * static_cast<float>(kvec.v[e]);
-      }
-      #pragma unroll
-      for (int r = 0; r < NREP; ++r) {
-        #pragma unroll
-        for (int o = LPK / 2; o > 0; o >>= 1) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
-      }
-      if (valid) {
-        #pragma unroll
-        for (int r = 0; r < NREP; ++r) {
-          const float mn = fmaxf(m[r], s[r]);
-          const float c = __expf(m[r] - mn);
-          const float pr = __expf(s[r] - mn);
-          l[r] = l[r] * c + pr;
-          #pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[r][e] = acc[r][e] * c + pr * static_cast<float>(vvec.v[e]);
-          m[r] = mn;
-        }
-      }
-    }
+""" + _key_update("kvec", "vvec", guarded=False) + """    }
     __syncthreads();  // every warp is done with this buffer before the load of tile t + 2 overwrites it
   }
 """ + SPAN_PARTIAL[SPAN_PARTIAL.index("  // the warp's KPI key groups"):]
