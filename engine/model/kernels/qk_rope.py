@@ -102,21 +102,20 @@ class CudaQKRope:
         self._params = {}
         for rope in ropes:
             freqs = rope.freqs.astype(mx.float32) if rope.freqs is not None else mx.zeros((1,), mx.float32)
-            self._params[id(rope)] = (mx.array([rope.scale, rope.log2_base], mx.float32), freqs)
-        self._ropes = list(ropes)  # their ids key the parameters
+            self._params[rope] = (mx.array([rope.scale, rope.log2_base], mx.float32), freqs)  # by identity
         self._eps = {pair: mx.array(pair, mx.float32) for pair in set(norm_eps) | {(0.0, 0.0)}}
         self._unread = {t: mx.zeros((1,), t) for t in (mx.float16, mx.bfloat16, mx.float32)}
         mx.eval(list(self._params.values()), list(self._eps.values()), list(self._unread.values()))
 
     def handles(self, rope) -> bool:
-        return id(rope) in self._params
+        return rope in self._params
 
     def __call__(self, qkv: mx.array, offsets: mx.array, rope, heads: int, kv_heads: int,
                  norms: Optional[tuple] = None) -> tuple:
         """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d]; `norms` as
         `ReferenceOps.rope_qkv`'s ((weight, eps) of the q heads' RMSNorm, the k heads'), or None."""
         B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
-        params, freqs = self._params[id(rope)]
+        params, freqs = self._params[rope]
         if norms is None:
             q_norm = k_norm = self._unread[dtype]
             eps = self._eps[(0.0, 0.0)]
