@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 # Families whose layer loops (engine/model/layers/) have run on a GPU against mlx-lm's greedy tokens and
 # the memory model's GPU sets (docs/benchmarks.md). The loops of the others are checked on the CPU only:
 # on a GPU they run mlx-lm's modules (as measured there) until an H200 run validates their loops.
-GPU_LOOP_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3"})
+GPU_LOOP_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+                               "phi3"})
 
 
 @dataclass(frozen=True)
