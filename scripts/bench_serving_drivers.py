@@ -351,6 +351,10 @@ def backend_runners() -> dict:
                 fused_rope=True))),
             "engine_fused_rope": (lambda *a, **k: run_engine_async(*a, **k, options=runner_options(
                 fused_rope=True))),
+            "engine_sync_unfused_rope": (lambda *a, **k: run_engine_sync(*a, **k, options=runner_options(
+                fused_rope=False))),
+            "engine_unfused_rope": (lambda *a, **k: run_engine_async(*a, **k, options=runner_options(
+                fused_rope=False))),
             "engine_sync_uncompiled": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
                 compiled_decode=False))),
             "engine_uncompiled": (lambda *a, **k: run_engine_async(*a, **k, options=RunnerOptions(
