@@ -28,8 +28,8 @@ def case(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, bloc
     blocks = rows * nb + 1
     key = mx.random.key(seed)
     k1, k2, k3, k4, k5 = mx.random.split(key, 5)
-    k_pool = mx.random.normal((kv_heads * blocks * block, head_dim), key=k1).astype(mx.bfloat16)
-    v_pool = mx.random.normal((kv_heads * blocks * block, head_dim), key=k2).astype(mx.bfloat16)
+    k_pool = mx.random.normal((blocks * block * kv_heads, head_dim), key=k1).astype(mx.bfloat16)  # token-major
+    v_pool = mx.random.normal((blocks * block * kv_heads, head_dim), key=k2).astype(mx.bfloat16)
     queries = mx.random.normal((rows, heads, 1, head_dim), key=k3).astype(mx.bfloat16)
     table = mx.random.permutation(blocks - 1, key=k4)[: rows * nb].reshape(rows, nb).astype(mx.int32) + 1
     lengths = mx.random.randint(context - context // 8, context + context // 8, (rows,), key=k5).astype(mx.int32)

@@ -1,16 +1,18 @@
 """The KV pool (one K and one V array per layer, in blocks of token slots) and the views through which
 mlx-lm attention layers read and write it (mlx-lm's cache protocol: offset, update_and_fetch, make_mask).
 
-Layout: per layer, keys and values are each one `[H_kv * num_slots, D]` array (head-major: head h's
-slots are rows h*num_slots ...), with `num_slots = num_blocks * block_size`. A request owns a list of
-blocks (engine/core/blocks.py); its position p lives in slot `blocks[p // block_size] * block_size +
-p % block_size`. Every forward, prefill of one row or decode of B rows, touches each layer with a fixed
-number of operations whatever B is:
+Layout: per layer, keys and values are each one `[num_slots * H_kv, D]` array (token-major: slot s's
+heads are rows s*H_kv ... s*H_kv + H_kv - 1), with `num_slots = num_blocks * block_size`. Token-major
+so that a view's strides do not depend on num_slots: MLX's CUDA attention keys its cuDNN graphs by the
+K/V strides, and a head-major view's changed with every growth of the pool (vLLM's layout, for the same
+reason). A request owns a list of blocks (engine/core/blocks.py); its position p lives in slot
+`blocks[p // block_size] * block_size + p % block_size`. Every forward, prefill of one row or decode of
+B rows, touches each layer with a fixed number of operations whatever B is:
 - write: one scatter per K and V of the forward's new tokens (`[B, H_kv, T, D]` flattened, rows
-  `h*num_slots + slot`) into the pool, in place (the pool array is donated to the scatter);
-- read, a prompt chunk (T > 1) of a row whose blocks are consecutive: head h's positions
-  [0, n) are pool rows h*num_slots + s0 ... + n, so K and V are each a strided slice view of
-  `pool.reshape(H_kv, num_slots, D)`, `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
+  `slot*H_kv + h`) into the pool, in place (the pool array is donated to the scatter);
+- read, a prompt chunk (T > 1) of a row whose blocks are consecutive: its positions [0, n) are slots
+  s0 ... s0 + n - 1, so K and V are each a strided view of `pool.reshape(num_slots, H_kv, D)[s0:s0 + n]`
+  transposed to `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
 - read, a one-query forward (decode) of the engine's layer loops with a paged-attention kernel set
   (`KVPool.paged`, the CUDA
   kernel of engine/model/kernels/paged_attention.py): nothing is read here; attention reads each row's blocks in
@@ -107,7 +109,7 @@ def sliding_window(layer_windows: Sequence[Optional[int]]) -> Optional[int]:
 
 
 class KVPool:
-    """Per layer one `[H_kv * num_slots, D]` key and one value array, grown on demand."""
+    """Per layer one `[num_slots * H_kv, D]` key and one value array (token-major), grown on demand."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int,
                  read_slices: bool = True, grouped_masks: bool = False,
@@ -156,7 +158,8 @@ class KVPool:
     def ring_pool_rows(self, ring: int, positions: np.ndarray) -> np.ndarray:
         """Rows of a ring layer's arrays holding `positions` ([...]) of ring `ring`, every head: [H_kv, ...]."""
         heads = np.arange(self.num_kv_heads).reshape((-1,) + (1,) * positions.ndim)
-        return heads * (self.ring_rows * self.ring_tokens) + ring * self.ring_tokens + positions[None] % self.ring_tokens
+        slots = ring * self.ring_tokens + positions[None] % self.ring_tokens
+        return slots * self.num_kv_heads + heads
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +168,7 @@ class KVPool:
     def rows(self, slots: np.ndarray) -> np.ndarray:
         """Pool rows of `slots` ([...]) for every head: [H_kv, ...]."""
         heads = np.arange(self.num_kv_heads).reshape((-1,) + (1,) * slots.ndim)
-        return heads * self.num_slots + slots[None]
+        return slots[None] * self.num_kv_heads + heads
 
     def grow(self, num_blocks: int) -> None:
         """Resize to `num_blocks`: one array at a time, so the transient is one old array (an empty pool
@@ -176,7 +179,7 @@ class KVPool:
         h, d = self.num_kv_heads, self.head_dim
         if not self.num_slots:  # nothing to copy: every array at once (one wait, not one per array)
             ring = self.ring_rows * self.ring_tokens
-            self.keys = [mx.zeros((h * (ring if i in self.ring_layers else slots), d), self._dtype)
+            self.keys = [mx.zeros(((ring if i in self.ring_layers else slots) * h, d), self._dtype)
                          for i in range(self.num_layers)]
             self.values = [mx.zeros(k.shape, self._dtype) for k in self.keys]
             mx.eval(self.keys, self.values)
@@ -186,10 +189,9 @@ class KVPool:
             for i, old in enumerate(arrays):
                 if i in self.ring_layers:  # fixed size
                     continue
-                grown = mx.pad(old.reshape(h, self.num_slots, d),
-                               [(0, 0), (0, slots - self.num_slots), (0, 0)])  # [H_kv, slots, D]
-                arrays[i] = grown.reshape(h * slots, d)  # [H_kv * slots, D]
-                del old, grown
+                # token-major: the new slots are rows at the end
+                arrays[i] = mx.pad(old, [(0, (slots - self.num_slots) * h), (0, 0)])  # [slots * H_kv, D]
+                del old
                 mx.eval(arrays[i])
         self.num_slots = slots
         mx.clear_cache()  # the old arrays' buffers are smaller than any later pool array
@@ -375,8 +377,8 @@ class ForwardView:
         if span is None:
             return pool_array[index]  # [B, H_kv, L_max, D], a copy
         start, end = span
-        heads = pool_array.reshape(self.pool.num_kv_heads, self.pool.num_slots, self.pool.head_dim)
-        return heads[None, :, start:end, :]  # [1, H_kv, n, D], a view of the pool
+        slots = pool_array.reshape(self.pool.num_slots, self.pool.num_kv_heads, self.pool.head_dim)
+        return slots[start:end].transpose(1, 0, 2)[None]  # [1, H_kv, n, D], a view of the pool
 
     def advance(self) -> None:
         for row in self.rows:

@@ -292,3 +292,36 @@ def test_prefix_copy_writes_the_pool_in_place():
     after = np.array(pool.keys[0])
     rows = lambda slots: pool.rows(slots).reshape(-1)  # noqa: E731
     assert np.array_equal(after[rows(dst)], before[rows(src)])
+
+
+def test_pool_is_token_major_and_growth_keeps_every_slot():
+    """Slot s's head h is row s * H_kv + h (so a consecutive row's view has strides that do not depend on
+    the pool's size: MLX's CUDA attention keys its cuDNN graphs by them); growth appends slots and keeps
+    every row; a consecutive row read as a view and as a gather gives the keys written."""
+    import numpy as np
+
+    from engine.model.kv_pool import ForwardView, KVPool, Row
+
+    pool = KVPool(1, 2, 4, mx.float32, 16)
+    pool.grow(2)
+    row = Row([0, 1], 16, pool.block_bytes)
+    first = mx.arange(2 * 20 * 4, dtype=mx.float32).reshape(1, 2, 20, 4)  # [B, H_kv, T, D]
+    view = ForwardView(pool, [row], 20)
+    view.write(0, first, -first)
+    assert view.reads_slice and np.array_equal(np.array(view.read(0)[0]), np.array(first))
+    view.advance()
+    rows = np.array(pool.keys[0])
+    for slot, head in ((0, 0), (0, 1), (5, 1), (19, 0)):
+        assert np.array_equal(rows[slot * 2 + head], np.array(first[0, head, slot]))
+    pool.grow(4)
+    assert pool.keys[0].shape == (64 * 2, 4) and np.array_equal(np.array(pool.keys[0])[:64], rows)
+    assert not np.array(pool.keys[0])[64:].any()
+    row.blocks.append(2)
+    second = mx.full((1, 2, 20, 4), 7.0)
+    for read_slices in (True, False):
+        view = ForwardView(pool, [row], 20, read_slices=read_slices)
+        view.write(0, second, second)
+        keys, values = view.read(0)
+        assert view.reads_slice == read_slices and keys.shape == (1, 2, 40, 4)
+        assert np.array_equal(np.array(keys), np.concatenate([np.array(first), np.array(second)], axis=2))
+        assert np.array_equal(np.array(values)[:, :, :20], -np.array(first))

@@ -53,8 +53,9 @@ __device__ __forceinline__ void pa_empty_span(float* part_out, float* stats_out,
 
 # grid: B * HKV * NP thread blocks of THREADS (NW = THREADS / 32 warps), NP = NB * (BLOCK / CH); block
 # g = ((b * HKV) + h) * NP + j covers positions [j * CH, (j + 1) * CH) of row b, which lie in pool block
-# table[b, j * CH / BLOCK] (rows h * S + slot). Short spans of keys give many small blocks: a decode's
-# attention is a few MB per layer, so the kernel's time is its longest dependent chain, not bandwidth.
+# table[b, j * CH / BLOCK] (rows slot * HKV + h: the pool is token-major, engine/model/kv_pool.py). Short
+# spans of keys give many small blocks: a decode's attention is a few MB per layer, so the kernel's time
+# is its longest dependent chain, not bandwidth.
 # Lane i of a warp holds dims [i * DPL, (i + 1) * DPL) of the queries, keys and values (lanes past D / DPL
 # idle when D < 32 * DPL); warp w takes keys w, w + NW, ... and loads all of their keys and values before
 # using any (2 * KPW independent loads in flight per lane).
@@ -84,8 +85,7 @@ _PARTIAL = """
     pa_empty_span<NREP, D, THREADS>(part_out, stats_out, tid);
     return;
   }
-  const size_t S = k_pool_shape[0] / HKV;
-  const size_t base = (size_t)h * S + (size_t)table[b * NB + j / SUBS] * BLOCK + (size_t)(j % SUBS) * CH;
+  const size_t base = (size_t)table[b * NB + j / SUBS] * BLOCK + (size_t)(j % SUBS) * CH;  // the span's first slot
   const float sc = scale[0];
   float qr[NREP][DPL];
   #pragma unroll
@@ -106,8 +106,8 @@ _PARTIAL = """
     for (int e = 0; e < DPL; ++e) { kv[i].v[e] = static_cast<T>(0.0f); vv[i].v[e] = static_cast<T>(0.0f); }
     const int k = warp + i * NW;
     if (k < n && active) {  // V's loads go out with K's: one memory round trip for the whole block
-      kv[i] = *reinterpret_cast<const Vec*>(k_pool + (base + k) * D + lane * DPL);
-      vv[i] = *reinterpret_cast<const Vec*>(v_pool + (base + k) * D + lane * DPL);
+      kv[i] = *reinterpret_cast<const Vec*>(k_pool + ((base + k) * HKV + h) * D + lane * DPL);
+      vv[i] = *reinterpret_cast<const Vec*>(v_pool + ((base + k) * HKV + h) * D + lane * DPL);
     }
   }
   #pragma unroll
@@ -206,8 +206,8 @@ _CH = PAGED_PARTIAL_KEYS
 
 class PagedAttention:
     """Attention of one query per row over its KV in the pool. `__call__(queries [B, H, 1, D], k_pool,
-    v_pool [H_kv * slots, D], table [B, NB] int32 (the rows' first NB pool blocks), lengths [B] int32
-    (keys per row, each >= 1: a decode row holds at least its own key; NB = ceil(max(lengths) /
+    v_pool [slots * H_kv, D] (token-major), table [B, NB] int32 (the rows' first NB pool blocks), lengths
+    [B] int32 (keys per row, each >= 1: a decode row holds at least its own key; NB = ceil(max(lengths) /
     block_size)), scale) -> [B, H, 1, D]`."""
 
     def __init__(self, num_kv_heads: int, block_size: int):
@@ -222,10 +222,9 @@ class ReferenceAttention(PagedAttention):
 
     def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
         hkv, bs = self.num_kv_heads, self.block_size
-        slots_per_head = k_pool.shape[0] // hkv
         pos = mx.arange(table.shape[1] * bs)
         slots = table[:, pos // bs] * bs + pos % bs  # [B, L]
-        rows = mx.arange(hkv)[None, :, None] * slots_per_head + slots[:, None, :]  # [B, H_kv, L]
+        rows = slots[:, None, :] * hkv + mx.arange(hkv)[None, :, None]  # [B, H_kv, L], token-major
         mask = (pos[None] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
         return mx.fast.scaled_dot_product_attention(
             queries, k_pool[rows], v_pool[rows], scale=scale, mask=mask)
@@ -319,8 +318,8 @@ def _check_case(impl: PagedAttention, num_heads: int, head_dim: int, dtype, leng
                 num_blocks: int) -> None:
     hkv, bs = impl.num_kv_heads, impl.block_size
     slots = num_blocks * bs
-    k_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(1)).astype(dtype)
-    v_pool = mx.random.normal((hkv * slots, head_dim), key=mx.random.key(2)).astype(dtype)
+    k_pool = mx.random.normal((slots * hkv, head_dim), key=mx.random.key(1)).astype(dtype)
+    v_pool = mx.random.normal((slots * hkv, head_dim), key=mx.random.key(2)).astype(dtype)
     queries = mx.random.normal((len(lengths), num_heads, 1, head_dim), key=mx.random.key(3)).astype(dtype)
     table, lens = mx.array(table, mx.int32), mx.array(lengths, mx.int32)
     scale = head_dim ** -0.5

@@ -100,8 +100,7 @@ SPAN_PARTIAL = """
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
   __shared__ float sm_acc[NW][NREP][D];
-""" + _BLOCK_SETUP + """  const size_t S = k_pool_shape[0] / HKV;
-  const int* row_table = table + (size_t)b * NB;
+""" + _BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
   const float sc = scale[0];
 """ + _QUERY_SETUP + """  for (int w0 = warp * KPI; w0 < n; w0 += STRIDE * U) {  // uniform over the warp: its shuffles need every lane
     Vec kv[U], vv[U];
@@ -110,7 +109,7 @@ SPAN_PARTIAL = """
       const int k = w0 + sub + u * STRIDE;
       if (k < n) {
         const int p = j * CH + k;
-        const size_t row = (size_t)h * S + (size_t)row_table[p / BLOCK] * BLOCK + p % BLOCK;
+        const size_t row = ((size_t)row_table[p / BLOCK] * BLOCK + p % BLOCK) * HKV + h;  // token-major
         kv[u] = *reinterpret_cast<const Vec*>(k_pool + row * D + dl * VEC);
         vv[u] = *reinterpret_cast<const Vec*>(v_pool + row * D + dl * VEC);
       }
@@ -174,9 +173,9 @@ __device__ __forceinline__ unsigned pa_smem(const void* p) {
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
   return static_cast<unsigned>(a);
 }
-template <typename T, int D, int TK, int THREADS, int BLOCK>
+template <typename T, int D, int TK, int THREADS, int BLOCK, int HKV>
 __device__ __forceinline__ void pa_load_tile(T* sk, T* sv, const T* k_pool, const T* v_pool, const int* row_table,
-                                             size_t head_rows, int first, int n, int tid) {
+                                             int h, int first, int n, int tid) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int LPK = D / VEC;
   constexpr int CHUNKS = TK * LPK;
@@ -187,7 +186,7 @@ __device__ __forceinline__ void pa_load_tile(T* sk, T* sv, const T* k_pool, cons
     const int part = cc % LPK;
     const int k = first + kk;
     if (k < n) {
-      const size_t row = head_rows + (size_t)row_table[k / BLOCK] * BLOCK + k % BLOCK;
+      const size_t row = ((size_t)row_table[k / BLOCK] * BLOCK + k % BLOCK) * HKV + h;  // token-major
       const T* src = (which ? v_pool : k_pool) + row * D + part * VEC;
       T* dst = (which ? sv : sk) + kk * D + part * VEC;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(pa_smem(dst)), "l"(src));
@@ -213,16 +212,15 @@ TILED_PARTIAL = """
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
   __shared__ float sm_acc[NW][NREP][D];
-""" + _BLOCK_SETUP + """  const size_t head_rows = (size_t)h * (k_pool_shape[0] / HKV);
-  const int* row_table = table + (size_t)b * NB;
+""" + _BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
   const int span0 = j * CH;  // the span's first position: the tiles count keys from it
   const float sc = scale[0];
 """ + _QUERY_SETUP + """  const int NT = (n + TK - 1) / TK;
-  pa_load_tile<T, D, TK, THREADS, BLOCK>(sk[0], sv[0], k_pool, v_pool, row_table, head_rows, span0, span0 + n, tid);
+  pa_load_tile<T, D, TK, THREADS, BLOCK, HKV>(sk[0], sv[0], k_pool, v_pool, row_table, h, span0, span0 + n, tid);
   for (int t = 0; t < NT; ++t) {
     if (t + 1 < NT) {
-      pa_load_tile<T, D, TK, THREADS, BLOCK>(sk[(t + 1) & 1], sv[(t + 1) & 1], k_pool, v_pool, row_table,
-                                             head_rows, span0 + (t + 1) * TK, span0 + n, tid);
+      pa_load_tile<T, D, TK, THREADS, BLOCK, HKV>(sk[(t + 1) & 1], sv[(t + 1) & 1], k_pool, v_pool, row_table,
+                                                  h, span0 + (t + 1) * TK, span0 + n, tid);
       asm volatile("cp.async.wait_group 1;" ::);
     } else {
       asm volatile("cp.async.wait_group 0;" ::);
