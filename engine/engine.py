@@ -138,12 +138,13 @@ class Engine:
         if config.memory_coefficients:
             self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
         logger.info("memory model: %s", self.memory_coefficients_source)
-        # only the engine's chunk loop copies a viewed row's KV for a chunk's last query, and not with
-        # cpu_math's attention (ReferenceOps.attend)
+        # only the engine's chunk loop copies a viewed row's KV: for a chunk's last query, or with
+        # cpu_math's attention for every layer's (ReferenceOps.attend, read_kv)
         return MemoryModel(shape, kv_step=KV_BLOCK_TOKENS,
                            coefficients=with_overrides(coefficients, config.memory_coefficients),
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
-                           copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math)
+                           copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
+                           copies_every_view=runner.chunk_path is not None and runner.ops.cpu_math)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is

@@ -188,8 +188,10 @@ def engine_result(engine, meter: Meter, steps: list[dict], ttft: list[float], pr
     peak_step = max(steps, key=lambda s: s["measured"])
     result["peak_step"] = peak_step
     result["memory_coefficients"] = getattr(engine, "memory_coefficients_source", None)
-    # whether a prompt's last chunk read as a view copies its KV (a replay's MemoryModel needs it)
+    # whether a prompt's last chunk (or every chunk) read as a view copies its KV (a replay's MemoryModel
+    # needs it)
     result["copies_viewed_kv"] = engine.memory.copies_viewed_kv
+    result["copies_every_view"] = engine.memory.copies_every_view
     result["chunk_loop"] = engine.execution_paths().chunk_loop  # the engine's loops, or mlx-lm's modules
     result["step_ratio_min"] = min(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
     result["step_ratio_at_peak"] = peak_step["predicted"] / max(peak_step["measured"], 1)

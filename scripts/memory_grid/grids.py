@@ -76,7 +76,8 @@ def prefill_grid(lm: LoadedModel, chunks: list[int], length: int, shape: dict, l
             terms = prefill_terms(shape, cc, n, logits)
             terms["prefill_gather"] *= gathers
             points.append(dict(kind="prefill", variant=label, path=path, c=cc, n=n, logits=logits, B=1, gathers=gathers,
-                               copies_viewed_kv=engine.memory.copies_viewed_kv, measured=st["measured"],
+                               copies_viewed_kv=engine.memory.copies_viewed_kv,
+                               copies_every_view=engine.memory.copies_every_view, measured=st["measured"],
                                predicted=st["predicted"], step_s=st["step_s"],
                                whole_step_measured=st["whole_step_measured"], terms=terms))
         engine.abort("g")
@@ -137,6 +138,7 @@ def stage_grid(lm: LoadedModel, chunks: list[int], length: int, label: str) -> l
                 if kind in peaks:
                     points.append(dict(kind="stage", stage=kind, variant=label, path="loops", c=t, n=start + t,
                                        logits=sample, B=1, gathers=False, copies_viewed_kv=False,
+                                       copies_every_view=True,  # cpu_math's attention copies the view
                                        measured=peaks[kind], predicted=0))
         runner = forward = None
         free_memory()

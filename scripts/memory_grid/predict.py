@@ -20,11 +20,12 @@ def model_shape(sh: dict):
                       head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
 
 
-def _model_of(sh: dict, coefficients, paged: bool = False, copies_viewed_kv: bool = True):
+def _model_of(sh: dict, coefficients, paged: bool = False, copies_viewed_kv: bool = True,
+              copies_every_view: bool = False):
     from engine.core.memory.model import MemoryModel
 
     return MemoryModel(model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True,
-                       copies_viewed_kv=copies_viewed_kv)
+                       copies_viewed_kv=copies_viewed_kv, copies_every_view=copies_every_view)
 
 
 def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
@@ -46,7 +47,8 @@ def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]
     out = []
     for p in pts:  # the copy of a viewed row's KV as this engine makes it: not where the point's said it
         # would not (cpu_math's attention); grids from before the copy were CUDA's, where it now does
-        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")), p.get("copies_viewed_kv", True))
+        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")), p.get("copies_viewed_kv", True),
+                      bool(p.get("copies_every_view")))
         gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
         if p["kind"] == "prefill":
             out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"]), gathers=gathers))
@@ -66,7 +68,8 @@ def point_phases(p: dict, shapes: dict, coefficients) -> tuple:
     if paged and coefficients.decode_paged is None:  # a set not fitted on paged decodes yet: fit one
         coefficients = dataclasses.replace(coefficients, decode_paged=1.0)
     # the copy of a viewed row's KV only where the point's engine made it (`fixed_bytes`)
-    m = _model_of(shapes[p["variant"]], coefficients, paged, copies_viewed_kv=bool(p.get("copies_viewed_kv")))
+    m = _model_of(shapes[p["variant"]], coefficients, paged, copies_viewed_kv=bool(p.get("copies_viewed_kv")),
+                  copies_every_view=bool(p.get("copies_every_view")))
     gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
     if p["kind"] == "prefill":
         return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)

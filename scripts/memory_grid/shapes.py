@@ -89,11 +89,12 @@ def prefill_terms(sh: dict, c: int, n: int, logits: bool) -> dict:
 
 def fixed_bytes(sh: dict, p: dict) -> int:
     """The formula's term with no coefficient at a grid point: the copy of a viewed row's KV that a
-    chunk ending its prompt reads with its last position (MemoryModel.prefill_chunk_bytes). 0 for a
-    point of an older grid (no `copies_viewed_kv`): its engine made no copy, so its measure holds none,
-    and subtracting one would let the fit under-predict today's engine, which makes it."""
-    copies = (p["kind"] == "prefill" and p.get("copies_viewed_kv") and p["c"] > 1 and p.get("logits")
-              and not p.get("gathers", True))
+    chunk ending its prompt reads with its last position, or (`copies_every_view`: cpu_math's attention)
+    every chunk (MemoryModel.prefill_chunk_bytes). 0 for a point of an older grid (no `copies_viewed_kv`):
+    its engine made no copy, so its measure holds none, and subtracting one would let the fit
+    under-predict today's engine, which makes it."""
+    copies = (p["kind"] == "prefill" and p["c"] > 1 and not p.get("gathers", True)
+              and (p.get("copies_every_view") or p.get("copies_viewed_kv") and p.get("logits")))
     return p["n"] * sh["Hkv"] * 2 * sh["d"] * sh["s"] if copies else 0
 
 

@@ -386,3 +386,22 @@ def test_sliding_layers_count_the_keys_of_their_window():
     extra = cpu.prefill_chunk_bytes(c, 4096) - MemoryModel(dataclasses.replace(GEMMA3_LIKE, sliding_score_copies=0),
                                                            coefficients=CPU_MLX_ATTENTION_COEFFICIENTS).prefill_chunk_bytes(c, 4096)
     assert extra == pytest.approx((1 - CPU_MLX_ATTENTION_COEFFICIENTS.prefill_scores) * 4 * H * c * (w - 1 + c), abs=2)
+
+
+def test_a_viewed_chunk_s_kv_copy_counts_for_its_last_query_or_for_every_chunk():
+    """A chunk read as a view adds one copy of its row's K and V of one layer (2*n*H_kv*d*s) in its
+    attention stage: only when it ends its prompt (`copies_viewed_kv`: the chunk loop's last query off the
+    CPU), or every chunk (`copies_every_view`: cpu_math's attention, which copies the token-major view);
+    a gathered chunk counts its gather instead, never the copy."""
+    copy = 2 * 4096 * 8 * 128 * 2
+    plain, last, every = (MemoryModel(LLAMA3_8B, coefficients=CPU_COEFFICIENTS, copies_viewed_kv=a,
+                                      copies_every_view=b) for a, b in ((False, False), (True, False), (False, True)))
+
+    def attention(model, logits, gathers=False):
+        return model.chunk_phases(512, 4096, computes_logits=logits, gathers=gathers)[1].fixed_bytes
+
+    assert attention(last, False) == attention(plain, False) and attention(last, True) == attention(plain, True) + copy
+    assert attention(every, False) == attention(every, True) == attention(plain, False) + copy
+    assert attention(every, True, gathers=True) == attention(plain, True, gathers=True)
+    assert every.prefill_chunk_bytes(512, 4096, False, gathers=False) > plain.prefill_chunk_bytes(512, 4096, False,
+                                                                                                  gathers=False)

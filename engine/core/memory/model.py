@@ -12,7 +12,8 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   pool with its int32 slot index, the MLP intermediates, the hidden-size activations, the last
   position's logits); a chunk that reads its row's KV as a view of the pool and ends the prompt adds
   one copy of that KV (n*H_kv*2*d*s), read by its last position's one query (the engine's chunk
-  loop, but not with cpu_math's attention on MLX's CPU backend, which reads the view). Rows prefill one after
+  loop); with cpu_math's attention on MLX's CPU backend every chunk read as a view adds it (its
+  matmuls need a head's keys in consecutive rows). Rows prefill one after
   another, each evaluated before the next, so a step's prefill transient is the largest chunk's.
 - Decode of B rows, the longest with n keys, r of them sampling:
       b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
@@ -63,14 +64,17 @@ FLOOR_CHUNK_TOKENS = 64
 class MemoryModel:
     def __init__(self, shape: ModelShape, kv_step: int = 256,
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
-                 mixed: bool = False, copies_viewed_kv: bool = True):
+                 mixed: bool = False, copies_viewed_kv: bool = True, copies_every_view: bool = False):
         """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
         of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
         the same forward as its first prompt chunk (engine/model/layers/mixed.py); the scheduler has it do so when
         that forward's transient, both's, stays within the bound of separate forwards.
         `copies_viewed_kv`: a chunk ending its prompt copies its viewed KV for its last query (the
         engine's chunk loop but with cpu_math's attention; False: also runs recorded by an engine that
-        did not, replayed by scripts/bench_memory_grid.py)."""
+        did not, replayed by scripts/bench_memory_grid.py). `copies_every_view`: every chunk read as a
+        view copies its row's KV for its attention (the engine's chunk loop with cpu_math's attention:
+        MLX's CPU matmul needs a head's keys in consecutive rows, and the token-major pool's view has them
+        H_kv rows apart; ReferenceOps.read_kv)."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -82,6 +86,7 @@ class MemoryModel:
         self.paged_decode = paged_decode and coefficients.decode_paged is not None
         self.mixed = mixed and shape.num_layers > coefficients.mixed_min_layers
         self.copies_viewed_kv = copies_viewed_kv
+        self.copies_every_view = copies_every_view
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -210,9 +215,10 @@ class MemoryModel:
         extra_scores = (max(0.0, s.extra_score_copies - own) * self._over_layers(scores, n, c)
                         + max(0.0, s.sliding_score_copies - own) * self._sliding_layers(m)
                         * scores(n if window is None else min(n, window - 1 + c)))
-        # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend)
-        copies = self.copies_viewed_kv and not gathers and computes_logits and c > 1
-        last_copy = n * s.num_kv_heads * 2 * s.head_dim * s.dtype_bytes if copies else 0
+        # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend),
+        # or for every layer's attention (ReferenceOps.read_kv, cpu_math)
+        copies = not gathers and c > 1 and (self.copies_every_view or self.copies_viewed_kv and computes_logits)
+        view_copy = 2 * array(n * s.num_kv_heads * s.head_dim * s.dtype_bytes) if copies else 0
         # never fewer layers than in flight: a calibration's row_gather_layers only raises the count
         rows_gathered = max(self.layer_factor, min(self.shape.num_layers, self.coefficients.row_gather_layers))
         gather = (self._over_layers(gathered, n, c, rows_gathered) if gathers and not paged
@@ -224,7 +230,7 @@ class MemoryModel:
             prefill_gather=gather,
             decode_paged=m * self.paged_partials_bytes(1, n) if paged else 0,
             prefill_attention_hidden=rows, family_rows=s.extra_attention_rows * rows,
-            fixed_bytes=extra_scores + last_copy + norm_slack, **overheads)
+            fixed_bytes=extra_scores + view_copy + norm_slack, **overheads)
 
     def _chunk_mlp(self, c: int, rows: int, fused_mlp: bool, overheads: dict) -> tuple:
         """A prompt chunk's MLP stage (`chunk_phases`), a MoE layer's stage of its experts' outputs beside
