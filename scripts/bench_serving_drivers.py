@@ -194,8 +194,8 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
     stream, command encoder, CUDA graphs and cuDNN attention graphs per thread, so a warm-up in another
     thread (the bench's own warm-up runs, or another AsyncEngine's) does not warm this one's; and
     cuDNN's attention graphs are keyed by the K/V strides, which for a prompt chunk read as a view of
-    the pool include the pool's size, so a pool growth makes the next prompt chunks build theirs again
-    (docs/benchmarks.md). The bare-loop backends build a fresh engine per pass in the same thread,
+    the head-major pool included the pool's size, so a pool growth made the next prompt chunks build
+    theirs again (docs/tight_burst.md; the token-major pool's do not). The bare-loop backends build a fresh engine per pass in the same thread,
     whose pool grows to the same sizes every pass."""
     from engine.async_engine import AsyncEngine
     from engine.core.types import SamplingParams
