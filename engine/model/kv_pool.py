@@ -25,7 +25,8 @@ The choice and the indices are made once per forward (numpy, shared by all layer
 and step: 2 scatters, 2 gathers (or 2 slices) and 2 reshapes, against 2 + 4B small operations of the
 per-row buffers this replaces. The gathered copy is one layer's KV of the rows in the forward (on the
 CPU only one layer's is alive at a time), which the memory model counts; for a view it counts none
-(`slice_start` decides, for the forward and for the engine's prediction alike).
+(`slice_start` decides, for the forward and for the engine's prediction alike), but where attention
+copies it (MLX's CPU matmul: a head's keys are H_kv rows apart; MemoryModel copies_every_view).
 
 Why a pool rather than one `[B, H_kv, L, D]` batch tensor (mlx-lm's BatchKVCache): a batch tensor is
 padded to the longest row and must be rebuilt (a copy of all of it) when rows join or leave; blocks
