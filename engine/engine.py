@@ -31,6 +31,7 @@ from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, Fi
 from engine.executor import StepExecutor, StepRun
 from engine.model.families import GPU_LOOP_FAMILIES, family_of
 from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
+from engine.model.kv_pool import attention_copies_views
 from engine.model.runner import ModelRunner, RunnerOptions
 from engine.model.sampling import RequestSampler
 
@@ -138,13 +139,15 @@ class Engine:
         if config.memory_coefficients:
             self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
         logger.info("memory model: %s", self.memory_coefficients_source)
-        # only the engine's chunk loop copies a viewed row's KV: for a chunk's last query, or with
-        # cpu_math's attention for every layer's (ReferenceOps.attend, read_kv)
+        # the engine's chunk loop copies a viewed row's KV for a chunk's last query (ReferenceOps.attend);
+        # every layer's attention copies it where it cannot read the view's strides (cpu_math's read_kv,
+        # MLX's matmul paths)
+        every = attention_copies_views(backend, layout.head_dim, layout.kv_dtype, layout.family)
         return MemoryModel(shape, kv_step=KV_BLOCK_TOKENS,
                            coefficients=with_overrides(coefficients, config.memory_coefficients),
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
-                           copies_every_view=runner.chunk_path is not None and runner.ops.cpu_math)
+                           copies_every_view=every)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is

@@ -101,6 +101,16 @@ def slice_start(pool: "KVPool", rows: list["Row"], num_new: int, read_slices: Op
     return rows[0].contiguous_start(rows[0].offset + num_new)
 
 
+def attention_copies_views(backend: str, head_dim: int, dtype: mx.Dtype, family: str) -> bool:
+    """Whether MLX's attention of a prompt chunk copies K and V read as a view of this pool (whose head
+    rows are H_kv * D apart): on CUDA only cuDNN's attention reads such strides in place (2-byte float,
+    head size a multiple of 8 up to 128, no explicit score ops: Gemma 2's soft-capped scores are
+    matmuls); every matmul path (the CPU's, CUDA's fallback) copies them first."""
+    if backend != "cuda":
+        return True
+    return not (dtype in (mx.float16, mx.bfloat16) and head_dim % 8 == 0 and head_dim <= 128 and family != "gemma2")
+
+
 def sliding_window(layer_windows: Sequence[Optional[int]]) -> Optional[int]:
     """The one sliding window of a model's sliding layers (None: none); ValueError for several."""
     windows = {w for w in layer_windows if w is not None}

@@ -325,3 +325,14 @@ def test_pool_is_token_major_and_growth_keeps_every_slot():
         assert view.reads_slice == read_slices and keys.shape == (1, 2, 40, 4)
         assert np.array_equal(np.array(keys), np.concatenate([np.array(first), np.array(second)], axis=2))
         assert np.array_equal(np.array(values)[:, :, :20], -np.array(first))
+
+
+def test_attention_copies_views_where_mlx_cannot_read_the_pool_strides():
+    from engine.model.kv_pool import attention_copies_views
+
+    assert not attention_copies_views("cuda", 128, mx.bfloat16, "llama")  # cuDNN reads the view
+    assert not attention_copies_views("cuda", 96, mx.float16, "phi3")
+    assert attention_copies_views("cuda", 256, mx.bfloat16, "gemma3_text")  # MLX's matmul fallback
+    assert attention_copies_views("cuda", 128, mx.float32, "llama")
+    assert attention_copies_views("cuda", 128, mx.bfloat16, "gemma2")  # soft-capped scores: matmuls
+    assert attention_copies_views("cpu", 128, mx.bfloat16, "llama")
