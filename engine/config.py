@@ -73,6 +73,15 @@ class ExecutionConfig(BaseModel):
         "cut chunks and more pad tokens computed (docs/tight_burst.md).",
     )
 
+    max_warmup_chunk_shapes: int = Field(
+        512, ge=0, le=1024,
+        description="On MLX's CUDA backend, at start the engine builds the cuDNN attention graphs of up to this "
+        "many prompt-chunk shapes on the chunk_granule grid (tokens up to prefill_chunk_size, contexts up to "
+        "max_model_len, shortest first), some 50-100 ms each on the host, so that chunks of those shapes "
+        "do not build theirs while requests wait (docs/tight_burst.md). 0: none. MLX keeps "
+        "MLX_CUDA_SDPA_CACHE_SIZE graphs (1024 as the engine sets it): leave room for the shapes off the grid.",
+    )
+
     @field_validator("chunk_granule")
     @classmethod
     def _power_of_two(cls, value: int) -> int:

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 
 from engine import backend as device_backend  # one place to read (and, in tests, to stand in for) the backend
 from engine.config import EngineConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
+from engine.core.chunk_grid import grid_shapes
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
@@ -98,6 +99,8 @@ class Engine:
                                      make_sampler=self._make_sampler)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
+        if backend == "cuda":
+            self._warm_chunk_shapes(config)
         self._grammar_compiler = grammar_compiler
         self._grammar_lock = threading.Lock()
         self._matchers: dict[str, GrammarMatcher] = {}  # compiled grammars of requests without a row yet
@@ -148,6 +151,23 @@ class Engine:
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
                            copies_every_view=every)
+
+    def _warm_chunk_shapes(self, config: EngineConfig) -> None:
+        """Build the attention graphs of the grid's prompt-chunk shapes now, on the thread that will run
+        the steps (ExecutionConfig.max_warmup_chunk_shapes): where the engine's chunk loop reads a row as a
+        view of the pool and cuDNN's attention reads it in place, with no sliding windows."""
+        runner, layout = self.runner, self.runner.layout
+        num = config.execution.max_warmup_chunk_shapes
+        if not num or runner.chunk_path is None or not runner.pool.read_slices or runner.pool.window is not None \
+                or attention_copies_views("cuda", layout.head_dim, layout.kv_dtype, layout.family):
+            return
+        shapes = grid_shapes(config.execution.chunk_granule, config.prefill_chunk_size, self.max_model_len, num)
+        if shapes:
+            start = time.perf_counter()
+            runner.chunk_path.warm_attention(shapes, layout.kv_dtype)
+            mx.clear_cache()  # its scratch buffers back to the device before the KV budget is used
+            logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", len(shapes),
+                        time.perf_counter() - start)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is

@@ -42,3 +42,17 @@ def padded_ends(end: int, max_end: int, granule: int = DEFAULT_CHUNK_GRANULE) ->
             ends.append(padded)
         grid //= 2
     return ends + [end]
+
+
+def grid_shapes(granule: int, max_chunk_tokens: int, max_context: int, max_shapes: int) -> list[tuple[int, int]]:
+    """The (tokens, context) pairs of prompt chunks on the grid, shortest context first, then fewest
+    tokens, at most `max_shapes`: tokens a multiple of `granule` up to `max_chunk_tokens`, context a
+    multiple of `granule` from the tokens up to `max_context`. A prompt's whole chunks and its chunks
+    cut on the grid take these shapes (its last chunk only where it ends on the grid, or is padded)."""
+    shapes: list[tuple[int, int]] = []
+    for context in range(granule, max_context + 1, granule):
+        for tokens in range(granule, min(context, max_chunk_tokens) + 1, granule):
+            if len(shapes) == max_shapes:
+                return shapes
+            shapes.append((tokens, context))
+    return shapes

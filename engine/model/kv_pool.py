@@ -101,6 +101,13 @@ def slice_start(pool: "KVPool", rows: list["Row"], num_new: int, read_slices: Op
     return rows[0].contiguous_start(rows[0].offset + num_new)
 
 
+def chunk_view(pool_array: mx.array, num_kv_heads: int, head_dim: int, start: int, end: int) -> mx.array:
+    """Slots [start, end) of one layer's `[num_slots * H_kv, D]` pool array as `[1, H_kv, n, D]`, a view:
+    its strides do not depend on the pool's size (ChunkPath.warm_attention builds the same view)."""
+    slots = pool_array.reshape(-1, num_kv_heads, head_dim)
+    return slots[start:end].transpose(1, 0, 2)[None]
+
+
 def attention_copies_views(backend: str, head_dim: int, dtype: mx.Dtype, family: str) -> bool:
     """Whether MLX's attention of a prompt chunk copies K and V read as a view of this pool (whose head
     rows are H_kv * D apart): on CUDA only cuDNN's attention reads such strides in place (2-byte float,
@@ -387,9 +394,7 @@ class ForwardView:
     def _read_layer(self, pool_array: mx.array, span: Optional[tuple[int, int]], index) -> mx.array:
         if span is None:
             return pool_array[index]  # [B, H_kv, L_max, D], a copy
-        start, end = span
-        slots = pool_array.reshape(self.pool.num_slots, self.pool.num_kv_heads, self.pool.head_dim)
-        return slots[start:end].transpose(1, 0, 2)[None]  # [1, H_kv, n, D], a view of the pool
+        return chunk_view(pool_array, self.pool.num_kv_heads, self.pool.head_dim, *span)
 
     def advance(self) -> None:
         for row in self.rows:

@@ -160,3 +160,29 @@ def test_one_token_chunks_of_a_paged_pool_equal_mlx_lm(make_engine, tiny_parts, 
     for i, p in enumerate(prompts):
         assert tokens[str(i)] == reference_greedy(tiny_parts[0], p, 5)
     assert (1, True) in chunks and all(paged == (n == 1) for n, paged in chunks)
+
+
+def test_warm_attention_runs_the_first_layers_attention_per_shape_as_a_chunk_reads_it(tiny_parts, monkeypatch):
+    """The startup warm-up (Engine._warm_chunk_shapes, on CUDA) calls the chunk loop's attention once per
+    grid shape, with the queries and a pool view of a chunk of that shape."""
+    from engine.engine import Engine
+    from engine.config import EngineConfig
+    from engine.core.chunk_grid import grid_shapes
+
+    engine = Engine(*tiny_parts[:2], EngineConfig(model="tiny", memory_limit_bytes=4 << 30, prefill_chunk_size=32,
+                                                  max_model_len=96, execution={"chunk_granule": 16,
+                                                                               "max_warmup_chunk_shapes": 7}),
+                    tiny_parts[2])
+    path, seen = engine.runner.chunk_path, []
+    attention = path.ops.attention
+
+    def record(q, k, v, scale, mask=None, stages=None, softcap=None):
+        seen.append((q.shape, k.shape, v.shape, mask))
+        return attention(q, k, v, scale, mask, stages, softcap)
+
+    monkeypatch.setattr(path.ops, "attention", record)
+    monkeypatch.setattr("engine.engine.attention_copies_views", lambda *a: False)  # as cuDNN on CUDA
+    engine._warm_chunk_shapes(engine.config)
+    H, H_kv, d = path.heads, path.kv_heads, path.head_dim
+    assert seen == [((1, H, t, d), (1, H_kv, n, d), (1, H_kv, n, d), "causal") for t, n in grid_shapes(16, 32, 96, 7)]
+    assert len(seen) == 7

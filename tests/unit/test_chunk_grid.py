@@ -103,3 +103,14 @@ def test_property_padded_steps_fit_and_every_block_comes_back(arrivals, free, bu
     assert not s.has_unfinished() and not pending
     assert s.kv.reserved_bytes == 0 and s.kv.allocator.num_free == s.kv.allocator.num_blocks
 
+
+
+def test_grid_shapes_shortest_context_first_on_the_grid():
+    from engine.core.chunk_grid import grid_shapes
+
+    shapes = grid_shapes(128, 512, 1024, 100)
+    assert shapes[:4] == [(128, 128), (128, 256), (256, 256), (128, 384)]
+    assert len(shapes) == 1 + 2 + 3 + 4 * 5 == len(set(shapes))  # contexts 128 ... 1024
+    assert all(t % 128 == 0 and n % 128 == 0 and t <= min(n, 512) and n <= 1024 for t, n in shapes)
+    assert grid_shapes(128, 512, 1024, 5) == shapes[:5]
+    assert grid_shapes(128, 512, 100, 5) == [] and grid_shapes(128, 512, 1024, 0) == []

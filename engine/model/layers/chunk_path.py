@@ -30,6 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.model.kv_pool import chunk_view
 from engine.model.layers import block
 from engine.model.layers.bound import BoundModel, unsupported
 from engine.model.layers.ops import ReferenceOps
@@ -100,3 +101,19 @@ class ChunkPath:
             h = block.after_mlp(layer, h, m, None, ops.add_rms_norm)[0]
             if stages is not None:
                 stages.append(h)
+
+    def warm_attention(self, shapes, dtype: mx.Dtype) -> None:
+        """The first layer's attention of one prompt chunk per (tokens, context) of `shapes`, on zeros,
+        its queries made as `forward` makes them and its keys a view of a pool array laid out as the
+        pool's (kv_pool.chunk_view): MLX's CUDA backend builds a cuDNN graph per new shape and strides
+        and keeps it for the calling thread, so the same thread's later chunks of these shapes find
+        theirs built. For layers whose attention is causal over such a view (no sliding window)."""
+        layer = self.layers[0]
+        H, H_kv, d = self.heads, self.kv_heads, self.head_dim
+        keys = mx.zeros((max(n for _, n in shapes) * H_kv, d), dtype)
+        for tokens, context in shapes:
+            x = mx.zeros((1, tokens, layer.in_w.shape[-1]), dtype)
+            q = layer.rope(layer.norm_q(layer.q(x).reshape(1, tokens, H, d)).transpose(0, 2, 1, 3),
+                           offset=context - tokens)
+            kv = chunk_view(keys, H_kv, d, 0, context)
+            mx.eval(self.ops.attention(q, kv, kv, layer.scale, "causal"))
