@@ -99,6 +99,7 @@ class Engine:
                                      make_sampler=self._make_sampler)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
+        self._warmed = (0, 0.0)  # (shapes, seconds) of the start's attention warm-up
         if backend == "cuda":
             self._warm_chunk_shapes(config)
         self._grammar_compiler = grammar_compiler
@@ -166,8 +167,8 @@ class Engine:
             start = time.perf_counter()
             runner.chunk_path.warm_attention(shapes, layout.kv_dtype)
             mx.clear_cache()  # its scratch buffers back to the device before the KV budget is used
-            logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", len(shapes),
-                        time.perf_counter() - start)
+            self._warmed = (len(shapes), round(time.perf_counter() - start, 3))
+            logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", *self._warmed)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is
@@ -383,7 +384,8 @@ class Engine:
         return ExecutionPaths(paged_attention=runner.paged_attention, decode_loop=decode is not None,
                               compiled_decode=decode is not None and decode.compiled is not None,
                               chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
-                              fused_rope=runner.ops.qk_rope is not None)
+                              fused_rope=runner.ops.qk_rope is not None,
+                              num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1])
 
     def stats(self) -> EngineStats:
         s, kv, ex = self.scheduler, self.kv, self.executor

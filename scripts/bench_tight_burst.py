@@ -29,6 +29,7 @@ may reserve); kv_peak_share_of_headroom = the largest KV pool it allocated / hea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -168,7 +169,8 @@ def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[in
         num_refused=len(refused), refused=refused[:5],
         num_failed=failed, num_finished=num_done, output_tokens=sum(new_tokens),
         prompt_tokens=sum(len(p) for p in prompts), **step_summary(steps, seen_shapes),
-        config=engine.config.model_dump(), steps=steps if args.steps else None,
+        config=engine.config.model_dump(), execution_paths=dataclasses.asdict(engine.execution_paths()),
+        steps=steps if args.steps else None,
     )
     del engine
     free_memory()
@@ -288,7 +290,8 @@ def main(argv=None) -> dict:
                 f"{r['num_underpredicted_steps']} steps under-predicted, {r['num_memory_limited_steps']} of "
                 f"{r['num_steps']} steps cut by memory, {r['num_forwards']} forwards, "
                 f"{r['num_new_chunk_shapes']} of {r['num_chunk_shapes']} chunk shapes new to the process, "
-                f"{r['num_padded_chunks']} chunks padded")
+                f"{r['num_padded_chunks']} chunks padded, {r['execution_paths']['num_warmed_chunk_shapes']} shapes "
+                f"warmed at start in {r['execution_paths']['warmup_s']:.1f} s")
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if "mlx_lm" in ways:
