@@ -77,9 +77,10 @@ class ExecutionConfig(BaseModel):
         512, ge=0, le=1024,
         description="On MLX's CUDA backend, at start the engine builds the cuDNN attention graphs of up to this "
         "many prompt-chunk shapes on the chunk_granule grid (tokens up to prefill_chunk_size, contexts up to "
-        "max_model_len, shortest first), some 50-100 ms each on the host, so that chunks of those shapes "
-        "do not build theirs while requests wait (docs/tight_burst.md). 0: none. MLX keeps "
-        "MLX_CUDA_SDPA_CACHE_SIZE graphs (1024 as the engine sets it): leave room for the shapes off the grid.",
+        "max_model_len, shortest first): a prompt's whole chunks and chunks cut on the grid then find "
+        "theirs built instead of building it on the host while requests wait (docs/tight_burst.md); a "
+        "prompt's last chunk is on the grid only where it ends there (or with pad_last_chunk). Each build "
+        "adds to the replica's start. 0: none; at most half of MLX_CUDA_SDPA_CACHE_SIZE, the graphs MLX keeps.",
     )
 
     @field_validator("chunk_granule")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -65,7 +66,8 @@ class Engine:
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the floor step and KV budget.
         self.runner = self._build_runner(model, config, runner_options, backend)
-        pool = self.runner.pool
+        pool, layout = self.runner.pool, self.runner.layout
+        pool.copy_views = attention_copies_views(backend, layout.head_dim, layout.kv_dtype, layout.family)
         # sliding-window layers' rings: a fixed allocation, counted with the weights (engine/model/kv_pool.py),
         # as are what the layer loops bound beyond views of the weights (Gemma's 1 + weight norms)
         bound_bytes = self.runner.bound.extra_bytes if self.runner.bound is not None else 0
@@ -100,8 +102,13 @@ class Engine:
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
         self._warmed = (0, 0.0)  # (shapes, seconds) of the start's attention warm-up
-        if backend == "cuda":
-            self._warm_chunk_shapes(config)
+        if backend == "cuda":  # at most half of what MLX's graph cache keeps: room for the shapes off the grid
+            cache = int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "256"))
+            num = min(config.execution.max_warmup_chunk_shapes, cache // 2)
+            self._warmed = self.runner.warm_chunk_shapes(
+                grid_shapes(config.execution.chunk_granule, config.prefill_chunk_size, self.max_model_len, num))
+            if self._warmed[0]:
+                logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", *self._warmed)
         self._grammar_compiler = grammar_compiler
         self._grammar_lock = threading.Lock()
         self._matchers: dict[str, GrammarMatcher] = {}  # compiled grammars of requests without a row yet
@@ -144,31 +151,12 @@ class Engine:
             self.memory_coefficients_source += " with EngineConfig.memory_coefficients"
         logger.info("memory model: %s", self.memory_coefficients_source)
         # the engine's chunk loop copies a viewed row's KV for a chunk's last query (ReferenceOps.attend);
-        # every layer's attention copies it where it cannot read the view's strides (cpu_math's read_kv,
-        # MLX's matmul paths)
-        every = attention_copies_views(backend, layout.head_dim, layout.kv_dtype, layout.family)
+        # the pool copies it for every layer where the attention cannot read the view's strides
         return MemoryModel(shape, kv_step=KV_BLOCK_TOKENS,
                            coefficients=with_overrides(coefficients, config.memory_coefficients),
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
-                           copies_every_view=every)
-
-    def _warm_chunk_shapes(self, config: EngineConfig) -> None:
-        """Build the attention graphs of the grid's prompt-chunk shapes now, on the thread that will run
-        the steps (ExecutionConfig.max_warmup_chunk_shapes): where the engine's chunk loop reads a row as a
-        view of the pool and cuDNN's attention reads it in place, with no sliding windows."""
-        runner, layout = self.runner, self.runner.layout
-        num = config.execution.max_warmup_chunk_shapes
-        if not num or runner.chunk_path is None or not runner.pool.read_slices or runner.pool.window is not None \
-                or attention_copies_views("cuda", layout.head_dim, layout.kv_dtype, layout.family):
-            return
-        shapes = grid_shapes(config.execution.chunk_granule, config.prefill_chunk_size, self.max_model_len, num)
-        if shapes:
-            start = time.perf_counter()
-            runner.chunk_path.warm_attention(shapes, layout.kv_dtype)
-            mx.clear_cache()  # its scratch buffers back to the device before the KV budget is used
-            self._warmed = (len(shapes), round(time.perf_counter() - start, 3))
-            logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", *self._warmed)
+                           copies_every_view=pool.copy_views)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is

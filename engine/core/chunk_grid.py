@@ -51,7 +51,7 @@ def grid_shapes(granule: int, max_chunk_tokens: int, max_context: int, max_shape
     cut on the grid take these shapes (its last chunk only where it ends on the grid, or is padded)."""
     shapes: list[tuple[int, int]] = []
     for context in range(granule, max_context + 1, granule):
-        for tokens in range(granule, min(context, max_chunk_tokens) + 1, granule):
+        for tokens in range(max(granule, 2), min(context, max_chunk_tokens) + 1, granule):  # 1 token: no view
             if len(shapes) == max_shapes:
                 return shapes
             shapes.append((tokens, context))

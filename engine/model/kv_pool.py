@@ -14,19 +14,17 @@ B rows, touches each layer with a fixed number of operations whatever B is:
   s0 ... s0 + n - 1, so K and V are each a strided view of `pool.reshape(num_slots, H_kv, D)[s0:s0 + n]`
   transposed to `[1, H_kv, n, D]`, no copy (BlockAllocator prefers such runs);
 - read, a one-query forward (decode) of the engine's layer loops with a paged-attention kernel set
-  (`KVPool.paged`, the CUDA
-  kernel of engine/model/kernels/paged_attention.py): nothing is read here; attention reads each row's blocks in
-  the pool through a `[B, NB]` block table (`ForwardView.attend`), and no mask is built;
+  (`KVPool.paged`, engine/model/kernels/paged_attention.py): nothing is read here; attention reads each
+  row's blocks in the pool through a `[B, NB]` block table (`ForwardView.attend`), and no mask is built;
 - read, otherwise: one gather per K and V with a `[B, H_kv, L_max]` row index, which yields the
   contiguous `[B, H_kv, L_max, D]` that attention wants (no transposed copy); padded positions read
   row 0 and are masked by a `[B, 1, 1, L_max]` boolean mask (none for one row).
 The choice and the indices are made once per forward (numpy, shared by all layers); `KVPool.read_slices
 = False` (or ForwardView's `read_slices`) forces the gather, so benchmarks can compare the two. Per layer
 and step: 2 scatters, 2 gathers (or 2 slices) and 2 reshapes, against 2 + 4B small operations of the
-per-row buffers this replaces. The gathered copy is one layer's KV of the rows in the forward (on the
-CPU only one layer's is alive at a time), which the memory model counts; for a view it counts none
-(`slice_start` decides, for the forward and for the engine's prediction alike), but where attention
-copies it (MLX's CPU matmul: a head's keys are H_kv rows apart; MemoryModel copies_every_view).
+per-row buffers this replaces. The gathered copy is one layer's KV of the rows in the forward, which
+the memory model counts; a view costs none (`slice_start` decides, for the forward and the prediction
+alike) but where the attention could not read it in place (`copy_views`: one copy, counted).
 
 Why a pool rather than one `[B, H_kv, L, D]` batch tensor (mlx-lm's BatchKVCache): a batch tensor is
 padded to the longest row and must be rebuilt (a copy of all of it) when rows join or leave; blocks
@@ -109,10 +107,10 @@ def chunk_view(pool_array: mx.array, num_kv_heads: int, head_dim: int, start: in
 
 
 def attention_copies_views(backend: str, head_dim: int, dtype: mx.Dtype, family: str) -> bool:
-    """Whether MLX's attention of a prompt chunk copies K and V read as a view of this pool (whose head
-    rows are H_kv * D apart): on CUDA only cuDNN's attention reads such strides in place (2-byte float,
-    head size a multiple of 8 up to 128, no explicit score ops: Gemma 2's soft-capped scores are
-    matmuls); every matmul path (the CPU's, CUDA's fallback) copies them first."""
+    """Whether MLX's attention of a prompt chunk would copy K and V read as a view of this pool (a head's
+    rows H_kv * D apart): on CUDA cuDNN's reads them in place (2-byte float, head size a multiple of 8 up to
+    128, no soft-capped scores); a matmul path copies them broadcast to the query heads, so the pool hands
+    it one contiguous copy instead (KVPool.copy_views)."""
     if backend != "cuda":
         return True
     return not (dtype in (mx.float16, mx.bfloat16) and head_dim % 8 == 0 and head_dim <= 128 and family != "gemma2")
@@ -142,6 +140,9 @@ class KVPool:
         a ring of window - 1 + the most tokens of one forward holds every key a forward reads (0:
         sliding layers use the blocks)."""
         self.read_slices = read_slices  # False: every forward gathers (to measure what slices save)
+        # a viewed row read as one contiguous copy per layer where the attention would copy the view
+        # itself, in its broadcast of the KV heads to the query heads (attention_copies_views)
+        self.copy_views = False
         self.grouped_masks = grouped_masks
         self.layer_windows = tuple(layer_windows or (None,) * num_layers)
         self.window = sliding_window(self.layer_windows)
@@ -394,7 +395,8 @@ class ForwardView:
     def _read_layer(self, pool_array: mx.array, span: Optional[tuple[int, int]], index) -> mx.array:
         if span is None:
             return pool_array[index]  # [B, H_kv, L_max, D], a copy
-        return chunk_view(pool_array, self.pool.num_kv_heads, self.pool.head_dim, *span)
+        view = chunk_view(pool_array, self.pool.num_kv_heads, self.pool.head_dim, *span)
+        return mx.contiguous(view) if self.pool.copy_views else view
 
     def advance(self) -> None:
         for row in self.rows:

@@ -15,6 +15,7 @@ blocks the pool must hold, come from the KV manager through the plan (engine/cor
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -190,6 +191,18 @@ class ModelRunner:
         if why_not is not None:
             raise ValueError(f"{type(self.model).__name__}: paged attention not possible ({why_not})")
         self.pool.paged = impl
+
+    def warm_chunk_shapes(self, shapes: list) -> tuple[int, float]:
+        """Build the attention graphs of prompt chunks of `shapes` ((tokens, context) pairs) now, on this
+        thread (MLX's CUDA backend keeps them per thread), where the chunk loop's attention reads a row's
+        view in place (no copy of it, no sliding window): (shapes built, seconds)."""
+        pool = self.pool
+        if not shapes or self.chunk_path is None or not pool.read_slices or pool.copy_views or pool.window:
+            return 0, 0.0
+        start = time.perf_counter()
+        self.chunk_path.warm_attention(shapes, self.layout.kv_dtype)
+        mx.clear_cache()  # its scratch buffers back to the device before the KV budget is used
+        return len(shapes), round(time.perf_counter() - start, 3)
 
     # --- KV pool and rows -----------------------------------------------------------------------
     @property

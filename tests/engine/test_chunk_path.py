@@ -162,27 +162,37 @@ def test_one_token_chunks_of_a_paged_pool_equal_mlx_lm(make_engine, tiny_parts, 
     assert (1, True) in chunks and all(paged == (n == 1) for n, paged in chunks)
 
 
-def test_warm_attention_runs_the_first_layers_attention_per_shape_as_a_chunk_reads_it(tiny_parts, monkeypatch):
-    """The startup warm-up (Engine._warm_chunk_shapes, on CUDA) calls the chunk loop's attention once per
-    grid shape, with the queries and a pool view of a chunk of that shape."""
-    from engine.engine import Engine
-    from engine.config import EngineConfig
+def test_warm_attention_runs_the_attention_of_each_shape_as_a_chunk_forward_calls_it(tiny_parts, monkeypatch):
+    """The start's warm-up (ModelRunner.warm_chunk_shapes, on CUDA) calls the chunk loop's attention once
+    per grid shape with what a chunk forward of that shape passes it: same shapes, dtypes and mask."""
     from engine.core.chunk_grid import grid_shapes
+    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.runner import ModelRunner
 
-    engine = Engine(*tiny_parts[:2], EngineConfig(model="tiny", memory_limit_bytes=4 << 30, prefill_chunk_size=32,
-                                                  max_model_len=96, execution={"chunk_granule": 16,
-                                                                               "max_warmup_chunk_shapes": 7}),
-                    tiny_parts[2])
-    path, seen = engine.runner.chunk_path, []
+    runner = ModelRunner(tiny_parts[0], block_size=16, max_forward_tokens=32)
+    path, seen = runner.chunk_path, []
     attention = path.ops.attention
 
     def record(q, k, v, scale, mask=None, stages=None, softcap=None):
-        seen.append((q.shape, k.shape, v.shape, mask))
+        seen.append((q.shape, q.dtype, k.shape, k.dtype, v.shape, mask, scale))
         return attention(q, k, v, scale, mask, stages, softcap)
 
     monkeypatch.setattr(path.ops, "attention", record)
-    monkeypatch.setattr("engine.engine.attention_copies_views", lambda *a: False)  # as cuDNN on CUDA
-    engine._warm_chunk_shapes(engine.config)
+    shapes = grid_shapes(16, 32, 96, 7)
+    assert runner.warm_chunk_shapes(shapes)[0] == 7 and len(seen) == 7
     H, H_kv, d = path.heads, path.kv_heads, path.head_dim
-    assert seen == [((1, H, t, d), (1, H_kv, n, d), (1, H_kv, n, d), "causal") for t, n in grid_shapes(16, 32, 96, 7)]
-    assert len(seen) == 7
+    assert [(s[0], s[2], s[4], s[5]) for s in seen] == [((1, H, t, d), (1, H_kv, n, d), (1, H_kv, n, d), "causal")
+                                                        for t, n in shapes]
+    warmed = seen[shapes.index((16, 32))]
+    runner.pool.grow(4)  # a row of two 16-token chunks, read as a view: its second chunk is (16, 32)
+    row = Row([0, 1, 2, 3], 16, runner.pool.block_bytes)
+    seen.clear()
+    for chunk in ([1] * 16, [2] * 16):
+        view = ForwardView(runner.pool, [row], 16)
+        assert view.reads_slice
+        path.forward(mx.array(chunk)[None], view, False)
+        mx.eval(runner.pool.keys, runner.pool.values)
+        view.advance()
+    assert seen[-1] == warmed  # the first layer's attention of the (16, 32) chunk: the same call
+    runner.pool.copy_views = True  # the attention would copy the view: nothing to warm
+    assert runner.warm_chunk_shapes(shapes) == (0, 0.0)

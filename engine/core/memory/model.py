@@ -72,9 +72,8 @@ class MemoryModel:
         `copies_viewed_kv`: a chunk ending its prompt copies its viewed KV for its last query (the
         engine's chunk loop but with cpu_math's attention; False: also runs recorded by an engine that
         did not, replayed by scripts/bench_memory_grid.py). `copies_every_view`: every chunk read as a
-        view copies its row's KV for each layer's attention, one copy per layer in flight (MLX's matmuls, the
-        CPU's and CUDA's fallback attention, need a head's keys in consecutive rows, and the token-major
-        pool's view has them H_kv rows apart; engine/model/kv_pool.py attention_copies_views)."""
+        view copies its row's KV for each layer's attention (KVPool.copy_views: where MLX's attention
+        could not read the token-major pool's strides), one copy per layer in flight."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -216,11 +215,10 @@ class MemoryModel:
                         + max(0.0, s.sliding_score_copies - own) * self._sliding_layers(m)
                         * scores(n if window is None else min(n, window - 1 + c)))
         # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend),
-        # or for every layer's attention (ReferenceOps.read_kv, cpu_math)
+        # or for every layer's attention (KVPool.copy_views): one copy per layer in flight
         copies = not gathers and c > 1 and (self.copies_every_view or self.copies_viewed_kv and computes_logits)
         view_copy = 2 * array(n * s.num_kv_heads * s.head_dim * s.dtype_bytes) if copies else 0
-        if self.copies_every_view:  # each layer in flight holds its own copy
-            view_copy *= self.layer_factor
+        view_copy *= self.layer_factor if self.copies_every_view else 1
         # never fewer layers than in flight: a calibration's row_gather_layers only raises the count
         rows_gathered = max(self.layer_factor, min(self.shape.num_layers, self.coefficients.row_gather_layers))
         gather = (self._over_layers(gathered, n, c, rows_gathered) if gathers and not paged
