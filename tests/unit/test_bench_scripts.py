@@ -85,6 +85,38 @@ def test_gathering_grid_leaves_decode_paged_unfitted(tmp_path):
     assert out["predicted_over_measured"]["min"] >= 1.0
 
 
+def test_a_fit_holds_its_floors_and_stays_above_the_chunks_it_does_not_fit(tmp_path):
+    """--min-terms: coefficients fitted no lower than given (an array the grid cannot separate from others);
+    --fit-min-chunk: smaller chunks only bound the fit, which hugs the larger ones more closely. Every
+    point stays predicted from above; an unknown coefficient is an error naming it."""
+    path = synthetic_grid(tmp_path, paged=True)
+    ratio = {}
+    for smallest in (0, 512):
+        out = backend_fit.fit_backend(path, backend="cuda", exclude="prefill_scores",
+                                      floors="prefill_mask=5,decode_paged=2", min_fitted_chunk=smallest)
+        assert out["coefficients"]["prefill_mask"] >= 5 and out["coefficients"]["decode_paged"] >= 2
+        assert out["predicted_over_measured"]["min"] >= 1.0 and out["min_fitted_chunk"] == smallest
+        data = json.loads(Path(path).read_text())
+        from engine.core.memory.coefficients import TransientCoefficients
+        pred = predict.engine_predictions(data["points"], data["shapes"], TransientCoefficients(**out["coefficients"]))
+        large = [pv / p["measured"] for pv, p in zip(pred, data["points"]) if p["kind"] == "prefill" and p["c"] >= 512]
+        ratio[smallest] = sum(large) / len(large)
+    assert ratio[512] < ratio[0], ratio
+    with pytest.raises(ValueError, match="prefill_maks"):
+        backend_fit.fit_backend(path, backend="cuda", floors="prefill_maks=5")
+
+
+def test_merge_reads_grids_kept_under_keys_of_one_file(tmp_path):
+    """--merge FILE:KEY,FILE:KEY: the prefill points of both grids and the decode points of the second."""
+    grid = dict(json.loads(Path(synthetic_grid(tmp_path, paged=True)).read_text()), environment={})
+    both = tmp_path / "runs.json"
+    both.write_text(json.dumps({"at_a": {"grid": grid}, "at_b": {"grid": grid}}))
+    merged = checks.merge_grids(f"{both}:at_a/grid", f"{both}:at_b/grid")
+    kinds = [p["kind"] for p in merged["points"]]
+    assert kinds.count("prefill") == 2 * sum(p["kind"] == "prefill" for p in grid["points"])
+    assert kinds.count("decode") == sum(p["kind"] == "decode" for p in grid["points"])
+
+
 def test_largest_per_chunk_keeps_one_prefill_point_per_chunk_size():
     pts = [dict(kind="prefill", variant="v", c=c, n=n, logits=False, gathers=False, measured=m)
            for c, n, m in ((128, 128, 5), (128, 256, 9), (128, 384, 7), (256, 256, 3))]
