@@ -59,7 +59,8 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     """The fit's, checks' and replay's options (and --append / --remeasure, in their place in --help)."""
     p.add_argument("--fit", default=None, help="fit coefficients to a grid JSON (no measuring)")
     p.add_argument("--merge", default=None, metavar="GRID,DECODE_GRID",
-                   help="write (--out) one grid of both's prefill points and the second's decode points")
+                   help="write (--out) one grid of both's prefill points and the second's decode points (each FILE or "
+                        "FILE:KEY)")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
     p.add_argument("--fit-path", default="", choices=["", "loops", "modules"],
                    help="--backend: only the points of forwards through the engine's layer loops, or mlx-lm's "
@@ -92,6 +93,12 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude-terms", default="",
                    help="--backend: coefficients fixed at 0, their terms left out (comma-separated; e.g. "
                         "prefill_scores,prefill_mask where attention never materializes the scores)")
+    p.add_argument("--min-terms", default="", metavar="NAME=VALUE,...",
+                   help="--backend: coefficients fitted no lower than these (e.g. an array the data cannot "
+                        "separate from others but which must exist)")
+    p.add_argument("--fit-min-chunk", type=int, default=0,
+                   help="--backend: prompt chunks of fewer tokens only bound the fit (never under-predicted) "
+                        "without pulling it toward them")
     p.add_argument("--chunk-maxima", action="store_true",
                    help="--backend: fit each chunk size's largest prefill point only (largest_per_chunk)")
     p.add_argument("--layers-in-flight", type=int, default=0,
@@ -162,7 +169,7 @@ def main(argv=None):
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
                              args.exclude_terms, args.chunk_maxima, args.layers_in_flight, args.fit_path,
-                             args.margin_bytes, args.margin)
+                             args.margin_bytes, args.margin, args.min_terms, args.fit_min_chunk)
         if not args.json:
             print(result.pop("python"))
     else:

@@ -39,13 +39,16 @@ def _fit_row(p: dict, shapes: dict, coef, names: list, stage_index: Optional[int
     return row, p["measured"] - stage.fixed_bytes
 
 
-def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, exclude=()) -> tuple:
+def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, exclude=(),
+                   floors: Optional[dict] = None, min_fitted_chunk: int = 0) -> tuple:
     """Joint fit (`envelope_fit`, from NNLS on relative error) of prefill and decode points with the
     per-layer terms counted min(L, layers_in_flight) times, one constant per forward and one more per
     prompt chunk; then every byte coefficient scaled up (and rounded up) until engine_predictions()
     under-predicts no point. A coefficient whose term is zero at every point (e.g. prefill_gather when
     every chunk read a view) keeps `base`'s value; one named in `exclude` is 0 (its term left out of the
-    formula). Where the forwards run in stages (`base.head_apart`, `phases_apart`) each point is fitted on
+    formula); one in `floors` (name -> value) is fitted no lower than that. Prompt chunks of fewer than
+    `min_fitted_chunk` tokens bound the fit (never under) without pulling it toward them. Where the
+    forwards run in stages (`base.head_apart`, `phases_apart`) each point is fitted on
     its largest stage (`_fit_row`) as the previous pass's fit predicts it: the first pass on the stages
     `_mlp_stages` guesses, by least squares (NNLS) alone, the next ones from above; the pass whose scaled
     fit has the least mean log ratio is kept. A model whose chunks' stages were measured alone
@@ -54,26 +57,33 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     import numpy as np
 
     names = [c[0] for c in BACKEND_COLUMNS]
-    coef = dataclasses.replace(base, layers_in_flight=layers_in_flight)
+    columns = names + ["prefill_overhead_bytes", "step_overhead_bytes"]
+    # the rows built with the excluded coefficients at 0: a family's own score arrays (a fixed term) count
+    # where the backend's `prefill_scores` does not replace them (MemoryModel._chunk_attention)
+    coef = dataclasses.replace(base, layers_in_flight=layers_in_flight, **{n: 0.0 for n in exclude if n in names})
     staged = {p["variant"] for p in pts if p["kind"] == "stage"}
     fitted = [p for p in pts if p["kind"] != "prefill" or p["variant"] not in staged]
     stages = _mlp_stages(fitted) if base.phases_apart else [None] * len(fitted)
+    weights = np.array([0.0 if p["kind"] == "prefill" and p["c"] < min_fitted_chunk else 1.0 for p in fitted])
     best = None
     for first in [True] + [False] * (4 if base.head_apart or base.phases_apart else 0):
         rows, b = zip(*(_fit_row(p, shapes, coef, names, k) for p, k in zip(fitted, stages)))
         a, b = np.array(rows, dtype=float), np.maximum(np.array(b, dtype=float), 1.0)
         seen = np.abs(a).max(axis=0) > 0
-        for i, name in enumerate(names + ["prefill_overhead_bytes", "step_overhead_bytes"]):
+        for i, name in enumerate(columns):
             if name in exclude:
                 a[:, i] = 0
         fit_cols = np.abs(a).max(axis=0) > 0
+        lower = np.array([(floors or {}).get(n, 0.0) for n, ok in zip(columns, fit_cols) if ok])
         x = np.zeros(a.shape[1])
         rel = a[:, fit_cols] / b[:, None]
+        root = np.sqrt(weights)
         if base.head_apart or base.phases_apart:  # least squares of the ratios first: the stages' split
-            start = nnls_active_set(rel, np.ones_like(b))
-            x[fit_cols] = start if first else envelope_fit(rel, start)
+            start = np.maximum(nnls_active_set(rel * root[:, None], root), lower)
+            x[fit_cols] = start if first else envelope_fit(rel, start, lower=lower, weights=weights)
         else:
-            x[fit_cols] = envelope_fit(rel, nnls(rel, np.ones_like(b)))
+            start = np.maximum(nnls(rel * root[:, None], root), lower)
+            x[fit_cols] = envelope_fit(rel, start, lower=lower, weights=weights)
         fields = {n: float(v) if ok or n in exclude else getattr(base, n)
                   for n, v, ok in zip(names, x[:-2], seen[:-2])}  # base's None (decode_paged) stays None
         fields.update(layers_in_flight=layers_in_flight, prefill_overhead_bytes=float(x[-2]),
@@ -177,14 +187,17 @@ def largest_per_chunk(pts: list[dict], shapes: dict) -> list[dict]:
 
 def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0,
                 exclude: str = "", chunk_maxima: bool = False, layers_in_flight: int = 0,
-                forward_path: str = "", margin_bytes: int = 0, margin: float = 1.0) -> dict:
+                forward_path: str = "", margin_bytes: int = 0, margin: float = 1.0, floors: str = "",
+                min_fitted_chunk: int = 0) -> dict:
     """Fit a backend's TransientCoefficients (engine/core/memory/model.py's formulas, with layers_in_flight and
     step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
     grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
     measured. With one depth in the grid layers_in_flight is not identifiable (it only rescales the
     per-layer coefficients): it is then that depth (valid for models up to that depth), or
     `layers_in_flight` if given (e.g. the window a multi-depth fit found, so that the terms the grid
-    does not fit, kept at their base values, count as many layers as in the backend's set)."""
+    does not fit, kept at their base values, count as many layers as in the backend's set). `floors`
+    ("name=value,..."): coefficients fitted no lower than those; `min_fitted_chunk`: smaller prompt
+    chunks only bound the fit (`fit_backend_at`)."""
     data = read_keyed(path)
     shapes = data["shapes"]
     pts = fitted_points(data, variants, forward_path)
@@ -197,7 +210,12 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     if layers_in_flight:
         candidates = [layers_in_flight]
     base = backend_base(backend, forward_path)
-    scan, coef, pred = scan_layers_in_flight(pts, shapes, candidates, base, tuple(t for t in exclude.split(",") if t))
+    lows = {name: float(value) for name, _, value in (t.partition("=") for t in floors.split(",") if t)}
+    unknown = set(lows) - {c[0] for c in BACKEND_COLUMNS} - {"prefill_overhead_bytes", "step_overhead_bytes"}
+    if unknown:
+        raise ValueError(f"--min-terms: unknown coefficients {sorted(unknown)}")
+    excluded = tuple(t for t in exclude.split(",") if t)
+    scan, coef, pred = scan_layers_in_flight(pts, shapes, candidates, base, excluded, lows, min_fitted_chunk)
     if margin_bytes or margin != 1.0:  # beyond the grid's points: every byte coefficient and the constant raised
         scaled = {c[0]: ceil_sig(getattr(coef, c[0]) * margin) for c in BACKEND_COLUMNS
                   if getattr(coef, c[0]) is not None}
@@ -211,7 +229,8 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
             raise RuntimeError("a point below its chunk size's largest is under-predicted")
     out = dict(grid=path, backend=backend, forward_path=forward_path or None,
                variants=sorted({p["variant"] for p in pts}), excluded_terms=exclude,
-               chunk_maxima=chunk_maxima, margin=margin, margin_bytes=margin_bytes,
+               chunk_maxima=chunk_maxima, floors=lows, min_fitted_chunk=min_fitted_chunk,
+               margin=margin, margin_bytes=margin_bytes,
                environment_mlx_env=data.get("environment", {}).get("mlx_env"),
                geometric_mean_ratio_by_layers_in_flight=scan)
     return fit_report(out, pts, pred, coef, backend)
@@ -247,7 +266,8 @@ def backend_base(backend: str, forward_path: str):
                                attention_query_blocks=QUERY_BLOCKS if phases else 1)
 
 
-def scan_layers_in_flight(pts: list[dict], shapes: dict, candidates: list[int], base, exclude: tuple) -> tuple:
+def scan_layers_in_flight(pts: list[dict], shapes: dict, candidates: list[int], base, exclude: tuple,
+                          floors: Optional[dict] = None, min_fitted_chunk: int = 0) -> tuple:
     """`fit_backend_at` at every layers_in_flight of `candidates`: (the geometric mean of predicted /
     measured of each, the coefficients and predictions of the least)."""
     import numpy as np
@@ -255,7 +275,7 @@ def scan_layers_in_flight(pts: list[dict], shapes: dict, candidates: list[int], 
     best = None
     scan = {}
     for k in candidates:
-        coef, pred = fit_backend_at(pts, shapes, k, base, exclude)
+        coef, pred = fit_backend_at(pts, shapes, k, base, exclude, floors, min_fitted_chunk)
         score = float(np.exp(np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts]))))
         scan[k] = round(score, 3)
         if best is None or score < best[0]:

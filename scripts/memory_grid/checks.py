@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .fit import ratio_stats
+from .fit import ratio_stats, read_keyed
 from .predict import mixed_predictions, model_shape
 from .shapes import decode_terms
 
@@ -33,7 +33,7 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth
     also models the engine runs apart (`mixed_min_layers` 0), to see the formula on them."""
     from engine.core.memory.coefficients import coefficients_for
 
-    data = json.loads(Path(path).read_text())
+    data = read_keyed(path)  # FILE:KEY: the grid under KEY of a file of several
     pts = [p for p in data["points"] if p["kind"] == "mixed" and p["measured"] > 0]
     out: dict = {}
     for v in sorted({p["variant"] for p in pts}):
@@ -57,7 +57,7 @@ def merge_grids(prefill_path: str, decode_path: str) -> dict:
     variants), e.g. to refit after a change of the decode kernel alone (a second machine's prefill
     points widen the fit's envelope). The decode points' terms are recomputed from their shapes with
     this script's formulas: `decode_path` must have been measured with the current kernel."""
-    pre, dec = (json.loads(Path(f).read_text()) for f in (prefill_path, decode_path))
+    pre, dec = (read_keyed(f) for f in (prefill_path, decode_path))  # FILE or FILE:KEY
     missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
     if missing:
         raise ValueError(f"variants {sorted(missing)} of {decode_path} are not in {prefill_path}")

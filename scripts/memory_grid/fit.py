@@ -157,22 +157,26 @@ def nnls_active_set(a, b, max_iter: int = 500):
     return x / scale
 
 
-def envelope_fit(a, x0=None, penalties=(10.0, 1e3, 1e5), iters: int = 8000):
-    """x >= 0 minimizing sum((r - 1)^2) + lam * sum(min(r - 1, 0)^2) with r = a @ x, for growing lam:
-    `a`'s rows are divided by the measured bytes, so r is predicted / measured and the fit hugs the
-    points from above (an upper bound as tight as the formula allows) instead of through them, then
-    needs only a small scale-up. Projected gradient on the column-scaled problem (numpy only)."""
+def envelope_fit(a, x0=None, penalties=(10.0, 1e3, 1e5), iters: int = 8000, lower=None, weights=None):
+    """x >= `lower` (default 0) minimizing sum(w * (r - 1)^2) + lam * sum(min(r - 1, 0)^2) with r = a @ x,
+    for growing lam: `a`'s rows are divided by the measured bytes, so r is predicted / measured and the
+    fit hugs the points from above (an upper bound as tight as the formula allows) instead of through
+    them, then needs only a small scale-up. `weights` w per row (default 1): a row of weight 0 only
+    bounds the fit from below. Projected gradient on the column-scaled problem (numpy only)."""
     import numpy as np
 
     scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
     s = a / scale
+    low = np.zeros(s.shape[1]) if lower is None else np.asarray(lower, dtype=float) * scale
+    w = np.ones(s.shape[0]) if weights is None else np.asarray(weights, dtype=float)
     x = x0 * scale if x0 is not None else np.clip(np.linalg.lstsq(s, np.ones(len(s)), rcond=None)[0], 0, None)
+    x = np.maximum(x, low)
     lipschitz = np.linalg.norm(s, 2) ** 2
     for lam in penalties:
         step = 1.0 / (lipschitz * (1 + lam))
         for _ in range(iters):
             r = s @ x - 1
-            x = np.clip(x - step * (s.T @ (np.where(r < 0, 1 + lam, 1.0) * r)), 0, None)
+            x = np.maximum(x - step * (s.T @ (np.where(r < 0, w + lam, w) * r)), low)
     return x / scale
 
 

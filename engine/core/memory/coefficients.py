@@ -258,16 +258,18 @@ LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
 #         --margin 1.05
 QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
 # The Gemma-3-12B shape in bf16 (sliding-window layers in rings), CUDA under ops 8, through the engine's
-# layer loops, from its prompt chunks of 128-2048 tokens (views of the pool, contexts up to 4096) in
-# scripts/data/h200_i21_prefill_families.json "at_c25d549" "gemma3-12b_grid", fitted from above on each
-# chunk size's largest point with one layer in flight: the least over-prediction of 1-7 (its layers hold
-# more operations than a llama's, so fewer of them share a committed batch, and the arrays the shape
-# counts per layer in flight, its sliding layers' scores and output norms, count once). The decode terms
-# are the set's times its 7 layers in flight, and a fragmented row's gathered chunk KV counts the set's 7
-# layers (no Gemma decode or gathered chunk was measured: never below the set's):
-#     python scripts/bench_memory_grid.py --fit scripts/data/h200_i21_prefill_families.json:at_c25d549/gemma3-12b_grid \
-#         --backend cuda --fit-variants gemma3-12b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
-#         --layers-in-flight 1
+# layer loops: its H200 grids in scripts/data/h200_i21_prefill_families.json (prompt chunks of 128-2048
+# tokens read as views at c25d549; 512- and 2048-token chunks gathered, decodes of 1-16 rows at d1a5613),
+# merged, fitted from above with one layer in flight, chunks under 512 tokens bounding the fit only. Three
+# coefficients have floors the grids' short contexts cannot set: a global layer's [H, c, n] bf16 scores
+# and boolean mask (33 bytes per query and key: the 512-token chunks' growth to 8192 keys), one layer's
+# gathered row KV and one layer's paged partials (docs/memory_cuda.md):
+#     python scripts/bench_memory_grid.py --merge scripts/data/h200_i21_prefill_families.json:at_c25d549/gemma3-12b_grid,\
+#         scripts/data/h200_i21_prefill_families.json:at_d1a5613/gemma3-12b_grid \
+#         --out scripts/data/h200_i21_gemma3_grid_merged.json
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_i21_gemma3_grid_merged.json --backend cuda \
+#         --fit-variants gemma3-12b --exclude-terms prefill_scores --fit-min-chunk 512 --layers-in-flight 1 \
+#         --min-terms prefill_mask=33,prefill_gather=1,decode_paged=1
 GEMMA3_12B_BF16 = (48, 3840, 16, 8, 256, 15360, 262208, 2)
 # (backend set's name, shape_key) -> (what it is, the set, the largest prompt chunk its fit measured: a
 # larger prefill_chunk_size takes the backend's set, whose fit covers it)
@@ -281,10 +283,10 @@ SHAPE_CALIBRATIONS = {
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.056, prefill_hidden=3.694, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9), 512),
     ("cuda-ops8", GEMMA3_12B_BF16): ("gemma-3-12b bf16 calibration of the cuda-ops8 set (layer loops)", replace(
-        CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, row_gather_layers=7, prefill_mlp=9.118, prefill_hidden=36.47,
-        prefill_gather=1.331,
-        prefill_layer_rows=201.4, family_rows=22.8, step_overhead_bytes=6185000, prefill_overhead_bytes=6185000,
-        decode_gather=7.007, decode_scores=0.126, decode_mlp=19.11, decode_hidden=18.1, decode_paged=7.126), 2048),
+        CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, prefill_mask=33.04, prefill_mlp=8.114, prefill_hidden=32.46,
+        prefill_gather=1.393, prefill_layer_rows=944.9, family_rows=0.5875, step_overhead_bytes=0,
+        prefill_overhead_bytes=29030000, decode_gather=0.7185, decode_scores=0.0, decode_logits=9.023,
+        decode_mlp=308.1, decode_hidden=1233.0, decode_paged=1.001), 2048),
 }
 
 
