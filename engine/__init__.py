@@ -11,7 +11,19 @@ importing `engine.core` or `engine.config` never imports mlx.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
+
+# MLX's CUDA backend sizes a thread's cuDNN attention graph cache, and arms its thrashing check, when the
+# thread first uses it: the thread that loads mlx at once. A server meets new prompt-chunk shapes for
+# most prompts, so the engine keeps more graphs and turns the check off, set here before the engine loads
+# mlx (an explicit setting wins; the names are CUDA's alone).
+CUDA_CACHE_DEFAULTS = {"MLX_CUDA_SDPA_CACHE_SIZE": "1024", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+for _name, _value in CUDA_CACHE_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
+# mlx loaded before these were set: the loading thread's caches kept MLX's defaults (engine.backend)
+MLX_LOADED_FIRST = "mlx.core" in sys.modules
 
 _EXPORTS = {
     "Engine": "engine.engine",

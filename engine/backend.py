@@ -47,3 +47,16 @@ def device_memory_bytes() -> int:
         if info.get(key):
             return int(info[key])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def sdpa_graph_cache_size() -> int:
+    """How many cuDNN attention graphs MLX's CUDA backend keeps for the calling thread, as the environment
+    said when it built that thread's cache (MLX_CUDA_SDPA_CACHE_SIZE); 0 where that is unknown: mlx
+    loaded before the engine set its defaults, and this thread loaded it (engine/__init__.py)."""
+    import threading
+
+    import engine
+
+    if engine.MLX_LOADED_FIRST and threading.current_thread() is threading.main_thread():
+        return 0
+    return int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "256"))

@@ -12,6 +12,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine import CUDA_CACHE_DEFAULTS as _CUDA_CACHE_DEFAULTS
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, with_overrides
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def export_max_ops_per_buffer(value: Optional[int]) -> None:
 # and, by default, throws once the process has missed it more than twice its size in its lifetime: a
 # server meets a new (tokens, context) pair for most prompts, so the throw would fail a step of a
 # healthy replica. The engine keeps more graphs and turns the throw off (an explicit setting wins).
-CUDA_CACHE_DEFAULTS = {"MLX_CUDA_SDPA_CACHE_SIZE": "1024", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+CUDA_CACHE_DEFAULTS = _CUDA_CACHE_DEFAULTS
 
 
 def export_cuda_cache_defaults(backend: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -103,8 +102,7 @@ class Engine:
         self._streams: dict[str, TextStream] = {}
         self._warmed = (0, 0.0)  # (shapes, seconds) of the start's attention warm-up
         if backend == "cuda":  # at most half of what MLX's graph cache keeps: room for the shapes off the grid
-            cache = int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "256"))
-            num = min(config.execution.max_warmup_chunk_shapes, cache // 2)
+            num = min(config.execution.max_warmup_chunk_shapes, device_backend.sdpa_graph_cache_size() // 2)
             self._warmed = self.runner.warm_chunk_shapes(
                 grid_shapes(config.execution.chunk_granule, config.prefill_chunk_size, self.max_model_len, num))
             if self._warmed[0]:

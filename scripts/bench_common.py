@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python scripts/x.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+import engine  # noqa: E402,F401  (MLX's CUDA cache settings, before mlx loads: engine/__init__.py)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402

@@ -49,17 +49,17 @@ ENGINE_OVERRIDES: dict = {}  # --engine-config
 # Set (to 1) for the runs that validate, on a GPU, the layer loops of the families not yet validated
 # there (engine/model/families.py GPU_LOOP_FAMILIES): RunnerOptions.gpu_unvalidated_loops
 GPU_UNVALIDATED_LOOPS_ENV = "MLX_SERVE_GPU_UNVALIDATED_LOOPS"
-# RunnerOptions.fused_rope (engine/model/kernels/qk_rope.py, on by default) off in every benchmark with =0
+# RunnerOptions.fused_rope (engine/model/kernels/qk_rope.py, opt-in) in every benchmark with =1
 FUSED_ROPE_ENV = "MLX_SERVE_FUSED_ROPE"
 
 
 def runner_options(**fields):
     """RunnerOptions with `fields`, and the not yet GPU-validated families' loops and the fused q/k
-    rope kernel unless the environment turns it off (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV)."""
+    rope kernel where the environment asks for them (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV)."""
     from engine.model.runner import RunnerOptions
 
     env = dict(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1",
-               fused_rope=os.environ.get(FUSED_ROPE_ENV) != "0")
+               fused_rope=os.environ.get(FUSED_ROPE_ENV) == "1")
     return RunnerOptions(**{**env, **fields})
 
 

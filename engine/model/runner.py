@@ -53,7 +53,9 @@ class RunnerOptions:
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
     tiled_attention: bool = True  # False: the paged kernel's untiled span kernel (to compare the two)
-    fused_rope: bool = True  # CUDA: decode's q/k norms and RoPE in one kernel (checked before use)
+    # CUDA: decode's q/k norms and RoPE in one kernel; opt-in: with fewer kernels a layer, more layers' decode
+    # temporaries share MLX's committed batches than the memory model's CUDA set was fitted on
+    fused_rope: bool = False
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False

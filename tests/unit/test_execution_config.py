@@ -117,3 +117,22 @@ def test_cuda_cache_defaults_keep_an_explicit_setting_and_leave_other_backends_a
     export_cuda_cache_defaults("cuda")
     assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "64"  # the operator's
     assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+
+
+def test_the_warm_up_trusts_mlxs_graph_cache_size_only_where_the_engine_set_it_first(monkeypatch):
+    """MLX sizes the loading thread's cache when mlx loads: set after that, the size is unknown there."""
+    import threading
+
+    import engine
+    from engine.backend import sdpa_graph_cache_size
+
+    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "1024")
+    monkeypatch.setattr(engine, "MLX_LOADED_FIRST", False)
+    assert sdpa_graph_cache_size() == 1024
+    monkeypatch.setattr(engine, "MLX_LOADED_FIRST", True)
+    assert sdpa_graph_cache_size() == 0  # this (main) thread's cache may hold MLX's default
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(sdpa_graph_cache_size()))
+    thread.start()
+    thread.join()
+    assert seen == [1024]  # another thread builds its own cache when it first uses it
