@@ -75,13 +75,14 @@ class ExecutionConfig(BaseModel):
     )
 
     max_warmup_chunk_shapes: int = Field(
-        512, ge=0, le=1024,
+        0, ge=0, le=1024,
         description="On MLX's CUDA backend, at start the engine builds the cuDNN attention graphs of up to this "
         "many prompt-chunk shapes on the chunk_granule grid (tokens up to prefill_chunk_size, contexts up to "
-        "max_model_len, shortest first): a prompt's whole chunks and chunks cut on the grid then find "
-        "theirs built instead of building it on the host while requests wait (docs/tight_burst.md); a "
-        "prompt's last chunk is on the grid only where it ends there (or with pad_last_chunk). Each build "
-        "adds to the replica's start. 0: none; at most half of MLX_CUDA_SDPA_CACHE_SIZE, the graphs MLX keeps.",
+        "max_model_len, shortest first), so that a prompt's whole chunks and chunks cut on the grid find "
+        "theirs built (a prompt's last chunk is on the grid only where it ends there, or with "
+        "pad_last_chunk). Off by default: each graph is built on the host, so it lengthens every replica's "
+        "start, while on an H200 burst it did not shorten the wall time (docs/tight_burst.md). At most half "
+        "of MLX_CUDA_SDPA_CACHE_SIZE, the graphs MLX keeps.",
     )
 
     @field_validator("chunk_granule")
