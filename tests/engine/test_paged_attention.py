@@ -1,6 +1,6 @@
 """Paged decode attention (engine/model/kernels/paged_attention.py): the engine's one-query forwards reading the pool
 through a block table instead of a gathered copy. The CUDA kernel runs only on a GPU
-(scripts/check_paged_attention.py checks it there against `ReferenceAttention`); here the engine takes
+(scripts/bench_decode_attention.py checks it there against MLX's attention); here the engine takes
 the same path with `ReferenceAttention`, so the table, lengths and mask-free views are checked on real
 forwards, and so is which forwards take it: only the engine's own layer loops call it; models decoding
 through mlx-lm's modules gather, and the memory model predicts the gather for them."""

@@ -20,7 +20,7 @@ The engine's own layer loops (engine/model/layers/decode_path.py, mixed.py, chun
 kernel explicitly, through their `ForwardView` (engine/model/kv_pool.py), for their one-query
 forwards; forwards through mlx-lm's modules gather (the runner enables the kernel only where its loops
 run the model). `ReferenceAttention` computes the same thing with MLX operations (gather, mask, MLX
-attention): the CPU tests run the engine's paged path with it, scripts/check_paged_attention.py checks
+attention): the CPU tests run the engine's paged path with it, scripts/bench_decode_attention.py checks
 the kernel against it on a GPU, and `self_check` does so on a small case before the runner uses the
 kernel (a device or MLX version it fails on falls back to gathering, with a warning).
 """
