@@ -247,6 +247,14 @@ def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
         extra = (model.prefill_chunk_bytes(512, n, False, gathers=True)
                  - model.prefill_chunk_bytes(512, n, False, gathers=False))
         assert extra >= (n - shape.sliding_window - 511) * kv_row, n
+    # a decode that gathers (paged_attention off: no grid measured one) counts at least the rows' K and V
+    # of one layer and their scores, as the set does
+    gathering = MemoryModel(shape, coefficients=calibrated, paged_decode=False)
+    for rows, n in ((16, 32768), (4, 131072)):
+        kv = rows * n * shape.num_kv_heads * 2 * shape.head_dim * shape.dtype_bytes
+        assert gathering.decode_bytes([n] * rows, gathers=True) >= kv, (rows, n)
+    ratios = [s["ratio"] for s in replay.replay_prefill(f"{data}:at_eb7c392/gemma3-12b", "cuda", views=True)["steps"]]
+    assert min(ratios) >= 1.0 and max(ratios) <= 1.2, ratios  # measured with the token-major pool's copy
 
 
 def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():

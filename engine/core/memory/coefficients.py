@@ -270,6 +270,8 @@ QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_i21_gemma3_grid_merged.json --backend cuda \
 #         --fit-variants gemma3-12b --exclude-terms prefill_scores --fit-min-chunk 512 --layers-in-flight 1 \
 #         --min-terms prefill_mask=33,prefill_gather=1,decode_paged=1
+# The decode's gather and score terms then raised to the set's: the grids' decodes were paged, so the fit saw
+# only the sliding layers' window gathers, not a decode that gathers every layer (paged_attention off).
 GEMMA3_12B_BF16 = (48, 3840, 16, 8, 256, 15360, 262208, 2)
 # (backend set's name, shape_key) -> (what it is, the set, the largest prompt chunk its fit measured: a
 # larger prefill_chunk_size takes the backend's set, whose fit covers it)
@@ -285,7 +287,7 @@ SHAPE_CALIBRATIONS = {
     ("cuda-ops8", GEMMA3_12B_BF16): ("gemma-3-12b bf16 calibration of the cuda-ops8 set (layer loops)", replace(
         CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, prefill_mask=33.04, prefill_mlp=8.114, prefill_hidden=32.46,
         prefill_gather=1.393, prefill_layer_rows=944.9, family_rows=0.5875, step_overhead_bytes=0,
-        prefill_overhead_bytes=29030000, decode_gather=0.7185, decode_scores=0.0, decode_logits=9.023,
+        prefill_overhead_bytes=29030000, decode_gather=1.001, decode_scores=0.01799, decode_logits=9.023,
         decode_mlp=308.1, decode_hidden=1233.0, decode_paged=1.001), 2048),
 }
 
