@@ -13,17 +13,20 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from typing import Any
 
-# MLX's CUDA backend sizes a thread's cuDNN attention graph cache, and arms its thrashing check, when the
-# thread first uses it: the thread that loads mlx at once. A server meets new prompt-chunk shapes for
-# most prompts, so the engine keeps more graphs and turns the check off, set here before the engine loads
-# mlx (an explicit setting wins; the names are CUDA's alone).
+# MLX's CUDA backend sizes a thread's cuDNN attention graph cache, and arms its thrashing check, at that
+# thread's first GPU work (an allocation: importing mlx_lm makes one). A server meets new prompt-chunk
+# shapes for most prompts, so the engine keeps more graphs and turns the check off, set here, before the
+# engine's own MLX work (an explicit setting wins; the names are CUDA's alone).
 CUDA_CACHE_DEFAULTS = {"MLX_CUDA_SDPA_CACHE_SIZE": "1024", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 for _name, _value in CUDA_CACHE_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
-# mlx loaded before these were set: the loading thread's caches kept MLX's defaults (engine.backend)
+# mlx loaded before these were set: the main thread's and this importing thread's caches may have been
+# built with MLX's defaults already (engine.backend.sdpa_graph_cache_size)
 MLX_LOADED_FIRST = "mlx.core" in sys.modules
+IMPORTING_THREAD_ID = threading.get_ident()
 
 _EXPORTS = {
     "Engine": "engine.engine",

@@ -51,12 +51,14 @@ def device_memory_bytes() -> int:
 
 def sdpa_graph_cache_size() -> int:
     """How many cuDNN attention graphs MLX's CUDA backend keeps for the calling thread, as the environment
-    said when it built that thread's cache (MLX_CUDA_SDPA_CACHE_SIZE); 0 where that is unknown: mlx
-    loaded before the engine set its defaults, and this thread loaded it (engine/__init__.py)."""
+    said when it built that thread's cache (MLX_CUDA_SDPA_CACHE_SIZE); 0 where that is unknown: mlx was
+    loaded before the engine set its defaults, and this is the main thread or the one that imported the
+    engine, either of which may have done GPU work before (engine/__init__.py)."""
     import threading
 
     import engine
 
-    if engine.MLX_LOADED_FIRST and threading.current_thread() is threading.main_thread():
+    if engine.MLX_LOADED_FIRST and (threading.current_thread() is threading.main_thread()
+                                    or threading.get_ident() == engine.IMPORTING_THREAD_ID):
         return 0
     return int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "256"))

@@ -12,7 +12,6 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine import CUDA_CACHE_DEFAULTS as _CUDA_CACHE_DEFAULTS
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, with_overrides
 
 logger = logging.getLogger(__name__)
@@ -109,21 +108,6 @@ def export_max_ops_per_buffer(value: Optional[int]) -> None:
         logger.warning("%s=%s in the environment replaced by execution.max_ops_per_buffer=%d (it takes "
                        "effect only if this process has run no GPU work yet)", MAX_OPS_ENV, current, value)
     os.environ[MAX_OPS_ENV] = str(value)
-
-
-# MLX's CUDA backend keeps a cuDNN attention graph per prompt-chunk shape in an LRU cache (256 by default)
-# and, by default, throws once the process has missed it more than twice its size in its lifetime: a
-# server meets a new (tokens, context) pair for most prompts, so the throw would fail a step of a
-# healthy replica. The engine keeps more graphs and turns the throw off (an explicit setting wins).
-CUDA_CACHE_DEFAULTS = _CUDA_CACHE_DEFAULTS
-
-
-def export_cuda_cache_defaults(backend: str) -> None:
-    """On CUDA, CUDA_CACHE_DEFAULTS where the environment does not set them; before any GPU work (MLX
-    reads them when it first builds the caches)."""
-    if backend == "cuda":
-        for name, value in CUDA_CACHE_DEFAULTS.items():
-            os.environ.setdefault(name, value)
 
 
 class EngineConfig(BaseModel):

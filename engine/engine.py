@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine import backend as device_backend  # one place to read (and, in tests, to stand in for) the backend
-from engine.config import EngineConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
+from engine.config import EngineConfig, export_max_ops_per_buffer
 from engine.core.chunk_grid import grid_shapes
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import with_overrides
@@ -91,8 +91,7 @@ class Engine:
                             pad_last_chunk=config.execution.pad_last_chunk,
                             chunk_granule=config.execution.chunk_granule),
             self.memory, self.kv, view_reads=self.runner.pool.read_slices)
-        # Pipelined decode steps, and on CUDA prompt chunks that sample nothing left running into the
-        # next step: what measured best (StepOptions' defaults).
+        # pipelined decodes, on CUDA chunks that sample nothing run into the next step (StepOptions' defaults)
         overlap = step_options.overlap_steps
         self.executor = StepExecutor(self.runner, self.memory, self.scheduler, config.seed,
                                      async_decode=step_options.async_decode,
@@ -100,16 +99,22 @@ class Engine:
                                      make_sampler=self._make_sampler)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
-        self._warmed = (0, 0.0)  # (shapes, seconds) of the start's attention warm-up
-        if backend == "cuda":  # at most half of what MLX's graph cache keeps: room for the shapes off the grid
-            num = min(config.execution.max_warmup_chunk_shapes, device_backend.sdpa_graph_cache_size() // 2)
-            self._warmed = self.runner.warm_chunk_shapes(
-                grid_shapes(config.execution.chunk_granule, config.prefill_chunk_size, self.max_model_len, num))
-            if self._warmed[0]:
-                logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", *self._warmed)
+        self._warmed = self._warm_chunk_shapes(config) if backend == "cuda" else (0, 0.0)  # (shapes, seconds)
         self._grammar_compiler = grammar_compiler
         self._grammar_lock = threading.Lock()
         self._matchers: dict[str, GrammarMatcher] = {}  # compiled grammars of requests without a row yet
+
+    def _warm_chunk_shapes(self, config: EngineConfig) -> tuple[int, float]:
+        """ExecutionConfig.max_warmup_chunk_shapes' graphs, at most half of what MLX's graph cache keeps
+        (room for the shapes off the grid): (shapes built, seconds)."""
+        num = min(config.execution.max_warmup_chunk_shapes, device_backend.sdpa_graph_cache_size() // 2)
+        if config.execution.max_warmup_chunk_shapes and not num:
+            logger.warning("no attention warm-up: mlx loaded before the engine set its graph cache size")
+        warmed = self.runner.warm_chunk_shapes(
+            grid_shapes(config.execution.chunk_granule, config.prefill_chunk_size, self.max_model_len, num))
+        if warmed[0]:
+            logger.info("built the attention graphs of %d prompt-chunk shapes in %.1f s", *warmed)
+        return warmed
 
     @staticmethod
     def _build_runner(model: nn.Module, config: EngineConfig, options: RunnerOptions, backend: str) -> ModelRunner:
@@ -185,7 +190,6 @@ class Engine:
 
         # Before any GPU work: MLX reads it once per process, at its GPU backend's first commit.
         export_max_ops_per_buffer(config.execution.resolved_max_ops_per_buffer(device_backend.mlx_backend()))
-        export_cuda_cache_defaults(device_backend.mlx_backend())
         dtype = device_backend.resolve_dtype(config.dtype)
         path = Path(resolve_model_path(config.model, cache_dir=config.cache_dir, dtype=dtype))
         model, tokenizer = load_model(path)

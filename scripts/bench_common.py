@@ -158,7 +158,7 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
     """`name`: default | tiny | a RANDOM_SHAPES name (llama-8b, qwen3-8b, gemma3-12b, ...) | an mlx-lm
     folder or cached Hugging Face repo id. `layers` truncates a random
     shape (the per-layer transient does not depend on the number of layers)."""
-    from engine.config import MAX_OPS_ENV, ExecutionConfig, export_cuda_cache_defaults, export_max_ops_per_buffer
+    from engine.config import MAX_OPS_ENV, ExecutionConfig, export_max_ops_per_buffer
     from engine.backend import mlx_backend, resolve_dtype
 
     # Benchmarks build engines around this model, not with Engine.from_config: the engine's default
@@ -166,7 +166,6 @@ def load_bench_model(name: str, dtype: str = "auto", layers: Optional[int] = Non
     # MLX_MAX_OPS_PER_BUFFER (an experiment on MLX's batching) is kept.
     if MAX_OPS_ENV not in os.environ:
         export_max_ops_per_buffer(ExecutionConfig().resolved_max_ops_per_buffer(mlx_backend()))
-    export_cuda_cache_defaults(mlx_backend())
     dtype = resolve_dtype(dtype)
     t0 = time.perf_counter()
     if name in RANDOM_SHAPES:

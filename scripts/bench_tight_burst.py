@@ -97,6 +97,7 @@ def step_summary(steps: list[dict], seen_shapes: Optional[set]) -> dict:
 def build_engine(lm, limit: int, args, budget: Optional[int]):
     """The engine under `limit` bytes (ValueError if that leaves no KV); `budget`: max_num_batched_tokens
     (None: the engine's default for the device)."""
+    from bench_engine import runner_options
     from engine.config import EngineConfig
     from engine.engine import Engine
 
@@ -111,7 +112,7 @@ def build_engine(lm, limit: int, args, budget: Optional[int]):
         fields["execution"] = execution
     if budget:
         fields["max_num_batched_tokens"] = budget
-    return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config)
+    return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=runner_options())
 
 
 def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None,

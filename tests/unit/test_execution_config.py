@@ -106,17 +106,19 @@ def test_default_step_budget_rises_to_what_the_other_fields_need():
         EngineConfig(max_num_batched_tokens=0)
 
 
-def test_cuda_cache_defaults_keep_an_explicit_setting_and_leave_other_backends_alone(monkeypatch):
-    from engine.config import CUDA_CACHE_DEFAULTS, export_cuda_cache_defaults
+def test_the_engine_package_sets_mlxs_cuda_cache_defaults_unless_the_environment_does():
+    """Set when `engine` loads, before its own MLX work (MLX reads them when it builds a thread's cache)."""
+    import subprocess
+    import sys
 
-    for name in CUDA_CACHE_DEFAULTS:
-        monkeypatch.delenv(name, raising=False)
-    export_cuda_cache_defaults("cpu")
-    assert not any(name in os.environ for name in CUDA_CACHE_DEFAULTS)
-    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "64")
-    export_cuda_cache_defaults("cuda")
-    assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "64"  # the operator's
-    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    code = ("import os, engine; print(os.environ['MLX_CUDA_SDPA_CACHE_SIZE'], "
+            "os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'], engine.MLX_LOADED_FIRST)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1024", "0", "False"]
+    out = subprocess.run([sys.executable, "-c", "import mlx.core; " + code], capture_output=True, text=True,
+                         env={**env, "MLX_CUDA_SDPA_CACHE_SIZE": "64"}, check=True)
+    assert out.stdout.split() == ["64", "0", "True"]  # the operator's value; mlx loaded first
 
 
 def test_the_warm_up_trusts_mlxs_graph_cache_size_only_where_the_engine_set_it_first(monkeypatch):
