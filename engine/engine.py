@@ -32,7 +32,6 @@ from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, Fi
 from engine.executor import StepExecutor, StepRun
 from engine.model.families import GPU_LOOP_FAMILIES, family_of
 from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
-from engine.model.kv_pool import attention_copies_views
 from engine.model.runner import ModelRunner, RunnerOptions
 from engine.model.sampling import RequestSampler
 
@@ -65,8 +64,7 @@ class Engine:
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the floor step and KV budget.
         self.runner = self._build_runner(model, config, runner_options, backend)
-        pool, layout = self.runner.pool, self.runner.layout
-        pool.copy_views = attention_copies_views(backend, layout.head_dim, layout.kv_dtype, layout.family)
+        pool = self.runner.pool
         # sliding-window layers' rings: a fixed allocation, counted with the weights (engine/model/kv_pool.py),
         # as are what the layer loops bound beyond views of the weights (Gemma's 1 + weight norms)
         bound_bytes = self.runner.bound.extra_bytes if self.runner.bound is not None else 0
@@ -132,7 +130,7 @@ class Engine:
                            read_slices=options.read_slices, max_rows=config.max_num_seqs,
                            max_forward_tokens=config.prefill_chunk_size, stage_waits=backend == "cpu",
                            tiled_attention=options.tiled_attention,
-                           fused_rope=options.fused_rope and backend == "cuda")
+                           fused_rope=options.fused_rope and backend == "cuda", backend=backend)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str) -> MemoryModel:

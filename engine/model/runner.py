@@ -30,7 +30,7 @@ from engine.model.layers.ops import ReferenceOps
 from engine.model.layers.decode_path import unsupported as decode_unsupported
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
-from engine.model.kv_pool import ForwardView, KVPool, Row, slice_start, sliding_window
+from engine.model.kv_pool import ForwardView, KVPool, Row, attention_copies_views, slice_start, sliding_window
 from engine.model.layers.mixed import MixedForward
 from engine.model.kernels import qk_rope
 from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
@@ -66,7 +66,8 @@ class ModelRunner:
                  paged_attention: bool = False, fuse: bool = True, mixed: bool = True,
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
-                 stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False):
+                 stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False,
+                 backend: str = "cpu"):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -89,7 +90,8 @@ class ModelRunner:
         `compiled_decode`: that decode loop builds its layers from compiled traces (decode_path.CompiledLayers).
         `cpu_math`: the loops' attention and SwiGLU are engine/model/layers/cpu_math.py's (for MLX's CPU backend).
         `stage_waits`: `launch` waits for each stage of a forward but its last (MLX's CPU backend, `launch`
-        says why)."""
+        says why). `backend`: the MLX backend ("cpu", "cuda", "metal"): where its attention cannot read a
+        row's view of the pool in place, the pool hands it a copy (kv_pool.attention_copies_views)."""
         self.model = model
         self.stage_waits = stage_waits
         self.layout = model_layout(model)  # every shape read from the model (engine/model/families.py)
@@ -104,6 +106,7 @@ class ModelRunner:
         self.pool = KVPool(self.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_dtype, block_size, read_slices,
                            grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows, ring_rows=rings,
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
+        self.pool.copy_views = attention_copies_views(backend, lay.head_dim, lay.kv_dtype, lay.family)
         self._build_loops(fuse, mixed, layer_loops, compiled_decode, cpu_math)
         if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,

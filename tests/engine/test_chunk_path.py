@@ -170,6 +170,8 @@ def test_warm_attention_runs_the_attention_of_each_shape_as_a_chunk_forward_call
     from engine.model.runner import ModelRunner
 
     runner = ModelRunner(tiny_parts[0], block_size=16, max_forward_tokens=32)
+    assert runner.pool.copy_views  # on the CPU MLX's attention cannot read the views in place: the pool copies
+    runner.pool.copy_views = False  # as on CUDA, where cuDNN's attention reads the pool's views in place
     path, seen = runner.chunk_path, []
     attention = path.ops.attention
 

@@ -79,27 +79,23 @@ class ReferenceOps:
             if drop_keys:
                 keys, values = keys[:, :, :-drop_keys], values[:, :, :-drop_keys]
                 mask = _mask_before_pad(view, i, q.shape[2], drop_keys)
-            if q.shape[2] == 1 and view.reads_slice and not self.cpu_math:
+            if q.shape[2] == 1 and view.reads_slice and not view.pool.copy_views:
                 # MLX's one-query attention on CUDA misreads a K/V view that starts inside the pool's
                 # buffer (an H200 gave NaN logits for a chunk's last position); a copy is read right
-                # (MemoryModel copies_viewed_kv). cpu_math's read_kv copied the view already.
+                # (MemoryModel copies_viewed_kv). Where the pool copies views, it is one already.
                 keys, values = mx.contiguous(keys), mx.contiguous(values)
             out = self.attention(q, keys, values, scale, mask, stages, softcap)
         return out
 
     def read_kv(self, view, i: int) -> tuple:
-        """Layer i's keys and values as `view` reads them (a view of the pool, or gathered copies). On
-        MLX's CPU backend (`cpu_math`) a view is copied: MLX's CPU matmul copies an operand whose rows
-        are not consecutive, as a head's keys in the token-major pool are not, and would do so in every
-        query block's two products; one copy per layer is fewer (MemoryModel copies_every_view). There
-        the keys wait for the values: MLX allocates an operation's output when the host queues it and
+        """Layer i's keys and values as `view` reads them (a view of the pool, or copies: gathered, or
+        of a view the attention could not read in place, KVPool.copy_views). With `cpu_math` (MLX's CPU
+        backend) the keys wait for the values: MLX allocates an operation's output when the host queues it and
         frees its inputs when its worker thread has run it, so whether the keys' copy is still alive when
         the values' is made would depend on how far the worker is behind the host; so both are alive at
         the scores in every run (the memory model counts both)."""
         keys, values = view.read(i)
         if self.cpu_math:
-            if view.reads_slice:
-                keys, values = mx.contiguous(keys), mx.contiguous(values)
             keys = mx.depends(keys, values)
         return keys, values
 
