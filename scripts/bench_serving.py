@@ -122,7 +122,6 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    "engine_sync_modules (forwards through mlx-lm's modules, layer_loops=false), engine_sync_span (the paged "
                    "kernel's untiled span variant, RunnerOptions.tiled_attention=false), engine_sync_fused_rope and "
                    "engine_fused_rope (decode's q/k norms and RoPE in one CUDA kernel, RunnerOptions.fused_rope), "
-                   "engine_sync_unfused_rope and engine_unfused_rope (without it), "
                    "engine_sync_uncompiled and engine_uncompiled (the decode loop's layers built in Python, "
                    "compiled_decode=false), engine_sync_thread (engine_sync in a "
                    "thread of its own), mlx_lm, mlx_lm_wide (mlx_lm with its completion batch raised to the "

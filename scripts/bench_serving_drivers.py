@@ -334,7 +334,9 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, gram
 
 def backend_runners() -> dict:
     """--backends: each backend's driver, called (lm, prompts, arrivals, args)."""
-    from engine.model.runner import RunnerOptions
+
+    def with_options(run, **fields):  # the driver with RunnerOptions differing from the benchmarks' in `fields`
+        return lambda *a, **k: run(*a, **k, options=runner_options(**fields))
 
     return {"engine": run_engine_async, "engine_sync": run_engine_sync, "mlx_lm": run_mlx_lm,
             "mlx_lm_wide": (lambda lm, prompts, arrivals, args: run_mlx_lm(lm, prompts, arrivals, args, dict(
@@ -342,21 +344,11 @@ def backend_runners() -> dict:
                                                                   MLX_LM_SERVER_DEFAULTS["completion_batch_size"])))),
             "engine_sync_nopipe": (lambda *a, **k: run_engine_sync(*a, **k, async_decode=False)),
             "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, execution={"paged_attention": False})),
-            "engine_sync_unfused": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
-                fuse_projections=False))),
-            "engine_sync_modules": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(layer_loops=False))),
-            "engine_sync_span": (lambda *a, **k: run_engine_sync(*a, **k, options=runner_options(
-                tiled_attention=False))),
-            "engine_sync_fused_rope": (lambda *a, **k: run_engine_sync(*a, **k, options=runner_options(
-                fused_rope=True))),
-            "engine_fused_rope": (lambda *a, **k: run_engine_async(*a, **k, options=runner_options(
-                fused_rope=True))),
-            "engine_sync_unfused_rope": (lambda *a, **k: run_engine_sync(*a, **k, options=runner_options(
-                fused_rope=False))),
-            "engine_unfused_rope": (lambda *a, **k: run_engine_async(*a, **k, options=runner_options(
-                fused_rope=False))),
-            "engine_sync_uncompiled": (lambda *a, **k: run_engine_sync(*a, **k, options=RunnerOptions(
-                compiled_decode=False))),
-            "engine_uncompiled": (lambda *a, **k: run_engine_async(*a, **k, options=RunnerOptions(
-                compiled_decode=False))),
+            "engine_sync_unfused": with_options(run_engine_sync, fuse_projections=False),
+            "engine_sync_modules": with_options(run_engine_sync, layer_loops=False),
+            "engine_sync_span": with_options(run_engine_sync, tiled_attention=False),
+            "engine_sync_fused_rope": with_options(run_engine_sync, fused_rope=True),
+            "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
+            "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
+            "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
