@@ -214,6 +214,9 @@ def parse_args(argv=None):
     p.add_argument("--replay", action="store_true",
                    help="replay the burst through the Scheduler alone (tight_burst_replay.py): no model runs")
     p.add_argument("--granules", default="128", help="--replay: chunk granules (comma-separated)")
+    p.add_argument("--timings", default=None,
+                   help="FILE:KEY of a recorded run with --steps (a key of FILE, or KEY/HEADROOM): where each "
+                        "engine run's time went (tight_burst_replay.step_timings); no model runs")
     p.add_argument("--weights-bytes", type=int, default=None,
                    help="--replay: the weights' bytes (recorded by a GPU run; the headroom is above them)")
     p.add_argument("--budgets", default="",
@@ -254,6 +257,21 @@ def main_replay(args, headrooms: list[int]) -> dict:
     return result
 
 
+def main_timings(args) -> dict:
+    """--timings FILE:KEY: tight_burst_replay.step_timings of each engine run recorded there."""
+    from tight_burst_replay import step_timings
+
+    path, _, key = args.timings.partition(":")
+    data = json.loads(Path(path).read_text())
+    for part in key.split("/") if key else []:
+        data = data[part]
+    runs = data.get("engine", {"": data}) if "steps" not in data else {"": data}
+    result = {headroom: dict(wall_s=round(r["wall_s"], 2), **step_timings(r["steps"])) for headroom, r in runs.items()
+              if r.get("steps")}
+    emit(result, args.json, args.out)
+    return result
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.headroom_gb:
@@ -262,6 +280,8 @@ def main(argv=None) -> dict:
         headrooms = [int(float(x) * 1e6) for x in (args.headroom_mb or "300").split(",")]
     if args.replay:
         return main_replay(args, headrooms)
+    if args.timings:
+        return main_timings(args)
     lm = load_bench_model(args.model, args.dtype, args.layers)
     model_max = lm.config.get("max_position_embeddings") or 4096
     max_len = min(args.max_model_len or model_max, model_max)

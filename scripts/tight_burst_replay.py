@@ -137,3 +137,36 @@ def replay(args, prompts: list[list[int]], new_tokens: list[int], headrooms: lis
             variants[f"granule_{granule}_pad_{'on' if pad else 'off'}"] = runs
     return dict(method=__doc__.split("\n\n")[0].replace("\n", " "), weights_bytes=weights,
                 prompt_tokens=sum(len(p) for p in prompts), variants=variants)
+
+
+def step_timings(steps: list[dict], granule: int = 128) -> dict:
+    """--timings: where a recorded model run's time went (its `steps` records, --steps): decode-only steps
+    (in all, and the first of each row count, synchronous or pipelined, which may compile), and prompt-chunk forwards on the grid
+    (tokens and context multiples of `granule`) and off it (a prompt's last chunk, with its sampling),
+    each at its shape's first forward in the run and repeated. A forward's time: launch to the end of its
+    wait (forwards left running into the next step have none)."""
+    import statistics
+
+    def ms(values: list) -> Optional[float]:
+        return round(1e3 * statistics.median(values), 1) if values else None
+
+    decodes = [s for s in steps if not s["chunk_shapes"]]
+    first_rows: dict[str, float] = {}  # "rows" or "rows pipelined" (a decode built on the last one's tokens)
+    for s in decodes:
+        first_rows.setdefault(f"{s['decodes']}{' pipelined' if s['pipelined'] else ''}", s["duration_s"])
+    forwards: dict[str, dict[str, list]] = {g: {"first": [], "repeated": []} for g in ("on_grid", "off_grid")}
+    seen: set = set()
+    for s in steps:
+        for (tokens, context, *_), (launch, waited) in zip(s["chunk_shapes"], s["forwards"]):
+            if waited is None:
+                continue
+            grid = "on_grid" if tokens % granule == 0 and context % granule == 0 else "off_grid"
+            forwards[grid]["repeated" if (tokens, context) in seen else "first"].append(waited - launch)
+            seen.add((tokens, context))
+    return dict(
+        decode_steps=len(decodes), decode_s=round(sum(s["duration_s"] for s in decodes), 2),
+        first_decode_of_row_count_s={rows: round(t, 3) for rows, t in first_rows.items()},
+        chunk_forwards={grid: dict(num=sum(map(len, v.values())), first_median_ms=ms(v["first"]),
+                                   repeated_median_ms=ms(v["repeated"]),
+                                   total_s=round(sum(map(sum, v.values())), 2))
+                        for grid, v in forwards.items()})

@@ -2,6 +2,7 @@
 grid (scripts/memory_grid), bench_serving.py's comparison over timed passes (bench_serving_stats.py), and
 bench_http.py's passes (--repeat) against two stub OpenAI endpoints."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -466,3 +467,29 @@ def test_the_tight_burst_replay_reproduces_the_h200_runs_chunk_shapes():
     for key in ("num_steps", "num_memory_limited_steps", "num_forwards", "num_chunks", "num_chunk_shapes",
                 "num_new_chunk_shapes", "num_padded_chunks", "num_pad_tokens"):
         assert got[key] == run[key], key
+
+
+def test_step_timings_split_a_recorded_runs_time_by_what_ran():
+    """bench_tight_burst.py --timings: decode steps (the first of each row count, synchronous or pipelined,
+    apart) and prompt-chunk forwards on and off the grid, at their shape's first forward and repeated."""
+    from tight_burst_replay import step_timings
+
+    def step(decodes, shapes=(), forwards=(), duration=0.01, pipelined=False):
+        return dict(decodes=decodes, chunk_shapes=[list(s) for s in shapes], forwards=[list(f) for f in forwards],
+                    duration_s=duration, pipelined=pipelined)
+
+    steps = [step(2, duration=1.5), step(2), step(2, duration=0.02, pipelined=True),
+             step(1, [(128, 256, 1, 0), (100, 356, 1, 0)], [(0.0, 0.05), (0.05, 0.13)]),
+             step(1, [(128, 256, 1, 0)], [(0.0, 0.01)]), step(0, [(128, 384, 1, 0)], [(0.0, None)])]
+    t = step_timings(steps)
+    assert t["decode_steps"] == 3 and t["decode_s"] == 1.53
+    assert t["first_decode_of_row_count_s"] == {"2": 1.5, "2 pipelined": 0.02}
+    assert t["chunk_forwards"]["on_grid"] == dict(num=2, first_median_ms=50.0, repeated_median_ms=10.0, total_s=0.06)
+    assert t["chunk_forwards"]["off_grid"] == dict(num=1, first_median_ms=80.0, repeated_median_ms=None, total_s=0.08)
+    # the committed run the docs quote (docs/tight_burst.md)
+    import bench_tight_burst
+
+    data = Path(__file__).resolve().parents[2] / "scripts/data/h200_i24_tight_burst.json"
+    run = bench_tight_burst.main_timings(argparse.Namespace(
+        timings=f"{data}:warmup_1024_cache_at_ca213c1", json=False, out=None))["3000000000"]
+    assert run["first_decode_of_row_count_s"]["4 pipelined"] == 3.407 and run["decode_s"] == 18.33
