@@ -230,6 +230,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         result["warm_pass_first_steps"] = warm_steps
         result["pool_grew_in_timed_pass"] = engine.stats().kv_allocated_bytes != pool_before
         result["max_num_batched_tokens"] = engine.config.max_num_batched_tokens  # resolved for the device
+        result["execution_paths"] = dataclasses.asdict(engine.execution_paths())  # its start's warm-up too
         if tracer is not None:
             result["step_trace_ms"], result["warm_pass_step_trace_ms"] = tracer.steps, warm_trace
         result["first_token_s"] = sorted(round(r.ttft_s, 4) for r in records if r.ttft_s is not None)
