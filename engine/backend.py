@@ -4,10 +4,12 @@ coefficient set, the default dtype, the device's memory."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional
 
 import mlx.core as mx
 
+import engine
 from engine.config import ExecutionConfig
 from engine.core.memory.coefficients import coefficients_for
 from engine.core.memory.model import ModelShape
@@ -54,10 +56,6 @@ def sdpa_graph_cache_size() -> int:
     said when it built that thread's cache (MLX_CUDA_SDPA_CACHE_SIZE); 0 where that is unknown: mlx was
     loaded before the engine set its defaults, and this is the main thread or the one that imported the
     engine, either of which may have done GPU work before (engine/__init__.py)."""
-    import threading
-
-    import engine
-
     if engine.MLX_LOADED_FIRST and (threading.current_thread() is threading.main_thread()
                                     or threading.get_ident() == engine.IMPORTING_THREAD_ID):
         return 0
