@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core.types import EngineStats, RequestOutput, SamplingParams, StepRecord
 from engine.backend import mlx_backend
 from engine.engine import Engine
+from engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ class AsyncEngine:
         """`engine`: an Engine, or a function that builds one, which then runs in the engine thread
         (`from_config` does so: every MLX array and kernel of the engine is then made by the thread
         that runs it; the constructor waits, and raises what the build raised).
-        `warmup`: before serving, the engine thread generates a few tokens of two short requests and
-        the constructor waits for it (None: only where MLX runs on a GPU). There the first forwards of a
+        `warmup`: before serving, the engine thread runs each kind of forward once (engine/warmup.py)
+        and the constructor waits for it (None: only where MLX runs on a GPU). There the first forwards of a
         thread pay for kernel compilation and, on CUDA, for building the thread's own CUDA graphs (MLX
         keeps a stream and command encoder per thread): a warm-up in any other thread would not help."""
         self._build = None if isinstance(engine, Engine) else engine
@@ -188,16 +189,9 @@ class AsyncEngine:
 
     # --- engine thread --------------------------------------------------------------------------
     def _warmup(self) -> None:
-        """Two short requests to the end, decoded together (engine thread); a failure is logged and the
-        engine serves anyway."""
-        started = time.perf_counter()
-        try:
-            prompts = [[5 + i % 50 for i in range(n)] for n in (24, 40)]
-            self.engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
-            self.warmup_s = time.perf_counter() - started
-            logger.info("engine warm-up: %.2f s", self.warmup_s)
-        except Exception:
-            logger.exception("engine warm-up failed")
+        """engine/warmup.py's requests (engine thread); a failure is logged and the engine serves anyway."""
+        self.warmup_s = warm_up(self.engine)
+        logger.info("engine warm-up: %.2f s", self.warmup_s)
 
     def _run(self, warmup: bool = False) -> None:
         if self._build is not None:

@@ -115,6 +115,22 @@ def build_engine(lm, limit: int, args, budget: Optional[int]):
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=runner_options())
 
 
+def engine_warm_up(lm, headroom: int, args) -> Optional[float]:
+    """What a replica runs before it serves (engine/warmup.py), on an engine `headroom` bytes above the
+    weights: its seconds (None: that limit leaves no KV)."""
+    from engine.warmup import warm_up
+
+    free_memory()
+    try:
+        engine = build_engine(lm, mx.get_active_memory() + headroom, args, None)
+    except ValueError:
+        return None
+    seconds = warm_up(engine)
+    del engine
+    free_memory()
+    return round(seconds, 2)
+
+
 def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None,
                seen_shapes: Optional[set] = None) -> dict:
     """`seen_shapes`: (chunk tokens, context) pairs earlier runs of this process computed (updated): on
@@ -223,7 +239,8 @@ def parse_args(argv=None):
                    help="max_num_batched_tokens values to run each headroom with (comma-separated; default: "
                         "the engine's)")
     p.add_argument("--no-warmup", action="store_true",
-                   help="skip the unmeasured small burst first (kernels compile on their first use)")
+                   help="skip the unmeasured warm-up first: the engine's own (engine/warmup.py, what a replica runs at "
+                        "start), then a small burst (kernels compile on their first use)")
     p.add_argument("--ways", default="engine,mlx_lm", help="some of engine,mlx_lm")
     p.add_argument("--steps", action="store_true", help="keep every step's record in the JSON")
     p.add_argument("--seed", type=int, default=0)
@@ -294,6 +311,7 @@ def main(argv=None) -> dict:
     seen: set = set()  # chunk shapes this process has run (run_engine)
     if "engine" in ways and not args.no_warmup:
         t = time.perf_counter()
+        result["engine_warmup_s"] = engine_warm_up(lm, max(headrooms), args)
         small = [p[: max(8, len(p) // 8)] for p in prompts[:6]]
         run_engine(lm, small, [min(8, m) for m in new_tokens[:6]], max(headrooms), args, seen_shapes=seen)
         log(f"warm-up: {time.perf_counter() - t:.1f} s")

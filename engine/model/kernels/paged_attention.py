@@ -303,11 +303,14 @@ class CudaPagedAttention(PagedAttention):
 def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> None:
     """Run `impl` on two cases of this model's attention shape against `ReferenceAttention` and raise if
     it fails or disagrees: two short rows (one across a block boundary, blocks out of order), and two
-    rows of several blocks out of order (the long-span kernel at its longest span too). The runner calls
-    it before using the kernel, so a GPU or MLX version it does not work on falls back to gathering
-    instead of failing every decode."""
+    rows of several blocks out of order (the long-span kernel at every span `split_attention.span_keys`
+    picks too). The runner calls it before using the kernel, so a GPU or MLX version it does not work on
+    falls back to gathering instead of failing every decode. It also compiles them: each span is a
+    template instance MLX compiles (NVRTC) at its first call and keeps for the process only, and a
+    decode that first met one mid-serving waited 1.7-2.3 s for it (docs/tight_burst.md)."""
     bs = impl.block_size
-    impls = [impl] + ([impl.fixed_span(1024)] if isinstance(impl, CudaPagedAttention) and impl.spans else [])
+    spans = isinstance(impl, CudaPagedAttention) and impl.spans
+    impls = [impl] + ([impl.fixed_span(keys) for keys in split_attention.SPAN_CHOICES] if spans else [])
     cases = (([bs + 3, 5], [[2, 0], [1, 0]], 3), ([4 * bs + 7, 2 * bs - 1], [[5, 1, 3, 0, 2], [4, 2, 0, 0, 0]], 6))
     for kernel in impls:
         for lengths, table, num_blocks in cases:

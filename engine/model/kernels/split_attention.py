@@ -276,11 +276,13 @@ def tiled_supports(head_dim: int, dtype_bytes: int, num_rep: int, threads: int =
 DEVICE_SMS = 132
 
 
+SPAN_CHOICES = (64, 128, 256, 512, 1024)  # what span_keys picks from (each a kernel instance)
+
+
 def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = DEVICE_SMS) -> int:
-    """Keys per span: the longest power of two (64 to 1024) that still gives the device about four
-    thread blocks per multiprocessor, so long rows split over several blocks and many rows keep one
-    or two each."""
-    keys = 1024
-    while keys > 64 and num_rows * num_kv_heads * -(-max_len // keys) < 4 * num_sms:
+    """Keys per span: the longest of SPAN_CHOICES that still gives the device about four thread blocks
+    per multiprocessor, so long rows split over several blocks and many rows keep one or two each."""
+    keys = SPAN_CHOICES[-1]
+    while keys > SPAN_CHOICES[0] and num_rows * num_kv_heads * -(-max_len // keys) < 4 * num_sms:
         keys //= 2
     return keys
