@@ -190,8 +190,10 @@ class AsyncEngine:
     # --- engine thread --------------------------------------------------------------------------
     def _warmup(self) -> None:
         """engine/warmup.py's requests (engine thread); a failure is logged and the engine serves anyway."""
-        self.warmup_s = warm_up(self.engine)
-        logger.info("engine warm-up: %.2f s", self.warmup_s)
+        warmup = warm_up(self.engine)
+        self.warmup_s = warmup.seconds
+        slowest = max(warmup.steps, key=lambda s: s.seconds, default=None)
+        logger.info("engine warm-up: %.2f s in %d steps (the slowest: %s)", self.warmup_s, len(warmup.steps), slowest)
 
     def _run(self, warmup: bool = False) -> None:
         if self._build is not None:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
-from engine.core.types import SamplingParams
+from engine.core.types import SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +46,47 @@ def warmup_requests(rows: int, chunk_tokens: int, max_model_len: int) -> list[tu
     return out
 
 
-def warm_up(engine, rows: int = WARMUP_ROWS) -> float:
-    """Run the warm-up (module docstring) on `engine` (an idle Engine, in the thread that will run it)
-    and return its seconds. Its requests are ordinary ones: a refusal (too little memory for them) ends
-    the warm-up early, logged, as does a failed step; the engine serves either way."""
+@dataclass(frozen=True)
+class WarmupStep:
+    """One step of the warm-up: what it ran and how long it took."""
+    decode_rows: int
+    prefill_chunks: int
+    mixed: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Warmup:
+    seconds: float
+    steps: tuple[WarmupStep, ...]
+
+
+def warm_up(engine, rows: int = WARMUP_ROWS) -> Warmup:
+    """Run the warm-up (module docstring) on `engine` (an idle Engine, in the thread that will run it).
+    Its requests are ordinary ones: a refusal (too little memory for them) ends the warm-up early,
+    logged, as does a failed step; the engine serves either way."""
     started = time.perf_counter()
     config = engine.config
     rows = max(1, min(rows, config.max_num_seqs))
-    ids = []
+    ids, steps = [], []
+
+    def step() -> None:
+        record: StepRecord = engine.step()
+        if record.plan is not None:
+            steps.append(WarmupStep(len(record.plan.decodes), len(record.plan.prefills), record.plan.mixed,
+                                    round(record.duration_s, 4)))
+
     try:
         for k, (prompt, sampling) in enumerate(warmup_requests(rows, config.prefill_chunk_size,
                                                                engine.max_model_len)):
             ids.append(f"warmup-{k}")
             engine.add_request(ids[-1], prompt, sampling)
-            engine.step()
+            step()
         while engine.has_unfinished():
-            engine.step()
+            step()
     except Exception:
         logger.exception("engine warm-up stopped early")
         for request_id in ids:
             engine.abort(request_id)
     engine.reset_prefix_cache()  # its prompts are no one's prefix
-    return time.perf_counter() - started
+    return Warmup(time.perf_counter() - started, tuple(steps))

@@ -115,20 +115,24 @@ def build_engine(lm, limit: int, args, budget: Optional[int]):
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=runner_options())
 
 
-def engine_warm_up(lm, headroom: int, args) -> Optional[float]:
-    """What a replica runs before it serves (engine/warmup.py), on an engine `headroom` bytes above the
-    weights: its seconds (None: that limit leaves no KV)."""
+def engine_warm_up(lm, headroom: int, args) -> Optional[dict]:
+    """What a replica runs before it serves (its engine's start, then engine/warmup.py), on an engine
+    `headroom` bytes above the weights: seconds of each and the warm-up's steps (None: that limit
+    leaves no KV)."""
     from engine.warmup import warm_up
 
     free_memory()
+    t = time.perf_counter()
     try:
         engine = build_engine(lm, mx.get_active_memory() + headroom, args, None)
     except ValueError:
         return None
-    seconds = warm_up(engine)
+    build_s = time.perf_counter() - t
+    warmup = warm_up(engine)
     del engine
     free_memory()
-    return round(seconds, 2)
+    return dict(build_s=round(build_s, 2), warmup_s=round(warmup.seconds, 2),
+                steps=[dataclasses.asdict(s) for s in warmup.steps])
 
 
 def run_engine(lm, prompts, new_tokens, headroom: int, args, budget: Optional[int] = None,
@@ -311,7 +315,7 @@ def main(argv=None) -> dict:
     seen: set = set()  # chunk shapes this process has run (run_engine)
     if "engine" in ways and not args.no_warmup:
         t = time.perf_counter()
-        result["engine_warmup_s"] = engine_warm_up(lm, max(headrooms), args)
+        result["engine_start"] = engine_warm_up(lm, max(headrooms), args)
         small = [p[: max(8, len(p) // 8)] for p in prompts[:6]]
         run_engine(lm, small, [min(8, m) for m in new_tokens[:6]], max(headrooms), args, seen_shapes=seen)
         log(f"warm-up: {time.perf_counter() - t:.1f} s")

@@ -32,8 +32,8 @@ def test_warm_up_runs_mixed_and_decode_steps_of_each_row_count(make_engine):
         return records[-1]
 
     engine.step = recording_step
-    seconds = warm_up(engine, rows=rows)
-    assert seconds > 0
+    warmup = warm_up(engine, rows=rows)
+    assert warmup.seconds > 0 and len(warmup.steps) == len([r for r in records if r.plan is not None])
     plans = [r.plan for r in records if r.plan is not None]
     with_chunks = {len(p.decodes) for p in plans if p.prefills}
     decode_only = {len(p.decodes) for p in plans if not p.prefills}

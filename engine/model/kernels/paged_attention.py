@@ -252,15 +252,16 @@ class CudaPagedAttention(PagedAttention):
                              f"and be a multiple of threads / 32 = {threads // 32}")
         self.keys_per_partial, self.threads = keys_per_partial, threads
         self._scales: dict[float, mx.array] = {}  # the kernel takes the scale as a [1] array
+        self._spans: dict[int, mx.array] = {}  # and the span kernels their keys per span
         self._partial = mx.fast.cuda_kernel(
             name="pool_attention_partial",
             input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
             output_names=["part", "stats"], source=_PARTIAL, header=_HEADER)
         self._span_partial = mx.fast.cuda_kernel(
-            name="pool_attention_span", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            name="pool_attention_span", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
             output_names=["part", "stats"], source=split_attention.SPAN_PARTIAL, header=_HEADER)
         self._tiled_partial = mx.fast.cuda_kernel(
-            name="pool_attention_tiled", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            name="pool_attention_tiled", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
             output_names=["part", "stats"], source=split_attention.TILED_PARTIAL,
             header=_HEADER + split_attention.TILED_HEADER)
         self._combine = mx.fast.cuda_kernel(
@@ -276,20 +277,25 @@ class CudaPagedAttention(PagedAttention):
     def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
+        inputs = [queries, k_pool, v_pool, table, lengths, self._scales[scale]]
         B, hq, _, d = queries.shape
         hkv, nrep, span = self.num_kv_heads, hq // self.num_kv_heads, self.spans and split_attention.supports(d)
         tiled = span and self.tiled and split_attention.tiled_supports(d, queries.dtype.size, nrep, self.span_threads)
-        if span:
+        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
+        if span:  # keys per span an input (split_attention's _BLOCK_SETUP says why)
             threads, kernel = self.span_threads, self._tiled_partial if tiled else self._span_partial
             ch = self.keys_per_span or split_attention.span_keys(B, hkv, table.shape[1] * self.block_size)
             np_ = -(-table.shape[1] * self.block_size // ch)
+            if ch not in self._spans:
+                self._spans[ch] = mx.array([ch], mx.int32)
+            inputs.append(self._spans[ch])
+            template += [("THREADS", threads)] + ([] if tiled else [("U", self.span_loads)])
         else:
             ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
             np_ = table.shape[1] * (self.block_size // ch)
-        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size),
-                    ("CH", ch), ("THREADS", threads)] + ([("U", self.span_loads)] if span and not tiled else [])
+            template += [("CH", ch), ("THREADS", threads)]
         part, stats = kernel(
-            inputs=[queries, k_pool, v_pool, table, lengths, self._scales[scale]], template=template,
+            inputs=inputs, template=template,
             grid=(B * hkv * np_ * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)],
             output_dtypes=[mx.float32, mx.float32])
@@ -305,9 +311,8 @@ def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> No
     it fails or disagrees: two short rows (one across a block boundary, blocks out of order), and two
     rows of several blocks out of order (the long-span kernel at every span `split_attention.span_keys`
     picks too). The runner calls it before using the kernel, so a GPU or MLX version it does not work on
-    falls back to gathering instead of failing every decode. It also compiles them: each span is a
-    template instance MLX compiles (NVRTC) at its first call and keeps for the process only, and a
-    decode that first met one mid-serving waited 1.7-2.3 s for it (docs/tight_burst.md)."""
+    falls back to gathering instead of failing every decode. It also compiles the kernels (at their
+    first call: NVRTC, seconds each) before the engine serves."""
     bs = impl.block_size
     spans = isinstance(impl, CudaPagedAttention) and impl.spans
     impls = [impl] + ([impl.fixed_span(keys) for keys in split_attention.SPAN_CHOICES] if spans else [])

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 # Both span kernels: block g's row b, KV head h and span j, its keys n (none: an empty partial), and
 # the lanes' parts of the queries (scaled) with the running max, sum and accumulator per query head.
+# The keys per span, CH, are an input, not a template argument: each template instance is a compile
+# (NVRTC, 1.6-3.1 s each on an H200) that MLX keeps for the process only, and CH varies with the batch.
 _BLOCK_SETUP = """
+  const int CH = span[0];
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -276,7 +279,7 @@ def tiled_supports(head_dim: int, dtype_bytes: int, num_rep: int, threads: int =
 DEVICE_SMS = 132
 
 
-SPAN_CHOICES = (64, 128, 256, 512, 1024)  # what span_keys picks from (each a kernel instance)
+SPAN_CHOICES = (64, 128, 256, 512, 1024)  # what span_keys picks from
 
 
 def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = DEVICE_SMS) -> int:
