@@ -49,7 +49,7 @@ ENGINE_OVERRIDES: dict = {}  # --engine-config
 # Set (to 1) for the runs that validate, on a GPU, the layer loops of the families not yet validated
 # there (engine/model/families.py GPU_LOOP_FAMILIES): RunnerOptions.gpu_unvalidated_loops
 GPU_UNVALIDATED_LOOPS_ENV = "MLX_SERVE_GPU_UNVALIDATED_LOOPS"
-# RunnerOptions.fused_rope (engine/model/kernels/qk_rope.py, opt-in) in every benchmark with =1
+# RunnerOptions.fused_rope (engine/model/kernels/qk_rope.py) in every benchmark: =1 on, =0 off (unset: its default)
 FUSED_ROPE_ENV = "MLX_SERVE_FUSED_ROPE"
 
 
@@ -58,8 +58,9 @@ def runner_options(**fields):
     rope kernel where the environment asks for them (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV)."""
     from engine.model.runner import RunnerOptions
 
-    env = dict(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1",
-               fused_rope=os.environ.get(FUSED_ROPE_ENV) == "1")
+    env = dict(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1")
+    if os.environ.get(FUSED_ROPE_ENV) in ("0", "1"):  # else RunnerOptions' default
+        env["fused_rope"] = os.environ[FUSED_ROPE_ENV] == "1"
     return RunnerOptions(**{**env, **fields})
 
 

@@ -58,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
 def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     """The fit's, checks' and replay's options (and --append / --remeasure, in their place in --help)."""
     p.add_argument("--fit", default=None, help="fit coefficients to a grid JSON (no measuring)")
-    p.add_argument("--merge", default=None, metavar="GRID,DECODE_GRID",
-                   help="write (--out) one grid of both's prefill points and the second's decode points (each FILE or "
-                        "FILE:KEY)")
+    p.add_argument("--merge", default=None, metavar="GRID,DECODE_GRID[,DECODE_GRID...]",
+                   help="write (--out) one grid of every grid's prefill points and the decode points of the grids "
+                        "after the first (each FILE or FILE:KEY)")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
     p.add_argument("--fit-path", default="", choices=["", "loops", "modules"],
                    help="--backend: only the points of forwards through the engine's layer loops, or mlx-lm's "

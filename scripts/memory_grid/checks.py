@@ -52,22 +52,28 @@ def mixed_check(path: str, coefficients=None, backend: str = "cuda", every_depth
     return out
 
 
-def merge_grids(prefill_path: str, decode_path: str) -> dict:
-    """One grid of the prefill points of both grids and the decode points of `decode_path` (same
+def merge_grids(prefill_path: str, *decode_paths: str) -> dict:
+    """One grid of the prefill points of every grid and the decode points of `decode_paths` (same
     variants), e.g. to refit after a change of the decode kernel alone (a second machine's prefill
-    points widen the fit's envelope). The decode points' terms are recomputed from their shapes with
-    this script's formulas: `decode_path` must have been measured with the current kernel."""
-    pre, dec = (read_keyed(f) for f in (prefill_path, decode_path))  # FILE or FILE:KEY
-    missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
-    if missing:
-        raise ValueError(f"variants {sorted(missing)} of {decode_path} are not in {prefill_path}")
-    points = [p for p in pre["points"] + dec["points"] if p["kind"] == "prefill"]
-    for p in dec["points"]:
-        if p["kind"] == "decode":
-            terms = decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))
-            points.append({**p, "terms": terms})
-    return dict(bench="memory_grid_merged", prefill_from=prefill_path, decode_from=decode_path,
-                model=pre.get("model"), dtype=pre.get("dtype"), environment=dec["environment"],
+    points widen the fit's envelope; several decode grids: the decode paths a set must cover, such as
+    the q/k rope fused and not). The decode points' terms are recomputed from their shapes with this
+    script's formulas: `decode_paths` must have been measured with the current kernel."""
+    pre = read_keyed(prefill_path)  # FILE or FILE:KEY
+    decs = [read_keyed(f) for f in decode_paths]
+    points = [p for p in pre["points"] if p["kind"] == "prefill"]
+    for path, dec in zip(decode_paths, decs):
+        missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
+        if missing:
+            raise ValueError(f"variants {sorted(missing)} of {path} are not in {prefill_path}")
+        points += [p for p in dec["points"] if p["kind"] == "prefill"]
+    for dec in decs:
+        for p in dec["points"]:
+            if p["kind"] == "decode":
+                terms = decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))
+                points.append({**p, "terms": terms})
+    return dict(bench="memory_grid_merged", prefill_from=prefill_path,
+                decode_from=decode_paths[0] if len(decode_paths) == 1 else list(decode_paths),
+                model=pre.get("model"), dtype=pre.get("dtype"), environment=decs[-1]["environment"],
                 shapes=pre["shapes"], points=points)
 
 

@@ -189,6 +189,35 @@ def test_replayed_h200_prefill_runs_of_qwen3_and_llama_are_predicted_within_1_2x
         shipped.prefill_mlp, shipped.prefill_hidden)
 
 
+def test_the_llama_calibration_covers_both_fits_and_todays_decode_grid():
+    """The shipped Llama-3-8B calibration's decode coefficients are each the larger of its two fits'
+    (so its predictions are never below the first fit's, which no recorded H200 run went over), and
+    every decode point of the d6d6a06 grid, q/k rope unfused and fused, is predicted at >= 1.0 x its
+    measure (the first fit alone: 0.993 x unfused, 0.899 x fused)."""
+    import dataclasses
+
+    from memory_grid.predict import engine_predictions
+
+    from engine.core.memory.coefficients import LLAMA3_8B_BF16, SHAPE_CALIBRATIONS
+
+    data = Path(__file__).resolve().parents[2] / "scripts/data"
+    shipped = SHAPE_CALIBRATIONS[("cuda-ops8", LLAMA3_8B_BF16)][1]
+    fits = [json.loads(Path(f"{data}/{name}").read_text().strip().splitlines()[-1])["coefficients"]
+            for name in ("h200_s7_fit_llama8b.json", "h200_i25_fit_llama8b.json")]
+    for name in ("decode_scores", "decode_logits", "decode_mlp", "decode_hidden", "decode_paged"):
+        assert getattr(shipped, name) == max(f[name] for f in fits), name
+    assert shipped.step_overhead_bytes == fits[0]["step_overhead_bytes"]
+    first = dataclasses.replace(shipped, **{k: fits[0][k] for k in ("decode_scores", "decode_logits", "decode_mlp",
+                                                                      "decode_hidden", "decode_paged")})
+    grid = json.loads(Path(f"{data}/h200_i25_grid_decode.json").read_text())
+    for key, first_worst in (("plain", 0.99), ("fused_rope", 0.90)):
+        points = [p for p in grid[key]["points"] if p["kind"] == "decode"]
+        ratios = [a / p["measured"] for a, p in zip(engine_predictions(points, grid[key]["shapes"], shipped), points)]
+        assert min(ratios) >= 1.0, key
+        old = [a / p["measured"] for a, p in zip(engine_predictions(points, grid[key]["shapes"], first), points)]
+        assert min(old) < first_worst + 0.01, key  # what the second fit is for
+
+
 def test_the_c25d549_runs_replay_as_their_engine_predicted_them():
     """The Qwen3-8B and Gemma-3-12B (layer loops) H200 runs at c25d549: their plans rebuilt from the JSON
     (each chunk continuing the first prompt it fits, first come first served; views; the copy of a viewed

@@ -244,6 +244,21 @@ def shape_key(shape: ModelShape) -> tuple:
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_s6_grid_merged.json --backend cuda \
 #         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
 #         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
+# Each decode coefficient is the larger of that fit's and a second one's, with the decodes of today's
+# kernel (the span kernel, the token-major pool) measured with the q/k rope unfused and fused: a one-row
+# decode measured 1.007 x the first fit's prediction unfused (1.11 x fused), while the second fit alone
+# (decode scores 0.0294, a per-forward constant of 8.3 MB) under-predicted 81 one- and two-row decodes
+# of the 3 GB tight burst by up to 1.23 x (460 fused, 1.39 x; scripts/data/h200_i24_tight_burst.json,
+# refit_decode_at_d6d6a06; its grid has 1, 4 and 16 rows). A prediction grows with every coefficient,
+# so the larger of each is never under where the first fit held; the second's grid points are predicted
+# at >= 1.18 x unfused and >= 1.05 x fused (tests/unit/test_bench_scripts.py). The prefill terms and the
+# per-forward constant are the first fit's:
+#     python scripts/bench_memory_grid.py --merge scripts/data/h200_s6_grid_merged.json,\
+#         scripts/data/h200_i25_grid_decode.json:plain,scripts/data/h200_i25_grid_decode.json:fused_rope \
+#         --out scripts/data/h200_i25_grid_merged.json
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_i25_grid_merged.json --backend cuda \
+#         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
+#         --layers-in-flight 7        # scripts/data/h200_i25_fit_llama8b.json
 LLAMA3_8B_BF16 = (32, 4096, 32, 8, 128, 14336, 128256, 2)
 # The Qwen3-8B shape in bf16, CUDA under ops 8, measured in prompt chunks of 512 tokens only (the H200
 # prefill runs of scripts/data/h200_i21_prefill_families.json at 9c28baa and c25d549): the Llama-3-8B
@@ -279,8 +294,8 @@ SHAPE_CALIBRATIONS = {
     # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
     ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.578, prefill_hidden=5.522, decode_scores=2.109,
-        decode_logits=0.1704, decode_mlp=0.4355, decode_hidden=1.524, step_overhead_bytes=1187000,
-        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.03679), 2048),
+        decode_logits=0.4259, decode_mlp=1.089, decode_hidden=3.811, step_overhead_bytes=1187000,
+        prefill_overhead_bytes=27460000, prefill_layer_rows=136.9, decode_paged=0.1666), 2048),
     ("cuda-ops8", QWEN3_8B_BF16): ("qwen3-8b bf16 calibration of the cuda-ops8 set (prompt chunks)", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.056, prefill_hidden=3.694, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9), 512),
