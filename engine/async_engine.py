@@ -190,7 +190,11 @@ class AsyncEngine:
     # --- engine thread --------------------------------------------------------------------------
     def _warmup(self) -> None:
         """engine/warmup.py's requests (engine thread); a failure is logged and the engine serves anyway."""
-        warmup = warm_up(self.engine)
+        try:
+            warmup = warm_up(self.engine)
+        except Exception:
+            logger.exception("engine warm-up failed")
+            return
         self.warmup_s = warmup.seconds
         slowest = max(warmup.steps, key=lambda s: s.seconds, default=None)
         logger.info("engine warm-up: %.2f s in %d steps (the slowest: %s)", self.warmup_s, len(warmup.steps), slowest)
@@ -203,9 +207,11 @@ class AsyncEngine:
                 self._build_error = exc
                 self._warmed.set()
                 return
-        if warmup:
-            self._warmup()
-        self._warmed.set()
+        try:
+            if warmup:
+                self._warmup()
+        finally:  # the constructor waits for it
+            self._warmed.set()
         try:
             while not self._stopped.is_set():
                 self._drain_inbox()

@@ -1,17 +1,22 @@
-"""The start's warm-up: each kind of forward a serving engine runs, once, before it serves.
+"""The start's warm-up: the kinds of step a serving engine runs, once each, before it serves.
 
 On MLX's CUDA backend the first forward of a kind compiles kernels (NVRTC) in the step that first needs
-it, and MLX keeps them for the process only. Measured on an H200 (8B llama, docs/tight_burst.md): a
-cold burst's first step mixing a prompt chunk with decode rows took 3.4 s, its first 5-row decode 2.2 s,
-where a warm one takes 15 ms. So the engine's thread runs, before its first request (AsyncEngine):
-- prompt chunks, the first of one request crossing a chunk boundary;
-- a mixed step (a chunk with decode rows) at each row count up to `rows`, requests joining one per step;
-- decodes (pipelined) at each row count down from `rows` to 1, requests leaving one per step;
+it, and MLX keeps them for the process only. Measured on an H200 (8B llama, docs/tight_burst.md): on a
+fresh machine this warm-up's first prompt step took 10.7 s, its first step mixing a chunk with a decode
+row 22.5 s and its first decode 4.0 s, every later one 75 ms or less; a replica that met them while
+serving stalled every request for them. So the engine's thread runs, before its first request
+(AsyncEngine):
+- prompt chunks, the first prompt crossing a chunk boundary where the step budget allows;
+- a chunk beside each count of decode rows from 1 to `rows` - 1 (mixed into one forward where the
+  scheduler mixes), requests joining one per step;
+- decodes (pipelined) of `rows` down to 1 rows, requests leaving one per step;
 - greedy and sampled rows (temperature, top-p, top-k, a penalty, log-probabilities): their sampling
   graphs differ.
-The paged kernel's instances (one per span length) are compiled by its self-check at the runner's start
-(engine/model/kernels/paged_attention.py). Everything runs through `Engine.add_request` and `step`, so it
-is the engine's own path; the requests' KV is freed when they finish.
+Not covered: grammar-constrained rows and decodes of more than `rows` rows (each new row count traces
+the compiled decode again, some 10 ms on the H200). The paged kernel is compiled by its self-check at the
+runner's start (engine/model/kernels/paged_attention.py). Everything runs through `Engine.add_request`
+and `step`, so it is the engine's own path, and its steps count in the engine's stats; the requests' KV
+is freed when they finish and the prefix cache emptied.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def warmup_requests(rows: int, chunk_tokens: int, max_model_len: int) -> list[tu
     length allows."""
     out = []
     for k in range(rows):
-        max_tokens = 2 * (rows - k)
+        max_tokens = max(1, min(2 * (rows - k), max_model_len // 2 - 1))  # a short model keeps a prompt
         length = min(chunk_tokens + 40 if k == 0 else 24 + 8 * k, max_model_len - max_tokens - 1)
         prompt = [5 + (7 * k + i) % 50 for i in range(max(1, length))]
         if k % 2:  # sampled rows beside greedy ones (seeded: the warm-up is deterministic)
@@ -63,8 +68,8 @@ class Warmup:
 
 def warm_up(engine, rows: int = WARMUP_ROWS) -> Warmup:
     """Run the warm-up (module docstring) on `engine` (an idle Engine, in the thread that will run it).
-    Its requests are ordinary ones: a refusal (too little memory for them) ends the warm-up early,
-    logged, as does a failed step; the engine serves either way."""
+    Its requests are ordinary ones: a refusal (too little memory for them) ends the joining early, with a
+    warning, and a failed step the warm-up, logged; the engine serves either way."""
     started = time.perf_counter()
     config = engine.config
     rows = max(1, min(rows, config.max_num_seqs))
@@ -79,8 +84,12 @@ def warm_up(engine, rows: int = WARMUP_ROWS) -> Warmup:
     try:
         for k, (prompt, sampling) in enumerate(warmup_requests(rows, config.prefill_chunk_size,
                                                                engine.max_model_len)):
+            try:
+                engine.add_request(f"warmup-{k}", prompt, sampling)
+            except ValueError as exc:  # refused (the limits leave no room for it): the others go on
+                logger.warning("engine warm-up: request %d refused (%s)", k, exc)
+                break
             ids.append(f"warmup-{k}")
-            engine.add_request(ids[-1], prompt, sampling)
             step()
         while engine.has_unfinished():
             step()

@@ -58,6 +58,8 @@ def merge_grids(prefill_path: str, *decode_paths: str) -> dict:
     points widen the fit's envelope; several decode grids: the decode paths a set must cover, such as
     the q/k rope fused and not). The decode points' terms are recomputed from their shapes with this
     script's formulas: `decode_paths` must have been measured with the current kernel."""
+    if not decode_paths:
+        raise ValueError("--merge: GRID,DECODE_GRID[,DECODE_GRID...]: no decode grid given")
     pre = read_keyed(prefill_path)  # FILE or FILE:KEY
     decs = [read_keyed(f) for f in decode_paths]
     points = [p for p in pre["points"] if p["kind"] == "prefill"]

@@ -5,8 +5,8 @@ memory the KV pool leaves free; every request finishes; KV gets most of what the
 Random mixes (hypothesis) of prompt lengths, decode rows and arrival order, kept few and short so the
 test runs in seconds on a loaded 2-core machine; derandomized, so a run checks the same examples each
 time (MLX_SERVE_HYPOTHESIS_EXAMPLES raises their number). Every step: measured <= predicted <= 1.5x
-measured; every example of ten steps or more: the median step's prediction within 1.27x (a fixed burst:
-1.2x). On the CPU the runner waits between a forward's stages (ModelRunner.stage_waits: a decode's layers
+measured; every example of ten steps or more: the median step's prediction within 1.27x; the median
+step of all examples together, and of a fixed burst, within 1.2x. On the CPU the runner waits between a forward's stages (ModelRunner.stage_waits: a decode's layers
 and its head; a chunk's projections, attention blocks, MLP norm and MLP per layer), so a step's peak does
 not depend on how far MLX's worker is behind the host and the prediction can be tight.
 """
@@ -18,6 +18,7 @@ import os
 import statistics
 
 import mlx.core as mx
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.core.types import SamplingParams
@@ -81,15 +82,29 @@ def check_steps(records, engine) -> list[float]:
     return ratios
 
 
+@pytest.fixture(scope="module")
+def all_examples_ratios():
+    """Every step's predicted / measured over all the property test's examples: once they ran, their
+    median step within 1.2x (what issue 24 asks of the property test; an example's own median may reach
+    MEDIAN_STEP_RATIO)."""
+    ratios: list[float] = []
+    yield ratios
+    if ratios:
+        print(f"median step over the {len(ratios)} steps of every example: {statistics.median(ratios):.3f}")
+        assert statistics.median(ratios) <= 1.2, sorted(ratios)
+
+
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.integers(2, 700), st.integers(1, 6), st.integers(0, 4)),
                          min_size=1, max_size=6),
        headroom=st.sampled_from([6 << 20, 12 << 20, 64 << 20]), chunk=st.sampled_from([64, 128, 256]),
        pad=st.booleans())
-def test_property_every_step_within_prediction_and_free_memory(make_engine, requests, headroom, chunk, pad):
+def test_property_every_step_within_prediction_and_free_memory(make_engine, all_examples_ratios, requests,
+                                                                headroom, chunk, pad):
     records, engine = run_burst(make_engine, headroom, requests, chunk, pad=pad)
     ratios = check_steps(records, engine)
+    all_examples_ratios.extend(ratios)
     assert not engine.has_unfinished()
     assert max(ratios) <= MAX_STEP_RATIO, sorted(ratios)
     if len(ratios) >= 10:  # the median of a few steps is one of them

@@ -59,6 +59,29 @@ def test_a_refused_warm_up_leaves_the_engine_serving(make_engine, caplog):
     add = engine.add_request
     engine.add_request = refuse
     warm_up(engine, rows=3)
-    assert calls == ["warmup-0"] and "warm-up stopped early" in caplog.text
+    assert calls == ["warmup-0"] and "request 0 refused" in caplog.text
     engine.add_request = add
     assert not engine.has_unfinished() and engine.kv.used_bytes == 0
+
+
+def test_a_short_model_still_warms_up():
+    reqs = warmup_requests(rows=8, chunk_tokens=512, max_model_len=16)
+    assert all(len(p) >= 1 and len(p) + s.max_tokens < 16 for p, s in reqs)
+
+
+async def test_a_failing_warm_up_neither_hangs_nor_stops_the_async_engine(make_engine, caplog):
+    from engine.async_engine import AsyncEngine
+
+    engine = make_engine()
+
+    def broken():
+        raise RuntimeError("broken after the warm-up's steps")
+
+    engine.reset_prefix_cache = broken
+    aengine = AsyncEngine(engine, warmup=True)  # returns: the thread set its event anyway
+    try:
+        assert aengine.warmup_s is None and "engine warm-up failed" in caplog.text
+        outs = [o async for o in aengine.generate("a", [9] * 12, SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert sum(len(o.new_token_ids) for o in outs) == 3
+    finally:
+        aengine.shutdown()

@@ -190,8 +190,9 @@ def test_replayed_h200_prefill_runs_of_qwen3_and_llama_are_predicted_within_1_2x
 
 
 def test_the_llama_calibration_covers_both_fits_and_todays_decode_grid():
-    """The shipped Llama-3-8B calibration's decode coefficients are each the larger of its two fits'
-    (so its predictions are never below the first fit's, which no recorded H200 run went over), and
+    """The shipped Llama-3-8B calibration's five decode terms are each the larger of its two fits' (so
+    its predictions are never below the first fit's, which no recorded H200 run with the q/k rope unfused
+    went over), and
     every decode point of the d6d6a06 grid, q/k rope unfused and fused, is predicted at >= 1.0 x its
     measure (the first fit alone: 0.993 x unfused, 0.899 x fused)."""
     import dataclasses

@@ -244,15 +244,16 @@ def shape_key(shape: ModelShape) -> tuple:
 #     python scripts/bench_memory_grid.py --fit scripts/data/h200_s6_grid_merged.json --backend cuda \
 #         --fit-variants llama-8b --exclude-terms prefill_scores,prefill_mask --chunk-maxima \
 #         --layers-in-flight 7        # scripts/data/h200_s7_fit_llama8b.json
-# Each decode coefficient is the larger of that fit's and a second one's, with the decodes of today's
-# kernel (the span kernel, the token-major pool) measured with the q/k rope unfused and fused: a one-row
-# decode measured 1.007 x the first fit's prediction unfused (1.11 x fused), while the second fit alone
-# (decode scores 0.0294, a per-forward constant of 8.3 MB) under-predicted 81 one- and two-row decodes
-# of the 3 GB tight burst by up to 1.23 x (460 fused, 1.39 x; scripts/data/h200_i24_tight_burst.json,
-# refit_decode_at_d6d6a06; its grid has 1, 4 and 16 rows). A prediction grows with every coefficient,
-# so the larger of each is never under where the first fit held; the second's grid points are predicted
-# at >= 1.18 x unfused and >= 1.05 x fused (tests/unit/test_bench_scripts.py). The prefill terms and the
-# per-forward constant are the first fit's:
+# Its five decode terms (scores, logits, MLP, hidden, paged partials) are each the larger of that fit's
+# and a second one's, with the decodes of today's kernel (the span kernel, the token-major pool) measured
+# with the q/k rope unfused and fused: a one-row decode measured 1.007 x the first fit's prediction
+# unfused (1.11 x fused), while the second fit alone (decode scores 0.0294, a per-forward constant of 8.3
+# MB) under-predicted 81 one- and two-row decodes of the 3 GB tight burst by up to 1.23 x (fused: 460
+# decodes of 1-4 rows, 1.39 x; scripts/data/h200_i24_tight_burst.json, refit_decode_at_d6d6a06; its grid
+# has 1, 4 and 16 rows). A prediction grows with every coefficient, so it is never below either fit's:
+# the recorded runs with the q/k rope unfused stayed within the first's, and the second's grid points are
+# predicted at >= 1.18 x unfused and >= 1.05 x fused (tests/unit/test_bench_scripts.py). The prefill
+# terms, the gathered decode's and the per-forward constant are the first fit's:
 #     python scripts/bench_memory_grid.py --merge scripts/data/h200_s6_grid_merged.json,\
 #         scripts/data/h200_i25_grid_decode.json:plain,scripts/data/h200_i25_grid_decode.json:fused_rope \
 #         --out scripts/data/h200_i25_grid_merged.json

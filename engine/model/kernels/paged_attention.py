@@ -269,7 +269,8 @@ class CudaPagedAttention(PagedAttention):
             source=_COMBINE)
 
     def fixed_span(self, keys: int) -> "CudaPagedAttention":
-        """The same kernels with `keys` keys per span of the long-span kernel (its self-check's longest)."""
+        """The same kernels with `keys` keys per span of the long-span kernels (the self-check runs each
+        span `split_attention.span_keys` picks)."""
         return CudaPagedAttention(self.num_kv_heads, self.block_size, self.keys_per_partial, self.threads,
                                   spans=True, keys_per_span=keys, span_loads=self.span_loads,
                                   span_threads=self.span_threads, tiled=self.tiled)
