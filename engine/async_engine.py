@@ -82,8 +82,9 @@ class AsyncEngine:
         """`engine`: an Engine, or a function that builds one, which then runs in the engine thread
         (`from_config` does so: every MLX array and kernel of the engine is then made by the thread
         that runs it; the constructor waits, and raises what the build raised).
-        `warmup`: before serving, the engine thread runs each kind of forward once (engine/warmup.py)
-        and the constructor waits for it (None: only where MLX runs on a GPU). There the first forwards of a
+        `warmup`: before serving, the engine thread runs each kind of step once (engine/warmup.py)
+        and the constructor waits for it (None: where MLX runs on a GPU and the engine's
+        `execution.start_warmup` is on). There the first forwards of a
         thread pay for kernel compilation and, on CUDA, for building the thread's own CUDA graphs (MLX
         keeps a stream and command encoder per thread): a warm-up in any other thread would not help."""
         self._build = None if isinstance(engine, Engine) else engine
@@ -101,8 +102,6 @@ class AsyncEngine:
         # logged, never raised.
         self.on_step: Optional[Callable[[StepRecord], None]] = None
         self._on_step_failed = False
-        if warmup is None:
-            warmup = mlx_backend() != "cpu"
         self.warmup_s: Optional[float] = None  # how long the warm-up took (None: none ran)
         self._warmed = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="mlx-engine", daemon=True)
@@ -199,7 +198,7 @@ class AsyncEngine:
         slowest = max(warmup.steps, key=lambda s: s.seconds, default=None)
         logger.info("engine warm-up: %.2f s in %d steps (the slowest: %s)", self.warmup_s, len(warmup.steps), slowest)
 
-    def _run(self, warmup: bool = False) -> None:
+    def _run(self, warmup: Optional[bool] = None) -> None:
         if self._build is not None:
             try:
                 self.engine = self._build()
@@ -208,6 +207,8 @@ class AsyncEngine:
                 self._warmed.set()
                 return
         try:
+            if warmup is None:  # the engine's config decides, on a GPU
+                warmup = mlx_backend() != "cpu" and self.engine.config.execution.start_warmup
             if warmup:
                 self._warmup()
         finally:  # the constructor waits for it

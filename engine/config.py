@@ -84,6 +84,16 @@ class ExecutionConfig(BaseModel):
         "of MLX_CUDA_SDPA_CACHE_SIZE, the graphs MLX keeps.",
     )
 
+    start_warmup: bool = Field(
+        True,
+        description="On a GPU, before its first request the serving engine (AsyncEngine) runs each kind of "
+        "step once (engine/warmup.py: prompt chunks, chunks beside decode rows, decodes of 8 down to 1 "
+        "rows, sampled rows): MLX compiles each kernel at its first use, which on a fresh H200 took 38 s "
+        "in all (its first mixed step 22 s), time that requests would otherwise wait mid-serving "
+        "(docs/tight_burst.md). Turn it off for a faster start where the first requests may wait. On the "
+        "CPU it never runs.",
+    )
+
     @field_validator("chunk_granule")
     @classmethod
     def _power_of_two(cls, value: int) -> int:

@@ -104,6 +104,18 @@ async def test_warmup_runs_in_the_engine_thread_before_serving(make_engine, monk
     assert default.warmup_s is None  # on the CPU: none by default
 
 
+async def test_the_config_turns_the_gpu_warm_up_off(make_engine, monkeypatch):
+    from engine import async_engine as module
+
+    monkeypatch.setattr(module, "mlx_backend", lambda: "cuda")  # the choice only; MLX still runs on the CPU
+    on, off = AsyncEngine(make_engine()), AsyncEngine(make_engine(execution={"start_warmup": False}))
+    try:
+        assert on.warmup_s is not None and off.warmup_s is None
+    finally:
+        on.shutdown()
+        off.shutdown()
+
+
 async def test_engine_built_by_a_factory_in_the_engine_thread(make_engine):
     import threading
 
