@@ -65,8 +65,11 @@ def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: li
     points = []
     rows = sorted(rows, reverse=True)
     for n in contexts:
+        t = time.perf_counter()
         mixed, mixes, paged, kv_step = mixed_probes(lm, chunks, rows, n, mixing=True)
         apart = mixed_probes(lm, chunks, rows, n, mixing=False)[0]
+        # a run cut by a time limit still shows how far it got (the points are written at the end)
+        log(f"{label}: mixed probes at context {n} in {time.perf_counter() - t:.1f} s")
         for (b, c), (warm, st, ctx) in mixed.items():
             other = apart.get((b, c))
             if warm is None or st is None or other is None or other[1] is None:
