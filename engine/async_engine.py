@@ -211,6 +211,9 @@ class AsyncEngine:
                 warmup = mlx_backend() != "cpu" and self.engine.config.execution.start_warmup
             if warmup:
                 self._warmup()
+        except BaseException as exc:  # the constructor raises it (the warm-up's own errors are logged)
+            self._build_error = exc
+            return
         finally:  # the constructor waits for it
             self._warmed.set()
         try:

@@ -86,12 +86,12 @@ class ExecutionConfig(BaseModel):
 
     start_warmup: bool = Field(
         True,
-        description="On a GPU, before its first request the serving engine (AsyncEngine) runs each kind of "
-        "step once (engine/warmup.py: prompt chunks, chunks beside decode rows, decodes of 8 down to 1 "
-        "rows, sampled rows): MLX compiles each kernel at its first use, which on a fresh H200 took 38 s "
-        "in all (its first mixed step 22 s), time that requests would otherwise wait mid-serving "
-        "(docs/tight_burst.md). Turn it off for a faster start where the first requests may wait. On the "
-        "CPU it never runs.",
+        description="On a GPU, before its first request the serving engine (AsyncEngine) runs the kinds of "
+        "step it will meet once each (engine/warmup.py: prompt chunks, chunks beside decode rows, decodes "
+        "of up to 8 rows, sampled rows): MLX compiles each kernel at its first use, which for an 8B llama "
+        "on a fresh H200 took 38 s in all (its first mixed step 22.5 s), time that requests would "
+        "otherwise wait mid-serving (docs/tight_burst.md). Turn it off for a faster start where the first "
+        "requests may wait. Not run on the CPU.",
     )
 
     @field_validator("chunk_granule")

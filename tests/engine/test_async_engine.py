@@ -108,12 +108,24 @@ async def test_the_config_turns_the_gpu_warm_up_off(make_engine, monkeypatch):
     from engine import async_engine as module
 
     monkeypatch.setattr(module, "mlx_backend", lambda: "cuda")  # the choice only; MLX still runs on the CPU
-    on, off = AsyncEngine(make_engine()), AsyncEngine(make_engine(execution={"start_warmup": False}))
-    try:
-        assert on.warmup_s is not None and off.warmup_s is None
-    finally:
-        on.shutdown()
-        off.shutdown()
+    ran = []
+    monkeypatch.setattr(AsyncEngine, "_warmup", lambda self: ran.append(self))
+    on = AsyncEngine(make_engine())
+    on.shutdown()
+    off = AsyncEngine(make_engine(execution={"start_warmup": False}))
+    off.shutdown()
+    assert ran == [on]
+
+
+async def test_an_error_deciding_the_warm_up_is_raised_by_the_constructor(make_engine, monkeypatch):
+    from engine import async_engine as module
+
+    def no_backend():
+        raise RuntimeError("no backend")
+
+    monkeypatch.setattr(module, "mlx_backend", no_backend)
+    with pytest.raises(RuntimeError, match="no backend"):  # not a constructor waiting forever
+        AsyncEngine(make_engine())
 
 
 async def test_engine_built_by_a_factory_in_the_engine_thread(make_engine):
