@@ -13,10 +13,12 @@ serving stalled every request for them. So the engine's thread runs, before its 
 - greedy and sampled rows (temperature, top-p, top-k, a penalty, log-probabilities): their sampling
   graphs differ.
 Not covered: grammar-constrained rows and decodes of more than `rows` rows (each new row count traces
-the compiled decode again, some 10 ms on the H200). The paged kernel is compiled by its self-check at the
-runner's start (engine/model/kernels/paged_attention.py). Everything runs through `Engine.add_request`
-and `step`, so it is the engine's own path, and its steps count in the engine's stats; the requests' KV
-is freed when they finish and the prefix cache emptied.
+the compiled decode again: a first 9- or 10-row decode took 19-24 ms against 13 on the H200,
+scripts/data/h200_i24_tight_burst.json `token_major_at_eb7c392`, `bench_tight_burst.py --timings`). The
+paged kernel is compiled by its self-check at the runner's start (engine/model/kernels/paged_attention.py);
+the grid's attention graphs, where asked, by the engine's constructor (ExecutionConfig.max_warmup_chunk_shapes).
+Everything runs through `Engine.add_request` and `step`, so it is the engine's own path, and its steps
+count in the engine's stats; the requests' KV is freed when they finish and the prefix cache emptied.
 """
 
 from __future__ import annotations

@@ -61,21 +61,17 @@ def merge_grids(prefill_path: str, *decode_paths: str) -> dict:
     if not decode_paths:
         raise ValueError("--merge: GRID,DECODE_GRID[,DECODE_GRID...]: no decode grid given")
     pre = read_keyed(prefill_path)  # FILE or FILE:KEY
-    decs = [read_keyed(f) for f in decode_paths]
     points = [p for p in pre["points"] if p["kind"] == "prefill"]
-    for path, dec in zip(decode_paths, decs):
+    for path in decode_paths:
+        dec = read_keyed(path)
         missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
         if missing:
             raise ValueError(f"variants {sorted(missing)} of {path} are not in {prefill_path}")
-        points += [p for p in dec["points"] if p["kind"] == "prefill"]
-    for dec in decs:
-        for p in dec["points"]:
-            if p["kind"] == "decode":
-                terms = decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))
-                points.append({**p, "terms": terms})
-    return dict(bench="memory_grid_merged", prefill_from=prefill_path,
-                decode_from=decode_paths[0] if len(decode_paths) == 1 else list(decode_paths),
-                model=pre.get("model"), dtype=pre.get("dtype"), environment=decs[-1]["environment"],
+        points += [p if p["kind"] == "prefill" else
+                   {**p, "terms": decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))}
+                   for p in dec["points"] if p["kind"] in ("prefill", "decode")]
+    return dict(bench="memory_grid_merged", prefill_from=prefill_path, decode_from=list(decode_paths),
+                model=pre.get("model"), dtype=pre.get("dtype"), environment=dec["environment"],
                 shapes=pre["shapes"], points=points)
 
 
