@@ -117,8 +117,9 @@ class StepExecutor:
         slices = self._slice_reads(plan)
         # predicted again with the chunks the runner reads as views (a request's chunks all views, or
         # all counted as gathers): the record's prediction is of what runs
-        plan = dataclasses.replace(plan, predicted_transient_bytes=self.scheduler.predict(
-            plan.decodes, plan.prefills, slices, mixed=plan.mixed))
+        memory_plan = self.scheduler.memory_plan(plan.decodes, plan.prefills, slices)
+        plan = dataclasses.replace(plan, memory_plan=memory_plan, predicted_transient_bytes=self.memory.step_transient_bytes(
+            memory_plan, mixed=plan.mixed))
         self.num_steps += 1
         if self._can_pipeline(plan):
             try:

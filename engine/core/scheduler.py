@@ -235,12 +235,18 @@ class Scheduler:
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
                 slice_reads: Optional[Collection[str]] = None, ahead: int = 0, mixed: bool = False) -> int:
-        """The memory model's transient of a step. `slice_reads`: requests whose prompt chunks the runner
+        """The memory model's transient of a step (`memory_plan`); `mixed`: the decode rows run in the
+        first chunk's forward."""
+        return self.memory.step_transient_bytes(self.memory_plan(decodes, prefills, slice_reads, ahead), mixed=mixed)
+
+    def memory_plan(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
+                    slice_reads: Optional[Collection[str]] = None, ahead: int = 0) -> StepPlan:
+        """A step as the memory model reads it. `slice_reads`: requests whose prompt chunks the runner
         reads as views of the pool (the executor asks the runner); None: the chunks the scheduler
         expects to be read so (`_reads_view`); `ahead`: tokens each decoding row has beyond what
-        `update` committed; `mixed`: the decode rows run in the first chunk's forward."""
+        `update` committed."""
         requests = self.requests
-        plan = StepPlan(
+        return StepPlan(
             decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
             # one row that is not a plain argmax sends the whole batch through the sampler's processing
             # path ([B, V] float32 arrays), so every row is then counted as sampled
@@ -254,7 +260,6 @@ class Scheduler:
                                                            c.num_forward_tokens))
                 for c in prefills),
         )
-        return self.memory.step_transient_bytes(plan, mixed=mixed)
 
     def _reads_view(self, request_id: str, end: int, num_tokens: int) -> bool:
         """Whether the runner reads this prompt chunk's KV as a view (engine/model/kv_pool.py
@@ -263,8 +268,10 @@ class Scheduler:
 
     def plan_decodes(self, request_ids: Sequence[str], ahead: int = 0) -> SchedulerOutput:
         """A decode-only step of these running requests (the engine's pipelined decode)."""
+        memory_plan = self.memory_plan(request_ids, (), ahead=ahead)
         return SchedulerOutput(decodes=tuple(request_ids), prefills=(), new_rows=(),
-                               predicted_transient_bytes=self.predict(request_ids, (), ahead=ahead),
+                               predicted_transient_bytes=self.memory.step_transient_bytes(memory_plan),
+                               memory_plan=memory_plan,
                                num_pool_blocks=self.kv.num_pool_blocks, free_transient_bytes=self.free_transient_bytes,
                                step_budget_tokens=self.config.max_num_batched_tokens)
 

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine.core.memory.plan import StepPlan
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -276,6 +278,9 @@ class SchedulerOutput:
     # decode row or a mixed forward (`memory_limited`), the tokens it scheduled.
     step_budget_tokens: int = 0
     memory_limited: bool = False
+    # What the executor's prediction of the step read (the chunks read as views as the runner reads them;
+    # None: a plan the executor has not run)
+    memory_plan: Optional[StepPlan] = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -108,7 +108,8 @@ def stage_grid(lm: LoadedModel, chunks: list[int], length: int, label: str) -> l
         if runner.chunk_path is None:
             return []  # mlx-lm's modules: a layer is one stage
         runner.grow_pool(blocks)
-        runner.add_row("s", list(range(blocks)), RequestSampler(SamplingParams(max_tokens=1), 0))
+        runner.add_row("s", list(range(blocks)), RequestSampler(SamplingParams(max_tokens=1), 0),
+                       ring=0 if runner.pool.ring_layers else None)  # a sliding-window model's ring
         prompt = random_prompts([length], lm.config["vocab_size"], seed=c)[0]
         for start in range(0, length, c):
             t, sample = min(c, length - start), start + c >= length

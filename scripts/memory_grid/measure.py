@@ -3,10 +3,12 @@ same step apart (`mixed_grid`), and `measure`, which runs the grids --grids name
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 
@@ -48,10 +50,22 @@ def steps_grid(lm: LoadedModel, label: str) -> list[dict]:
             points.append(dict(kind="step", variant=label, path=path, workload=w, decodes=len(plan.decodes),
                                chunks=[(c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt) for c in plan.prefills],
                                mixed=plan.mixed, pipelined=record.memory.pipelined,
+                               plan=step_plan_dict(plan.memory_plan), memory_model=memory_flags(engine.memory),
                                predicted=record.memory.predicted_bytes, measured=record.memory.measured_bytes))
         engine = None
         free_memory()
     return points
+
+
+def step_plan_dict(plan) -> Optional[dict]:
+    """A step's memory plan (SchedulerOutput.memory_plan) as plain data (`predict.step_prediction` reads it)."""
+    return None if plan is None else dataclasses.asdict(plan)
+
+
+def memory_flags(memory) -> dict:
+    """The MemoryModel arguments besides the shape and the set that a step's prediction depends on."""
+    return dict(kv_step=memory.kv_step, paged_decode=memory.paged_decode, mixed=memory.mixed,
+                copies_viewed_kv=memory.copies_viewed_kv, copies_every_view=memory.copies_every_view)
 
 
 def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,

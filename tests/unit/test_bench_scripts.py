@@ -246,9 +246,9 @@ def test_the_c25d549_runs_replay_as_their_engine_predicted_them():
 def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
     """The Gemma-3-12B calibration (its grids merged, one layer in flight: docs/memory_cuda.md) is the
     engine's for its shape: every point of both H200 grids (prompt chunks read as views and gathered,
-    decodes, mixed forwards) and every step of both prefill runs predicted from above, the runs' mixed step
-    within 1.2 x (the step ending the 8192-token prompt within 1.22 x: its last query's KV copy, which no
-    measure shows); beyond the grids, a chunk grows with the keys as the grids' long chunks did, and a
+    decodes, mixed forwards) and every step of both prefill runs predicted from above, within 1.22 x (the
+    step ending the 8192-token prompt: its last query's KV copy, which no measure shows; the mixed step,
+    1.21 x since the decode rows' terms cover today's decodes: 1.17 x before); beyond the grids, a chunk grows with the keys as the grids' long chunks did, and a
     fragmented row's gathered chunk KV counts at least one layer's."""
     data = Path(__file__).resolve().parents[2] / "scripts/data/h200_i21_prefill_families.json"
     from engine.core.memory.coefficients import GEMMA3_12B_BF16, SHAPE_CALIBRATIONS, coefficients_for, shape_key
@@ -256,7 +256,7 @@ def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
 
     for key in ("at_c25d549", "at_3397353"):
         ratios = [s["ratio"] for s in replay.replay_prefill(f"{data}:{key}/gemma3-12b", "cuda", views=True)["steps"]]
-        assert min(ratios) >= 1.0 and max(ratios) <= 1.22 and ratios[2] <= 1.2, (key, ratios)
+        assert min(ratios) >= 1.0 and max(ratios) <= 1.22, (key, ratios)
     grids = {key: json.loads(data.read_text())[key]["gemma3-12b_grid"] for key in ("at_c25d549", "at_d1a5613")}
     shape = predict.model_shape(grids["at_c25d549"]["shapes"]["gemma3-12b"])
     calibrated, what = coefficients_for("cuda", 8, shape, prefill_chunk_size=2048)
@@ -286,6 +286,35 @@ def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
         assert gathering.decode_bytes([n] * rows, gathers=True) >= kv, (rows, n)
     ratios = [s["ratio"] for s in replay.replay_prefill(f"{data}:at_eb7c392/gemma3-12b", "cuda", views=True)["steps"]]
     assert min(ratios) >= 1.0 and max(ratios) <= 1.2, ratios  # measured with the token-major pool's copy
+
+
+def test_the_qwen3_and_gemma3_calibrations_cover_todays_decodes():
+    """Every decode point of the Qwen3-8B and Gemma-3-12B grids of today's kernels (span kernel,
+    token-major pool), q/k rope unfused and fused, is predicted from above by the engine's set for the
+    shape; Gemma 3's three per-row decode terms are the larger of its two fits' (the first alone under-
+    predicted a one-row decode and, fused, 16 rows)."""
+    import dataclasses
+
+    from engine.core.memory.coefficients import GEMMA3_12B_BF16, SHAPE_CALIBRATIONS, coefficients_for
+
+    data = Path(__file__).resolve().parents[2] / "scripts/data"
+    grids = json.loads((data / "h200_i21_decode_families.json").read_text())
+    fit = json.loads((data / "h200_i21_fit_gemma3_decodes.json").read_text())["coefficients"]
+    shipped = SHAPE_CALIBRATIONS[("cuda-ops8", GEMMA3_12B_BF16)][1]
+    rows = ("decode_logits", "decode_mlp", "decode_hidden")
+    assert all(getattr(shipped, name) == fit[name] for name in rows)
+    first = dataclasses.replace(shipped, decode_logits=9.023, decode_mlp=308.1, decode_hidden=1233.0)
+    for key in ("qwen3-8b_plain", "qwen3-8b_fused_rope", "gemma3-12b_plain", "gemma3-12b_fused_rope"):
+        grid = grids[key]
+        points = [p for p in grid["points"] if p["kind"] == "decode"]
+        assert len(points) == 27, key
+        shape = predict.model_shape(grid["shapes"][points[0]["variant"]])
+        coefficients = coefficients_for("cuda", 8, shape)[0]
+        ratios = [a / p["measured"] for a, p in zip(predict.engine_predictions(points, grid["shapes"], coefficients), points)]
+        assert min(ratios) >= 1.0, (key, min(ratios))
+        if key.startswith("gemma3"):
+            old = predict.engine_predictions(points, grid["shapes"], first)
+            assert min(a / p["measured"] for a, p in zip(old, points)) < 0.9, key  # what the second fit is for
 
 
 def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():

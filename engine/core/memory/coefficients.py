@@ -288,6 +288,18 @@ QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
 #         --min-terms prefill_mask=33,prefill_gather=1,decode_paged=1
 # The decode's gather and score terms then raised to the set's: the grids' decodes were paged, so the fit saw
 # only the sliding layers' window gathers, not a decode that gathers every layer (paged_attention off).
+# Its three per-row decode terms (logits, MLP, hidden) are the larger of that fit's and a second one's, with
+# the decodes of today's kernels (span kernel, token-major pool) measured with the q/k rope unfused and
+# fused (scripts/data/h200_i21_decode_families.json): the first fit under-predicted them, a one-row decode
+# at 0.87 x unfused and 16 rows at 0.86 x fused (docs/memory_cuda.md). Its prefill terms are the first fit's:
+#     python scripts/bench_memory_grid.py --merge scripts/data/h200_i21_prefill_families.json:at_c25d549/gemma3-12b_grid,\
+#         scripts/data/h200_i21_prefill_families.json:at_d1a5613/gemma3-12b_grid,\
+#         scripts/data/h200_i21_decode_families.json:gemma3-12b_plain,\
+#         scripts/data/h200_i21_decode_families.json:gemma3-12b_fused_rope \
+#         --out scripts/data/h200_i21_gemma3_grid_merged_decodes.json
+#     python scripts/bench_memory_grid.py --fit scripts/data/h200_i21_gemma3_grid_merged_decodes.json --backend cuda \
+#         --fit-variants gemma3-12b --exclude-terms prefill_scores --fit-min-chunk 512 --layers-in-flight 1 \
+#         --min-terms prefill_mask=33,prefill_gather=1,decode_paged=1     # h200_i21_fit_gemma3_decodes.json
 GEMMA3_12B_BF16 = (48, 3840, 16, 8, 256, 15360, 262208, 2)
 # (backend set's name, shape_key) -> (what it is, the set, the largest prompt chunk its fit measured: a
 # larger prefill_chunk_size takes the backend's set, whose fit covers it)
@@ -303,8 +315,8 @@ SHAPE_CALIBRATIONS = {
     ("cuda-ops8", GEMMA3_12B_BF16): ("gemma-3-12b bf16 calibration of the cuda-ops8 set (layer loops)", replace(
         CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, prefill_mask=33.04, prefill_mlp=8.114, prefill_hidden=32.46,
         prefill_gather=1.393, prefill_layer_rows=944.9, family_rows=0.5875, step_overhead_bytes=0,
-        prefill_overhead_bytes=29030000, decode_gather=1.001, decode_scores=0.01799, decode_logits=9.023,
-        decode_mlp=308.1, decode_hidden=1233.0, decode_paged=1.001), 2048),
+        prefill_overhead_bytes=29030000, decode_gather=1.001, decode_scores=0.01799, decode_logits=11.59,
+        decode_mlp=395.7, decode_hidden=1583.0, decode_paged=1.001), 2048),
 }
 
 
