@@ -299,15 +299,15 @@ class StepExecutor:
         `base_bytes` (what is not the step's), at least `measured` (pool growth / copies before it)."""
         measured = max(measured, mx.get_peak_memory() - base_bytes, 0)
         mx.reset_peak_memory()
-        predicted = max(predicted, predicted_other)
         carried, self._carried = self._carried, None
         if carried is not None:  # the tail of the previous step's deferred forward
-            predicted = max(predicted, carried.predicted_bytes)
+            predicted_other = max(predicted_other, carried.predicted_bytes)
             measured = max(measured, carried.measured_bytes)
+        predicted = max(predicted, predicted_other)
         self.max_measured_bytes = max(self.max_measured_bytes, measured)
         self.max_predicted_bytes = max(self.max_predicted_bytes, predicted)
         self.last_predicted_bytes = predicted
-        return StepMemory(predicted, measured, pipelined)
+        return StepMemory(predicted, measured, pipelined, predicted_other)
 
     # --- pipelined decode ---------------------------------------------------------------------------
     def _can_pipeline(self, plan: SchedulerOutput) -> bool:

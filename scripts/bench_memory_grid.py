@@ -62,6 +62,17 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    help="write (--out) one grid of every grid's prefill points and the decode points of the grids "
                         "after the first (each FILE or FILE:KEY)")
     p.add_argument("--fit-variants", default="", help="--fit: only these variants (comma-separated)")
+    p.add_argument("--fit-method", default="envelope", choices=["envelope", "lp"],
+                   help="--backend: least squares then an envelope from above (envelope), or a linear program: "
+                        "every point from above, the sum of predicted / measured least (lp)")
+    p.add_argument("--fit-steps", default="", metavar="VARIANTS",
+                   help="--fit-method lp: the grid's recorded engine steps (--grids steps) of these variants "
+                        "(comma-separated) from above too, and their excess over --fit-steps-bound least")
+    p.add_argument("--fit-start", default="", metavar="FIT_JSON[:KEY]",
+                   help="--fit-method lp: the coefficients (a --fit --json output) whose stages first hold each "
+                        "point (default: the shipped set's, through base_coefficients)")
+    p.add_argument("--fit-steps-bound", type=float, default=1.2,
+                   help="--fit-steps: the predicted / measured each step's stages should stay within")
     p.add_argument("--fit-path", default="", choices=["", "loops", "modules"],
                    help="--backend: only the points of forwards through the engine's layer loops, or mlx-lm's "
                         "modules (the CPU's two sets; grids recorded before the label: loops)")
@@ -169,7 +180,8 @@ def main(argv=None):
     elif args.fit and args.backend:
         result = fit_backend(args.fit, args.fit_variants, args.backend, args.max_layers_in_flight,
                              args.exclude_terms, args.chunk_maxima, args.layers_in_flight, args.fit_path,
-                             args.margin_bytes, args.margin, args.min_terms, args.fit_min_chunk)
+                             args.margin_bytes, args.margin, args.min_terms, args.fit_min_chunk, args.fit_method,
+                             args.fit_steps, args.fit_steps_bound, args.fit_start)
         if not args.json:
             print(result.pop("python"))
     else:

@@ -89,7 +89,7 @@ class ConfigShape:
     num_experts: int = 0
     layer_windows: tuple = ()  # per layer: the sliding window in tokens, or None (global attention)
     # hidden-size rows per token a layer holds beyond a llama block's, in its attention: Qwen3's and Gemma
-    # 3's q/k head norms' outputs; one for quantized weights ...
+    # 3's q/k head norms' outputs ...
     extra_attention_rows: float = 0.0
     # ... in its MLP: a MoE token's copies per expert (mlx-lm's SwitchGLU gathers it in, each expert's
     # output, unsorted back, weighted: one after another, at most 2 per expert alive at once) ...
@@ -97,6 +97,8 @@ class ConfigShape:
     # ... and Phi-3's fused q/k/v product, alive whole until its last part is used, where mlx-lm's module
     # computes it (the engine's chunk loop computes q, k and v apart)
     fused_qkv_rows: float = 0.0
+    # ... and a quantized model's layers there (mlx-lm's quantized matmuls)
+    quantized_rows: float = 0.0
     # float32 score-sized arrays a prompt chunk's attention holds where MLX's fused attention holds none
     # (on a backend that materializes the scores anyway, those count instead): Gemma 2 computes its
     # softcapped scores in Python in every layer; Gemma 3's sliding layers (only) pass an explicit mask,
@@ -105,8 +107,14 @@ class ConfigShape:
     sliding_score_copies: int = 0
     # Through the engine's layer loops (engine/model/layers/block.py), counted as they are: hidden-size
     # rows per token a layer's MLP stage holds beyond a llama block's for Gemma 2/3's norm of the MLP's
-    # output before its residual add (MLX's CPU rms_norm holds its output and one temporary) ...
+    # output before its residual add (MLX's CPU rms_norm holds its output and one temporary; Gemma 3 up
+    # to half a row more at 512-token chunks: scripts/data/cpu_i21_grid.json) ...
     loop_mlp_out_norm_rows: float = 0.0
+    # ... the rows a layer's attention stage holds after its scores, where it norms the attention's output
+    # (measured on the CPU's chunk loop, hidden 256, float32, chunks of 16-512 tokens: Gemma 2 5.5-6.96,
+    # Gemma 3 5.5-7.61 rows past the per-forward constant at short contexts, scripts/data/cpu_i21_grid.json;
+    # 3% above the largest) ...
+    loop_attention_output_rows: float = 0.0
     # ... and the MLP-wide arrays its MLP stage holds at once: SwiGLU through cpu_math's operations three,
     # Gemma's exact GELU (one compiled operation of mlx-lm's) two
     loop_mlp_arrays: int = 3
@@ -132,8 +140,9 @@ class ConfigShape:
         attention, fused = 0, 0
         if name in _QK_NORM_FAMILIES:  # the q/k head norms' outputs, beside q and k themselves
             attention += (heads + kv_heads) * head_dim / hidden
-        if config.get("quantization"):  # mlx-lm's quantized layers: on the CPU a prompt chunk measured up
-            attention += 1              # to a row per token above the float model's prediction
+        # mlx-lm's quantized layers (through its modules; the engine's loops run float weights): on the CPU
+        # a prompt chunk measured up to a row per token above the float model's prediction
+        quantized = 1.0 if config.get("quantization") else 0.0
         if name == "phi3":
             # +1: on the CPU a chunk's peak measured up to a row above the product's own size
             # (tests/engine/test_families.py)
@@ -145,10 +154,12 @@ class ConfigShape:
             max_position_embeddings=text.get("max_position_embeddings"),
             num_experts_per_tok=experts_per_tok, num_experts=num_experts,
             layer_windows=_layer_windows(name, text, num_layers), extra_attention_rows=attention,
-            extra_mlp_rows=2 * experts_per_tok, fused_qkv_rows=fused,
+            extra_mlp_rows=2 * experts_per_tok, fused_qkv_rows=fused, quantized_rows=quantized,
             extra_score_copies=1 if name == "gemma2" else 0,
             sliding_score_copies=1 if name in _SLIDING_FAMILIES else 0,
-            loop_mlp_out_norm_rows=2.0 if name in _SANDWICH_FAMILIES else 0.0, qk_norms=name in _QK_NORM_FAMILIES,
+            loop_mlp_out_norm_rows=(2.5 if name in ("gemma3", "gemma3_text") else 2.0) if name in _SANDWICH_FAMILIES
+            else 0.0, qk_norms=name in _QK_NORM_FAMILIES,
+            loop_attention_output_rows=(7.17 if name == "gemma2" else 7.84) if name in _SANDWICH_FAMILIES else 0.0,
             loop_mlp_arrays=2 if name == "gemma" else 3,
         )
 

@@ -299,6 +299,9 @@ class StepMemory:
     predicted_bytes: int
     measured_bytes: int
     pipelined: bool = False  # a decode launched by the pipeline (measured from its launch to its end)
+    # the part of predicted_bytes not of this step's forwards (plan.memory_plan): pool growth, prefix
+    # copies, the tail of the previous step's deferred forward
+    other_predicted_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,21 @@ import dataclasses
 from typing import Optional
 
 from .fit import base_coefficients, ceil_sig, read_keyed, envelope_fit, math_ceil, nnls, nnls_active_set, ratio_stats
-from .predict import engine_predictions, point_phases
-from .shapes import CHUNK_STAGES, CPU_PAGE_BYTES, fixed_bytes, prefill_terms
+from .lp import lp_pass
+from .predict import engine_predictions, held_stages, holding_stage, point_phases
+from .shapes import CPU_PAGE_BYTES, fixed_bytes, prefill_terms
 
 # Columns of the joint fit: (coefficient, kind, term key in a point's "terms", scaled by layers in flight)
 BACKEND_COLUMNS = (
     ("prefill_scores", "prefill", "prefill_scores", True), ("prefill_mask", "prefill", "prefill_mask", True),
-    ("prefill_gather", "prefill", "prefill_gather", True), ("prefill_mlp", "prefill", "prefill_mlp", True),
+    ("prefill_gather", "prefill", "prefill_gather", True),
+    ("prefill_window_gather", "prefill", "prefill_window_gather", True), ("prefill_mlp", "prefill", "prefill_mlp", True),
     ("prefill_hidden", "prefill", "prefill_hidden", True), ("prefill_logits", "prefill", "prefill_logits", False),
     ("prefill_layer_rows", "prefill", "prefill_layer_rows", True),
+    ("prefill_stage_rows", "prefill", "prefill_stage_rows", True),
     ("prefill_attention_hidden", "prefill", "prefill_attention_hidden", True),
     ("prefill_projection_hidden", "prefill", "prefill_projection_hidden", True),
+    ("prefill_first_rows", "prefill", "prefill_first_rows", True),
     ("prefill_head_rows", "prefill", "prefill_head_rows", False),
     ("family_rows", "both", "family_rows", True),
     ("decode_gather", "decode", "decode_gather", True), ("decode_paged", "decode", "decode_paged", True),
@@ -40,7 +44,10 @@ def _fit_row(p: dict, shapes: dict, coef, names: list, stage_index: Optional[int
 
 
 def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, exclude=(),
-                   floors: Optional[dict] = None, min_fitted_chunk: int = 0) -> tuple:
+                   floors: Optional[dict] = None, min_fitted_chunk: int = 0, method: str = "envelope",
+                   margin: float = 1.0, margin_bytes: int = 0, steps: Optional[list] = None,
+                   step_shapes: Optional[dict] = None, step_bound: float = 1.2,
+                   start: Optional[dict] = None) -> tuple:
     """Joint fit (`envelope_fit`, from NNLS on relative error) of prefill and decode points with the
     per-layer terms counted min(L, layers_in_flight) times, one constant per forward and one more per
     prompt chunk; then every byte coefficient scaled up (and rounded up) until engine_predictions()
@@ -53,7 +60,9 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     `_mlp_stages` guesses, by least squares (NNLS) alone, the next ones from above; the pass whose scaled
     fit has the least mean log ratio is kept. A model whose chunks' stages were measured alone
     (`stage_grid`) is fitted on those, each on its own stage, and its prompt chunks' peaks only checked
-    (the scale-up above them). Returns (coefficients, predictions)."""
+    (the scale-up above them). `method` "lp": a linear program (`_lp_pass`) on every point in place of the
+    least squares and envelope, each point's prediction `margin` x its measure + `margin_bytes` or more,
+    with `steps` (recorded engine steps) also bounded from above. Returns (coefficients, predictions)."""
     import numpy as np
 
     names = [c[0] for c in BACKEND_COLUMNS]
@@ -66,6 +75,24 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
     stages = _mlp_stages(fitted) if base.phases_apart else [None] * len(fitted)
     weights = np.array([0.0 if p["kind"] == "prefill" and p["c"] < min_fitted_chunk else 1.0 for p in fitted])
     best = None
+    if method == "lp":  # every point from above (a chunk measured whole on the stage holding it), passes
+        # from a given start whatever the shipped set (whose values base_coefficients carries), so that the
+        # command beside a set reproduces it: which stage holds each point is read off the start first
+        if start:  # (a coefficient the start lacks: 1)
+            coef = dataclasses.replace(coef, **{k: start.get(k, 1.0) for k in columns if getattr(coef, k) is not None
+                                                or k == "prefill_window_gather"})
+        for _ in range(4):  # until the stages holding the points settle
+            fitted_fields, worst = lp_pass(pts, shapes, coef, names, columns, exclude, floors, min_fitted_chunk,
+                                            margin, margin_bytes, steps or [], step_shapes or {}, step_bound)
+            coef = dataclasses.replace(coef, **fitted_fields, layers_in_flight=layers_in_flight)
+            fields = {n: getattr(coef, n) for n in columns}
+            fields.update(layers_in_flight=layers_in_flight)
+            scaled, pred = _scale_above(pts, shapes, base, fields)
+            score = worst if worst is not None else float(
+                np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts])))
+            if best is None or score < best[0]:
+                best = (score, scaled, pred)
+        return best[1], best[2]
     for first in [True] + [False] * (4 if base.head_apart or base.phases_apart else 0):
         rows, b = zip(*(_fit_row(p, shapes, coef, names, k) for p, k in zip(fitted, stages)))
         a, b = np.array(rows, dtype=float), np.maximum(np.array(b, dtype=float), 1.0)
@@ -132,17 +159,13 @@ def _scale_above(pts: list[dict], shapes: dict, base, fields: dict) -> tuple:
     staged = base.head_apart or base.phases_apart
     group = {c[0]: c[1] for c in BACKEND_COLUMNS}
     group["prefill_overhead_bytes"] = "prefill"
-    held: dict = {}  # (variant, chunk, context) -> the kind of stage measured largest there, its bytes
-    for p in pts:
-        key = (p["variant"], p.get("c"), p["n"])
-        if p["kind"] == "stage" and p["measured"] > held.get(key, ("", 0))[1]:
-            held[key] = (p["stage"], p["measured"])
+    held = held_stages(pts)
     for _ in range(20):
         coef = dataclasses.replace(base, **fields)
         pred = np.maximum(np.array(engine_predictions(pts, shapes, coef), dtype=float), 1)
         margin = dict.fromkeys(names, 1.0)
         for p, bv, pv in zip(pts, b, pred):
-            stage = _holding_stage(p, shapes, coef, held) if staged else None
+            stage = holding_stage(p, shapes, coef, held) if staged else None
             for n in names:
                 if (getattr(stage, n) if staged else group.get(n, p["kind"]) == p["kind"]):
                     margin[n] = max(margin[n], bv / pv)
@@ -155,18 +178,6 @@ def _scale_above(pts: list[dict], shapes: dict, base, fields: dict) -> tuple:
         if all(pv >= mv for pv, mv in zip(pred, b)):
             return coef, pred
     raise RuntimeError("could not scale the fit above every point")
-
-
-def _holding_stage(p: dict, shapes: dict, coef, held: dict):
-    """The stage (TransientTerms) of a grid point that holds its transient (`_scale_above`): the one
-    `coef` predicts largest, or for a chunk whose stages were measured alone the one measured largest."""
-    phases = point_phases(p, shapes, coef)
-    kind = held.get((p["variant"], p.get("c"), p["n"])) if p["kind"] == "prefill" else None
-    if kind is None:
-        return max(phases, key=lambda t: t.bytes(coef))
-    stage = phases[CHUNK_STAGES.index(kind[0])]
-    attention = phases[CHUNK_STAGES.index("attention")]
-    return attention if p.get("gathers", True) and attention.bytes(coef) > stage.bytes(coef) else stage
 
 
 def largest_per_chunk(pts: list[dict], shapes: dict) -> list[dict]:
@@ -188,7 +199,8 @@ def largest_per_chunk(pts: list[dict], shapes: dict) -> list[dict]:
 def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers_in_flight: int = 0,
                 exclude: str = "", chunk_maxima: bool = False, layers_in_flight: int = 0,
                 forward_path: str = "", margin_bytes: int = 0, margin: float = 1.0, floors: str = "",
-                min_fitted_chunk: int = 0) -> dict:
+                min_fitted_chunk: int = 0, method: str = "envelope", step_variants: str = "",
+                step_bound: float = 1.2, start: str = "") -> dict:
     """Fit a backend's TransientCoefficients (engine/core/memory/model.py's formulas, with layers_in_flight and
     step_overhead_bytes) to a grid JSON: for every layers_in_flight from 1 to the deepest model of the
     grid, the joint scaled-up fit above; keep the one with the smallest geometric mean of predicted /
@@ -215,8 +227,14 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     if unknown:
         raise ValueError(f"--min-terms: unknown coefficients {sorted(unknown)}")
     excluded = tuple(t for t in exclude.split(",") if t)
-    scan, coef, pred = scan_layers_in_flight(pts, shapes, candidates, base, excluded, lows, min_fitted_chunk)
-    if margin_bytes or margin != 1.0:  # beyond the grid's points: every byte coefficient and the constant raised
+    bounded = set(step_variants.split(",")) if step_variants else set()
+    steps = [p for p in data["points"] if p["kind"] == "step" and p.get("plan") and p["measured"] > 0
+             and p["variant"] in bounded]
+    lp = dict(margin=margin, margin_bytes=margin_bytes, steps=steps, step_shapes=shapes, step_bound=step_bound,
+              start=read_keyed(start)["coefficients"] if start else None) if method == "lp" else {}
+    scan, coef, pred = scan_layers_in_flight(pts, shapes, candidates, base, excluded, lows, min_fitted_chunk, method,
+                                             **lp)
+    if method != "lp" and (margin_bytes or margin != 1.0):  # beyond the grid's points: every byte coefficient and the constant raised
         scaled = {c[0]: ceil_sig(getattr(coef, c[0]) * margin) for c in BACKEND_COLUMNS
                   if getattr(coef, c[0]) is not None}
         coef = dataclasses.replace(coef, **scaled, prefill_overhead_bytes=math_ceil(coef.prefill_overhead_bytes * margin),
@@ -227,7 +245,9 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
         pred = engine_predictions(pts, shapes, coef)
         if any(pv < p["measured"] for pv, p in zip(pred, pts)):
             raise RuntimeError("a point below its chunk size's largest is under-predicted")
-    out = dict(grid=path, backend=backend, forward_path=forward_path or None,
+    out = dict(grid=path, backend=backend, forward_path=forward_path or None, method=method,
+               steps_bounded=sorted({p["variant"] for p in steps}), steps_bound=step_bound if steps else None,
+               start=start or None,
                variants=sorted({p["variant"] for p in pts}), excluded_terms=exclude,
                chunk_maxima=chunk_maxima, floors=lows, min_fitted_chunk=min_fitted_chunk,
                margin=margin, margin_bytes=margin_bytes,
@@ -267,7 +287,8 @@ def backend_base(backend: str, forward_path: str):
 
 
 def scan_layers_in_flight(pts: list[dict], shapes: dict, candidates: list[int], base, exclude: tuple,
-                          floors: Optional[dict] = None, min_fitted_chunk: int = 0) -> tuple:
+                          floors: Optional[dict] = None, min_fitted_chunk: int = 0, method: str = "envelope",
+                          **lp) -> tuple:
     """`fit_backend_at` at every layers_in_flight of `candidates`: (the geometric mean of predicted /
     measured of each, the coefficients and predictions of the least)."""
     import numpy as np
@@ -275,7 +296,7 @@ def scan_layers_in_flight(pts: list[dict], shapes: dict, candidates: list[int], 
     best = None
     scan = {}
     for k in candidates:
-        coef, pred = fit_backend_at(pts, shapes, k, base, exclude, floors, min_fitted_chunk)
+        coef, pred = fit_backend_at(pts, shapes, k, base, exclude, floors, min_fitted_chunk, method, **lp)
         score = float(np.exp(np.mean(np.log(np.array(pred, dtype=float) / [p["measured"] for p in pts]))))
         scan[k] = round(score, 3)
         if best is None or score < best[0]:

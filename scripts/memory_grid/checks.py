@@ -12,11 +12,35 @@ from .predict import mixed_predictions, model_shape
 from .shapes import decode_terms
 
 
-def check_steps(path: str, slack_bytes: int = 0) -> dict:
-    """Predicted / measured of a grid's engine steps (--grids steps) per variant, as recorded: min,
-    median, max, and the steps above 1.2 x measured + `slack_bytes`."""
+def step_prediction(p: dict, shapes: dict, coefficients) -> int:
+    """A recorded engine step's prediction with `coefficients`, from the memory plan and the memory
+    model's arguments its engine recorded (`steps_grid`): the engine's own arithmetic, beside what the
+    step predicted outside its forwards (pool growth, prefix copies: StepMemory.other_predicted_bytes)."""
+    from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
+
+    plan, flags = p["plan"], p["memory_model"]
+    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients, **flags)
+    step = StepPlan(decode_context_lens=tuple(plan["decode_context_lens"]), decode_samples=plan["decode_samples"],
+                    prefill_chunks=tuple(PrefillChunkPlan(**c) for c in plan["prefill_chunks"]))
+    return max(model.step_transient_bytes(step, mixed=p["mixed"]), p.get("other_predicted", 0))
+
+
+def check_steps(path: str, slack_bytes: int = 0, coefficients=None) -> dict:
+    """Predicted / measured of a grid's engine steps (--grids steps) per variant: min, median, max, and
+    the steps above 1.2 x measured + `slack_bytes`: predicted again from the plans the steps recorded,
+    with `coefficients` or (None) the engine's set for each variant's shape on the CPU (`coefficients_for`:
+    a shape calibration where one ships); steps recorded without their plans, as recorded."""
+    from engine.core.memory.coefficients import coefficients_for
+
     data = json.loads(Path(path).read_text())
     pts = [p for p in data["points"] if p["kind"] == "step" and p["measured"] > 0]
+
+    def again(p):
+        coef = coefficients or coefficients_for("cpu", None, model_shape(data["shapes"][p["variant"]]),
+                                                cpu_math=p.get("path", "loops") == "loops")[0]
+        return dict(p, predicted=step_prediction(p, data["shapes"], coef)) if p.get("plan") else p
+
+    pts = [again(p) for p in pts]
     out = {}
     for v in sorted({p["variant"] for p in pts}):
         sel = [p for p in pts if p["variant"] == v]
@@ -84,3 +108,23 @@ def mixed_checks(paths: list[str], backend: str) -> dict:
                 "backend set (no shape calibration)": mixed_check(f, coefs.coefficients_for_backend(backend, 8)),
                 "engine's sets, models of every depth mixing": mixed_check(f, None, backend, every_depth=True)}
             for f in paths}
+
+
+def step_phases(p: dict, shapes: dict, coefficients) -> list:
+    """The stages (TransientTerms) of every forward of a recorded engine step (`step_prediction`): its
+    transient, outside pool growth, is the largest's."""
+    from engine.core.memory.model import MemoryModel, PrefillChunkPlan
+
+    plan, flags = p["plan"], p["memory_model"]
+    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients, **flags)
+    chunks = [PrefillChunkPlan(**c) for c in plan["prefill_chunks"]]
+    rows, samples = list(plan["decode_context_lens"]), plan["decode_samples"]
+    phases = []
+    if p["mixed"] and chunks and rows and model.mixed:
+        phases += model.mixed_phases(chunks[0], rows, samples)
+        chunks = chunks[1:]
+    elif rows:
+        phases += model.decode_phases(rows, samples)
+    for c in chunks:
+        phases += model.chunk_phases(c.num_tokens, c.context_len, c.computes_logits, c.samples, c.gathers)
+    return phases

@@ -27,7 +27,8 @@ def base_coefficients():
     return dataclasses.replace(coefs.CPU_COEFFICIENTS, step_overhead_bytes=0, prefill_overhead_bytes=0,
                                prefill_layer_rows=0.0, head_apart=False, phases_apart=False,
                                prefill_attention_hidden=0.0, prefill_projection_hidden=0.0,
-                               prefill_head_rows=0.0, attention_query_blocks=1, allocation_page_bytes=0)
+                               prefill_head_rows=0.0, prefill_stage_rows=0.0, prefill_first_rows=0.0,
+                               attention_query_blocks=1, allocation_page_bytes=0)
 
 
 def nnls(a, b, iters: int = 5000):

@@ -51,6 +51,7 @@ def steps_grid(lm: LoadedModel, label: str) -> list[dict]:
                                chunks=[(c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt) for c in plan.prefills],
                                mixed=plan.mixed, pipelined=record.memory.pipelined,
                                plan=step_plan_dict(plan.memory_plan), memory_model=memory_flags(engine.memory),
+                               other_predicted=record.memory.other_predicted_bytes,
                                predicted=record.memory.predicted_bytes, measured=record.memory.measured_bytes))
         engine = None
         free_memory()

@@ -53,8 +53,8 @@ def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]
         if p["kind"] == "prefill":
             out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"]), gathers=gathers))
         elif p["kind"] == "stage":  # one kind of a chunk's stages alone (`stage_grid`)
-            stage = m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)[CHUNK_STAGES.index(p["stage"])]
-            out.append(int(stage.bytes(coefficients)))
+            stages = stage_phases(m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers), p["stage"])
+            out.append(int(max(t.bytes(coefficients) for t in stages)))
         else:
             out.append(m.decode_bytes([p["n"]] * p["B"], gathers=gathers))
     return out
@@ -74,6 +74,43 @@ def point_phases(p: dict, shapes: dict, coefficients) -> tuple:
     if p["kind"] == "prefill":
         return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)
     if p["kind"] == "stage":  # one kind of a chunk's stages, measured alone (`stage_grid`)
-        k = CHUNK_STAGES.index(p["stage"])
-        return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)[k:k + 1]
+        return stage_phases(m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers), p["stage"])
     return m.decode_phases([p["n"]] * p["B"], gathers=gathers)
+
+
+def stage_phases(phases: tuple, kind: str) -> tuple:
+    """The phases of a chunk (MemoryModel.chunk_phases, its stages apart) that a stage grid point of
+    `kind` (CHUNK_STAGES) measured: the MLP's are every phase between the attention and the head (a MoE
+    layer's stage of its experts' outputs too, which `stage_grid` counts as the MLP's)."""
+    k = CHUNK_STAGES.index(kind)
+    if kind == "head":
+        return phases[-1:]
+    if kind == "mlp":
+        return phases[2:-1]
+    return phases[k:k + 1]
+
+
+def held_stages(pts: list[dict]) -> dict:
+    """(variant, chunk, context) -> the kind of stage measured largest there (`stage_grid`), its bytes."""
+    held: dict = {}
+    for p in pts:
+        key = (p["variant"], p.get("c"), p["n"])
+        if p["kind"] == "stage" and p["measured"] > held.get(key, ("", 0))[1]:
+            held[key] = (p["stage"], p["measured"])
+    return held
+
+
+def holding_stage(p: dict, shapes: dict, coef, held: dict, gathered_attention: bool = True):
+    """The stage (TransientTerms) of a grid point that holds its transient (`_scale_above`): the one
+    `coef` predicts largest, or for a chunk whose stages were measured alone the one measured largest
+    (the stages were measured reading views: for a chunk that gathers, its attention where that is
+    predicted larger, unless not `gathered_attention`: the gathered KV in place of the view's copy, which
+    this engine's grids measure the same)."""
+    phases = point_phases(p, shapes, coef)
+    kind = held.get((p["variant"], p.get("c"), p["n"])) if p["kind"] == "prefill" else None
+    if kind is None:
+        return max(phases, key=lambda t: t.bytes(coef))
+    stage = max(stage_phases(phases, kind[0]), key=lambda t: t.bytes(coef))
+    attention = phases[CHUNK_STAGES.index("attention")]
+    return (attention if gathered_attention and p.get("gathers", True) and attention.bytes(coef) > stage.bytes(coef)
+            else stage)

@@ -88,7 +88,9 @@ def test_cpu_engine_greedy_equals_mlx_lm_either_way(make_engine, tiny_parts, ref
     assert runner.ops.cpu_math is cpu_math_on
     assert runner.chunk_path.ops is runner.ops and runner.decode_path.ops is runner.ops
     assert runner.mixed.path.ops is runner.ops
-    assert engine.memory_coefficients_source == ("cpu set" if cpu_math_on else "cpu-mlx-attention set")
+    # the tiny model's own calibration of the layer loops' set (engine/core/memory/coefficients.py)
+    assert engine.memory_coefficients_source == ("tiny test model calibration of the cpu set" if cpu_math_on
+                                                 else "cpu-mlx-attention set")
     # a prompt's last query reads its row's KV view as is with cpu_math, a copy with MLX's attention
     # (ReferenceOps.attend): the memory model counts the copy only where it is made
     assert engine.memory.copies_viewed_kv is not cpu_math_on

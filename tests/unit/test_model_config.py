@@ -69,7 +69,8 @@ def test_model_shape_reads_the_family_shape():
 def test_loop_terms_of_moe_and_gemma_blocks():
     """Through the engine's layer loops a MoE layer holds its tokens' k copies in its MLP stage and, in a
     stage of their own, the k outputs beside their unsorted copy; Gemma 2/3's MLP output norm adds two
-    rows; through mlx-lm's modules the fitted extra rows stay."""
+    rows (Gemma 3 two and a half), and their attention stage holds the output's norm's rows once its scores
+    are gone; through mlx-lm's modules the fitted extra rows stay."""
     from engine.core.memory.coefficients import CPU_COEFFICIENTS
     from engine.core.memory.model import MemoryModel
 
@@ -83,25 +84,37 @@ def test_loop_terms_of_moe_and_gemma_blocks():
     assert unsorted.fixed_bytes == 16 * row and mlp.fixed_bytes == 8 * row
     assert model.prefill_chunk_bytes(256, 1024) >= unsorted.bytes(CPU_COEFFICIENTS)
     gemma3 = ModelShape.from_config(GEMMA3_12B, 4, module_forwards=False)
-    assert gemma3.mlp_out_norm_rows == 2 and ModelShape.from_config(GEMMA3_12B, 4).mlp_out_norm_rows == 0
+    assert gemma3.mlp_out_norm_rows == 2.5 and ModelShape.from_config(GEMMA3_12B, 4).mlp_out_norm_rows == 0
+    assert gemma3.attention_output_rows > 7 and ModelShape.from_config(GEMMA3_12B, 4).attention_output_rows == 0
+    out = MemoryModel(gemma3, coefficients=CPU_COEFFICIENTS).chunk_phases(256, 256, gathers=False)[1]
+    assert out.bytes(CPU_COEFFICIENTS) >= gemma3.attention_output_rows * 256 * 3840 * 4
     assert ModelShape.from_config(PHI3, 4, module_forwards=False).mlp_out_norm_rows == 0
 
 
 def test_sliding_layers_in_rings_gather_their_window_when_the_row_is_a_view():
     """A chunk that reads its row as a view of the pool still gathers its sliding layers' windows from
-    their rings (num_kv_layers below num_layers), and a paged decode its sliding layers' windows."""
+    their rings (num_kv_layers below num_layers), and a paged decode its sliding layers' windows. Where
+    the runner waits for each layer's attention apart (the CPU set), the stage is the larger of a global
+    layer's (its row's KV copied) and a sliding one's (its window gathered), not both."""
     import dataclasses
 
     from engine.core.memory.coefficients import CPU_COEFFICIENTS
     from engine.core.memory.model import MemoryModel
 
+    together = dataclasses.replace(CPU_COEFFICIENTS, phases_apart=False)
     shape = ModelShape.from_config(GEMMA3_12B, 4, module_forwards=False)
     rings = dataclasses.replace(shape, num_kv_layers=8)
-    view = MemoryModel(shape, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[1]
-    ringed = MemoryModel(rings, coefficients=CPU_COEFFICIENTS).chunk_phases(128, 4096, gathers=False)[1]
+    view = MemoryModel(shape, coefficients=together).chunk_phases(128, 4096, gathers=False)[0]
+    ringed = MemoryModel(rings, coefficients=together).chunk_phases(128, 4096, gathers=False)[0]
     keys = 1024 - 1 + 128
     assert view.prefill_gather == 0
     assert ringed.prefill_gather >= keys * 8 * (2 * 256 * 4 + 4)
+    apart = MemoryModel(rings, coefficients=CPU_COEFFICIENTS)
+    rows, overheads = 128 * 3840 * 4, dict(step_overhead_bytes=1)
+    kinds = [apart._layer_attention(128, 4096, rows, False, False, 0, overheads, sliding) for sliding in (False, True)]
+    assert kinds[1].prefill_window_gather >= keys * 8 * (2 * 256 * 4 + 4) and kinds[0].prefill_window_gather == 0
+    stage = apart.chunk_phases(128, 4096, gathers=False)[1]
+    assert stage.bytes(CPU_COEFFICIENTS) >= max(k.bytes(CPU_COEFFICIENTS) for k in kinds) - rows * shape.extra_attention_rows * CPU_COEFFICIENTS.family_rows
     paged = MemoryModel(shape, coefficients=dataclasses.replace(CPU_COEFFICIENTS, decode_paged=1.0), paged_decode=True)
     assert paged.decode_attention_terms([4096] * 2).decode_gather >= 2 * 1024 * 8 * (2 * 256 * 4 + 4)
 

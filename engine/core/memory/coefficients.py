@@ -33,6 +33,9 @@ class TransientCoefficients:
     decode_hidden: float
     sampling: float = 11.0  # x 4*V per sampling row: temperature / top-k / top-p temporaries
     prefill_gather: float = 1.0  # x n*H_kv*(2*d*s + 4): one layer's KV of the row, gathered from the pool
+    # x a sliding layer's window of KV gathered from its ring, where one layer's attention is a stage
+    # (`phases_apart`: the larger of a global layer's and a sliding one's); None: prefill_gather's
+    prefill_window_gather: Optional[float] = None
     # The per-layer terms count min(L, layers_in_flight) layers: 1 where MLX frees a layer's
     # intermediates before the next layer runs (CPU); more on CUDA, which frees them per committed batch.
     layers_in_flight: int = 1
@@ -44,6 +47,9 @@ class TransientCoefficients:
     # x I*s per layer in flight, whatever the chunk's size (prompt chunks of more than one token): a
     # per-layer constant that scales with the MLP width (fitted on CUDA; 0 on CPU)
     prefill_layer_rows: float = 0.0
+    # x D*s per layer in flight in each stage of a prompt chunk of more than one token, whatever its size:
+    # what a small chunk's arrays hold beyond their rows (the CPU allocator's pages; 0 on CUDA)
+    prefill_stage_rows: float = 0.0
     # x B*H*ceil(n/kv_step)*(kv_step/64)*(d+2)*4, the paged kernel's float32 partials; None: not fitted on
     # paged decodes, which it then predicts as gathering ones (an over-estimate)
     decode_paged: Optional[float] = None
@@ -62,6 +68,9 @@ class TransientCoefficients:
     # ... and of its projections' stage before it (the norm, q/k/v, their rotation and the KV write; the
     # runner waits for it apart: `phases_apart`)
     prefill_projection_hidden: float = 0.0
+    # x c*D*s more in the attention stage of a prompt's first chunk (its context its own tokens alone):
+    # measured on the CPU's chunk loop at every shape, 0.4-1.3 hidden rows above a later chunk's
+    prefill_first_rows: float = 0.0
     # x (I + D)*s: the last layer's MLP of a prompt's sampled position, in its head's stage (`phases_apart`:
     # one row's operations, too small for MLX's worker to free any before the host queues the next)
     prefill_head_rows: float = 0.0
@@ -92,12 +101,15 @@ class TransientTerms:
     prefill_scores: float = 0.0
     prefill_mask: float = 0.0
     prefill_gather: float = 0.0
+    prefill_window_gather: float = 0.0
     prefill_mlp: float = 0.0
     prefill_hidden: float = 0.0
     prefill_logits: float = 0.0
     prefill_layer_rows: float = 0.0
+    prefill_stage_rows: float = 0.0
     prefill_attention_hidden: float = 0.0
     prefill_projection_hidden: float = 0.0
+    prefill_first_rows: float = 0.0
     prefill_head_rows: float = 0.0
     family_rows: float = 0.0
     decode_gather: float = 0.0
@@ -116,6 +128,8 @@ class TransientTerms:
         for f in fields(self):
             if f.name != "fixed_bytes":
                 total += (getattr(coefficients, f.name) or 0.0) * getattr(self, f.name)
+        if coefficients.prefill_window_gather is None:  # a set without its own: the pool gather's
+            total += coefficients.prefill_gather * self.prefill_window_gather
         return total
 
     def __add__(self, other: "TransientTerms") -> "TransientTerms":
@@ -127,33 +141,34 @@ class TransientTerms:
 
 # MLX's CPU backend with the engine's layer loops (attention and SwiGLU of engine/model/layers/cpu_math.py),
 # whose every stage the runner waits for (`head_apart`, `phases_apart`, one query block of 16 at a time:
-# docs/memory.md). Fitted from above (`bench_memory_grid.py --fit`: least squares, then each point's
-# largest stage from above) on single prompt chunks (16-512 tokens, contexts up to 2040, each read as a
-# view and again as a gather), each stage of those chunks measured alone (`--grids stages`) and pipelined
-# decodes (1-16 rows, 256-1800 keys) of the tiny model, four 2-layer llama shapes (head_dim 32-64,
-# hidden 256-1024) and the engine tests' checkpoints of the llama-shaped families at hidden 256 (llama,
-# qwen2, qwen3, phi3; Qwen3-MoE's and Gemma's loops since, with their own arrays counted by ModelShape's
-# loop terms: docs/memory.md). The grid measures each point after clearing MLX's buffer cache; a serving
-# process allocates from a warm one, where an array served from a larger cached buffer counts up to 8 KB
-# more: the fit's coefficients are shipped 3% and its per-forward constant 24 KB above it (`--margin`,
-# `--margin-bytes`). The grid's decode and module points were recorded first, its loop models' chunks
-# again once the runner waited for the projections and the MLP's norm apart (`--remeasure`):
+# docs/memory.md). Fitted by a linear program (`bench_memory_grid.py --fit --fit-method lp`) on one grid of
+# this engine (scripts/data/cpu_i21_grid.json): single prompt chunks (16-512 tokens, contexts up to 2040,
+# each read as a view and again as a gather), each stage of those chunks measured alone (`--grids
+# stages`), pipelined decodes (1-16 rows, 256-1800 keys) and every engine step of the engine tests'
+# workloads (`--grids steps`), for four 2-layer llama shapes (head_dim 32-64, hidden 256-1024) and the
+# engine tests' checkpoint of every family at hidden 256 (`--families all`; a family's own arrays counted
+# by ModelShape's terms). Every grid point is predicted at >= 1.02 x its measure + 8 KB (each measured on a
+# fresh buffer cache; a serving process's warm one counts up to a page or two more per array), every
+# recorded engine step (measured as the engine runs) from above, and the families' steps' excess over 1.2
+# x least (`--fit-steps`). The tiny test model (hidden 64, whose 4 KB pages weigh most) has its own
+# calibration (SHAPE_CALIBRATIONS):
 #     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
-#         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 --grids prefill,prefill-gathers,decode \
-#         --variants --families all,qwen3:4,gemma3_text:4 --modules --pipelined \
-#         --out scripts/data/cpu_i24_grid.json
-#     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
-#         --grids prefill,prefill-gathers,stages --variants --families llama,qwen2,qwen3,phi3 --append \
-#         --remeasure --out scripts/data/cpu_i24_grid.json
-#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i24_grid.json --backend cpu --fit-path loops \
-#         --layers-in-flight 1 --margin 1.03 --margin-bytes 24576     # scripts/data/cpu_i24_fit.json "cpu"
+#         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 \
+#         --grids prefill,prefill-gathers,stages,decode,steps --variants --families all --pipelined \
+#         --out scripts/data/cpu_i21_grid.json
+#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i21_grid.json --backend cpu --fit-path loops \
+#         --fit-method lp --fit-start scripts/data/cpu_i24_fit.json:cpu --min-terms prefill_window_gather=1 \
+#         --fit-variants test-2layers,test-wide-mlp,d256-h4-i512-v32k,d1024-h16-i2816-v16k,$F --fit-steps $F \
+#         --layers-in-flight 1 --margin 1.02 --margin-bytes 8192           # scripts/data/cpu_i21_fit.json "cpu"
+# with F=llama-d256,qwen2-d256,qwen3-d256,phi3-d256,qwen3_moe-d256,gemma-d256,gemma2-d256,gemma3_text-d256
 CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=1.647, prefill_mask=5.353, prefill_mlp=3.153, prefill_hidden=3.713, prefill_logits=1.109,
-    decode_gather=1.033, decode_scores=1.941, decode_logits=1.045, decode_mlp=4.914, decode_hidden=11.52,
-    prefill_gather=1.129, step_overhead_bytes=24665, prefill_overhead_bytes=88, prefill_layer_rows=0.06015,
-    prefill_attention_hidden=5.118, prefill_projection_hidden=7.048, prefill_head_rows=4.359,
-    family_rows=1.126, allocation_page_bytes=4096, head_apart=True, phases_apart=True,
-    attention_query_blocks=16,
+    prefill_scores=3.196, prefill_mask=0.0, prefill_mlp=3.176, prefill_hidden=2.892, prefill_logits=1.074,
+    decode_gather=1.017, decode_scores=1.794, decode_logits=1.035, decode_mlp=5.461, decode_hidden=13.63,
+    prefill_gather=0.9901, prefill_window_gather=1.001, step_overhead_bytes=3042,
+    prefill_overhead_bytes=0, prefill_layer_rows=0.0, prefill_stage_rows=10.3,
+    prefill_attention_hidden=3.558, prefill_projection_hidden=7.007, prefill_first_rows=0.6998,
+    prefill_head_rows=3.061, family_rows=1.397, allocation_page_bytes=4096, head_apart=True,
+    phases_apart=True, attention_query_blocks=16,
 )
 # The CPU backend with forwards through mlx-lm's modules (quantized weights; or
 # RunnerOptions(layer_loops=False) / cpu_math off): the runner waits between a forward's layers and its
@@ -301,8 +316,18 @@ QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
 #         --fit-variants gemma3-12b --exclude-terms prefill_scores --fit-min-chunk 512 --layers-in-flight 1 \
 #         --min-terms prefill_mask=33,prefill_gather=1,decode_paged=1     # h200_i21_fit_gemma3_decodes.json
 GEMMA3_12B_BF16 = (48, 3840, 16, 8, 256, 15360, 262208, 2)
+# The engine tests' tiny model (hidden 64, float32) under the CPU set, through the layer loops: its own grid
+# points and engine steps of scripts/data/cpu_i21_grid.json, fitted as the set is; its prompt-chunk terms and
+# per-forward constants (its 256-byte rows make whole 4 KB pages weigh more than at hidden 256), the set's
+# decode terms (the tiny fit's decode scores and hidden rows, 0, are what its three rows of 1 KB hide):
+#     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i21_grid.json --backend cpu --fit-path loops \
+#         --fit-method lp --fit-start scripts/data/cpu_i24_fit.json:cpu --fit-variants tiny --fit-steps tiny \
+#         --layers-in-flight 1 --margin 1.02 --margin-bytes 24576         # scripts/data/cpu_i21_fit.json "tiny"
+# (24 KB: the engine's steps of a few 16-token chunks, which the grid's workloads do not make, measured up
+# to 11 KB above what the grid's points fit)
+TINY_F32 = (2, 64, 4, 2, 16, 128, 49152, 4)
 # (backend set's name, shape_key) -> (what it is, the set, the largest prompt chunk its fit measured: a
-# larger prefill_chunk_size takes the backend's set, whose fit covers it)
+# larger prefill_chunk_size takes the backend's set, whose fit covers it; None: the set's chunks)
 SHAPE_CALIBRATIONS = {
     # the fit's coefficients that differ from the set's (gathers and layers_in_flight are the set's)
     ("cuda-ops8", LLAMA3_8B_BF16): ("llama-3-8b bf16 calibration of the cuda-ops8 set", replace(
@@ -312,6 +337,12 @@ SHAPE_CALIBRATIONS = {
     ("cuda-ops8", QWEN3_8B_BF16): ("qwen3-8b bf16 calibration of the cuda-ops8 set (prompt chunks)", replace(
         CUDA_OPS8_COEFFICIENTS, prefill_mlp=1.056, prefill_hidden=3.694, step_overhead_bytes=1187000,
         prefill_overhead_bytes=27460000, prefill_layer_rows=136.9), 512),
+    ("cpu", TINY_F32): ("tiny test model calibration of the cpu set", replace(
+        CPU_COEFFICIENTS,
+        prefill_scores=2.439, prefill_mlp=1.736, prefill_hidden=5.585, prefill_logits=1.042,
+        prefill_gather=0.9372, step_overhead_bytes=24130, prefill_stage_rows=56.36,
+        prefill_attention_hidden=2.617, prefill_projection_hidden=6.411, prefill_first_rows=0.0,
+        prefill_head_rows=0.0, family_rows=1.127), None),
     ("cuda-ops8", GEMMA3_12B_BF16): ("gemma-3-12b bf16 calibration of the cuda-ops8 set (layer loops)", replace(
         CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, prefill_mask=33.04, prefill_mlp=8.114, prefill_hidden=32.46,
         prefill_gather=1.393, prefill_layer_rows=944.9, family_rows=0.5875, step_overhead_bytes=0,
@@ -349,6 +380,6 @@ def coefficients_for(name: str, max_ops_per_buffer: Optional[int] = None,
                 else "cpu-mlx-attention" if base is CPU_MLX_ATTENTION_COEFFICIENTS and name.strip().lower() == "cpu"
                 else name.strip().lower())
     entry = SHAPE_CALIBRATIONS.get((set_name, shape_key(shape))) if shape is not None else None
-    if entry and prefill_chunk_size is not None and prefill_chunk_size > entry[2]:
+    if entry and prefill_chunk_size is not None and entry[2] is not None and prefill_chunk_size > entry[2]:
         return base, f"{set_name} set ({entry[0]} measured chunks up to {entry[2]} tokens)"
     return (entry[1], entry[0]) if entry else (base, f"{set_name} set")

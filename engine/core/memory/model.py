@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from engine.core.memory.chunk import FLOAT32_BYTES, PAGE_SLACK_BYTES, ChunkTerms
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients, TransientTerms
 from engine.core.memory.plan import PrefillChunkPlan, StepPlan, round_up  # noqa: F401 (the model's API)
 from engine.core.memory.shape import ModelShape
 
-FLOAT32_BYTES = 4
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
 # tokens gives kv_step / PAGED_PARTIAL_KEYS partials per row and query head
 PAGED_PARTIAL_KEYS = 64
@@ -48,20 +48,12 @@ PAGED_PARTIAL_KEYS = 64
 # grid has mixed points on the CPU): 3 covers every mixed step of tests/engine/test_memory_measured.py's,
 # test_families.py's and test_mixed.py's workloads (5 before the norm and the projections were stages)
 MIXED_STREAM_ROWS = 3
-# What MLX's allocator may count beyond an array's size: it serves an allocation from a cached buffer up
-# to two 4 KB pages larger and counts the whole buffer (docs/memory.md). The coefficient sets' per-forward
-# constant covers a llama block's arrays; a family's own (a sliding layer's gathered K, V and their index,
-# the q/k head norms' outputs: ModelShape.qk_norms) add this each.
-PAGE_SLACK_BYTES = 8192
-# The MLP-wide arrays a SwiGLU MLP stage holds at once, as the coefficient sets' prefill_mlp counts them
-# (ModelShape.mlp_arrays: a family whose MLP holds fewer counts that share of the term)
-SWIGLU_MLP_ARRAYS = 3
 # The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
 # costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
 FLOOR_CHUNK_TOKENS = 64
 
 
-class MemoryModel:
+class MemoryModel(ChunkTerms):
     def __init__(self, shape: ModelShape, kv_step: int = 256,
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
                  mixed: bool = False, copies_viewed_kv: bool = True, copies_every_view: bool = False):
@@ -123,47 +115,6 @@ class MemoryModel:
         return self.kv_copy_bytes(kv_budget_bytes // self.kv_bytes_per_token)
 
     # --- transients -------------------------------------------------------------------------------
-    def _over_layers(self, per_layer, context_len: int, num_tokens: int, num_layers: Optional[int] = None) -> float:
-        """A per-layer amount that grows with the keys a layer reads, `per_layer(keys)`, summed over
-        `num_layers` (default: the layers in flight) consecutive layers, the most global-attention
-        layers among them reading `context_len` keys and the others their window - 1 + `num_tokens`
-        (ModelShape.layer_windows): the most any such run of layers holds."""
-        m = self.layer_factor if num_layers is None else num_layers
-        window = self.shape.sliding_window
-        if window is None:
-            return m * per_layer(context_len)
-        most = self.shape.global_layers(m)[1]
-        return most * per_layer(context_len) + (m - most) * per_layer(min(context_len, window - 1 + num_tokens))
-
-    def _array(self, nbytes: int) -> int:
-        """An array's bytes as the allocator hands them out (`allocation_page_bytes`: whole pages from one)."""
-        page = self.coefficients.allocation_page_bytes
-        return -(-nbytes // page) * page if page and nbytes >= page else nbytes
-
-    def _sliding_layers(self, num_layers: int) -> int:
-        """The most sliding-window layers among `num_layers` consecutive layers."""
-        return num_layers - self.shape.global_layers(num_layers)[0] if self.shape.sliding_window else 0
-
-    def _window_gather(self, context_len: int, num_tokens: int, num_rows: int = 1,
-                       num_layers: Optional[int] = None, paged: bool = False) -> float:
-        """The KV (with its int32 index) that sliding layers gather where a forward reads the global
-        layers' in place (a view of the pool, or the `paged` kernel): the rows' windows, window - 1 + T
-        keys each, when they live in rings (engine/model/kv_pool.py) or the forward is paged; 0 else."""
-        s = self.shape
-        rings = s.num_kv_layers is not None and s.num_kv_layers < s.num_layers
-        if s.sliding_window is None or not (rings or paged):
-            return 0.0
-        m = self.layer_factor if num_layers is None else num_layers
-        keys = min(context_len, s.sliding_window - 1 + num_tokens)
-        kv = num_rows * keys * s.num_kv_heads * (2 * s.head_dim * s.dtype_bytes + 4)
-        return self._sliding_layers(m) * (kv + 3 * PAGE_SLACK_BYTES)
-
-    def _moe_rows(self) -> tuple[float, float]:
-        """Hidden-size rows per token of a layer loop's MLP stage beyond a llama block's, and of a MoE
-        layer's stage of its experts' outputs unsorted (ModelShape.moe_experts_per_token)."""
-        s = self.shape
-        return s.moe_experts_per_token + s.mlp_out_norm_rows, 2 * s.moe_experts_per_token
-
     def chunk_phases(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                      samples: bool = False, gathers: bool = True, fused_mlp: bool = False) -> tuple[TransientTerms, ...]:
         """A prompt chunk's forward (`prefill_chunk_bytes`, module docstring) as the stages that hold its
@@ -171,12 +122,14 @@ class MemoryModel:
         apart, and for the layers before the head: the engine's chunk loop on the CPU) the layers'
         projections (norm, q/k/v, rotation, KV write), their attention, their MLP and the head, whose
         largest is the transient; else one, every term together. `fused_mlp`: the MLP computes gate and
-        up as one product (a mixed forward's, engine/model/layers/mixed.py): SWIGLU_MLP_ARRAYS whatever the
+        up as one product (a mixed forward's, engine/model/layers/mixed.py): chunk.SWIGLU_MLP_ARRAYS whatever the
         activation."""
         s, c, m = self.shape, num_tokens, self.layer_factor
         rows = m * self._array(c * s.hidden_size * s.dtype_bytes)
-        overheads = dict(step_overhead_bytes=1, prefill_overhead_bytes=1 if c > 1 else 0)
-        norm_slack = 4 * PAGE_SLACK_BYTES * m if s.qk_norms and c > 1 else 0  # ModelShape.qk_norms
+        overheads = dict(step_overhead_bytes=1, prefill_overhead_bytes=1 if c > 1 else 0,
+                         prefill_stage_rows=m * s.hidden_size * s.dtype_bytes if c > 1 else 0)
+        # ModelShape.qk_norms (where the stages run together: the CPU sets fit the warm cache on engine steps)
+        norm_slack = 4 * PAGE_SLACK_BYTES * m if s.qk_norms and c > 1 and not self.coefficients.phases_apart else 0
         attention = self._chunk_attention(c, context_len, rows, gathers, computes_logits, norm_slack, overheads)
         # apart: the projections' rows (the q/k head norms' outputs among them) gone before the scores
         projections = TransientTerms(prefill_projection_hidden=rows, family_rows=attention.family_rows,
@@ -194,58 +147,6 @@ class MemoryModel:
         extra = TransientTerms(fixed_bytes=unsorted_rows * rows)
         return (attention + mlp + head + extra - TransientTerms(prefill_attention_hidden=rows, **overheads)
                 - TransientTerms(**overheads),)
-
-    def _chunk_attention(self, c: int, n: int, rows: int, gathers: bool, computes_logits: bool,
-                         norm_slack: int, overheads: dict) -> TransientTerms:
-        """A prompt chunk's attention stage (`chunk_phases`): c tokens over n keys, `rows` its hidden rows."""
-        s, m = self.shape, self.layer_factor
-        paged = c == 1 and self.paged_decode  # a one-query forward: the paged kernel, no gather
-        block = -(-c // self.coefficients.attention_query_blocks)  # the queries scored at once
-        array = self._array
-
-        def scores(keys: int) -> int:
-            return array(FLOAT32_BYTES * s.num_heads * block * keys) if c > 1 else 0
-
-        def gathered(keys: int) -> int:  # K and V of the row, and their int32 slot index
-            return 2 * array(keys * s.num_kv_heads * s.head_dim * s.dtype_bytes) + array(keys * s.num_kv_heads * 4)
-
-        # a family's own score arrays replace the backend attention's (prefill_scores copies), not add to them
-        window, own = s.sliding_window, self.coefficients.prefill_scores
-        extra_scores = (max(0.0, s.extra_score_copies - own) * self._over_layers(scores, n, c)
-                        + max(0.0, s.sliding_score_copies - own) * self._sliding_layers(m)
-                        * scores(n if window is None else min(n, window - 1 + c)))
-        # a chunk read as a view copies its row's KV for the last layer's one query (ReferenceOps.attend),
-        # or for every layer's attention (KVPool.copy_views): one copy per layer in flight
-        copies = not gathers and c > 1 and (self.copies_every_view or self.copies_viewed_kv and computes_logits)
-        view_copy = 2 * array(n * s.num_kv_heads * s.head_dim * s.dtype_bytes) if copies else 0
-        view_copy *= self.layer_factor if self.copies_every_view else 1
-        # never fewer layers than in flight: a calibration's row_gather_layers only raises the count
-        rows_gathered = max(self.layer_factor, min(self.shape.num_layers, self.coefficients.row_gather_layers))
-        gather = (self._over_layers(gathered, n, c, rows_gathered) if gathers and not paged
-                  else self._window_gather(n, c, paged=paged))
-        return TransientTerms(
-            prefill_scores=self._over_layers(scores, n, c),
-            decode_scores=self._over_layers(lambda keys: FLOAT32_BYTES * s.num_heads * keys, n, c) if c == 1 else 0,
-            prefill_mask=self._over_layers(lambda keys: array(block * keys), n, c),
-            prefill_gather=gather,
-            decode_paged=m * self.paged_partials_bytes(1, n) if paged else 0,
-            prefill_attention_hidden=rows, family_rows=s.extra_attention_rows * rows,
-            fixed_bytes=extra_scores + view_copy + norm_slack, **overheads)
-
-    def _chunk_mlp(self, c: int, rows: int, fused_mlp: bool, overheads: dict) -> tuple:
-        """A prompt chunk's MLP stage (`chunk_phases`), a MoE layer's stage of its experts' outputs beside
-        their unsorted copy (block.moe_mlp; none for a dense MLP), and that stage's hidden rows."""
-        s, m, array = self.shape, self.layer_factor, self._array
-        mlp_rows, unsorted_rows = self._moe_rows()
-        mlp = TransientTerms(
-            prefill_layer_rows=m * s.intermediate_size * s.dtype_bytes if c > 1 else 0,
-            prefill_mlp=m * array(c * s.intermediate_size * s.dtype_bytes)
-            * (1 if fused_mlp else s.mlp_arrays / SWIGLU_MLP_ARRAYS),
-            prefill_hidden=rows,
-            family_rows=s.extra_mlp_rows * rows, fixed_bytes=mlp_rows * rows, **overheads)
-        unsorted = (TransientTerms(prefill_hidden=rows, fixed_bytes=unsorted_rows * rows, **overheads),) \
-            if unsorted_rows else ()
-        return mlp, unsorted, unsorted_rows
 
     def prefill_chunk_bytes(self, num_tokens: int, context_len: int, computes_logits: bool = True,
                             samples: bool = False, gathers: bool = True) -> int:

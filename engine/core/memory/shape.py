@@ -43,6 +43,11 @@ class ModelShape:
     # ... and hidden-size rows per token a layer's MLP stage holds beyond a llama block's (Gemma 2/3's norm
     # of the MLP's output: engine/core/model_config.py)
     mlp_out_norm_rows: float = 0.0
+    # ... and, where the runner waits for a layer's attention apart (the CPU's chunk loop), the hidden-size
+    # rows per token its attention stage holds once the scores are freed, where the family norms the
+    # attention's output before its residual add (Gemma 2/3): that stage's transient is then the larger of
+    # its scores' part and this (0: the scores' part alone)
+    attention_output_rows: float = 0.0
     # ... and the MLP-wide arrays that stage holds at once (3: SwiGLU's, as the coefficient sets count them)
     mlp_arrays: int = 3
     # the attention normalizes each query and key head: their outputs and MLX's CPU temporaries are four
@@ -74,10 +79,11 @@ class ModelShape:
             num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size, dtype_bytes=dtype_bytes, weights_bytes=weights_bytes,
-            extra_attention_rows=c.extra_attention_rows + c.fused_qkv_rows * module_forwards,
+            extra_attention_rows=c.extra_attention_rows + (c.fused_qkv_rows + c.quantized_rows) * module_forwards,
             extra_mlp_rows=0.0 if loops and c.num_experts_per_tok else c.extra_mlp_rows,
             moe_experts_per_token=c.num_experts_per_tok if loops else 0,
-            mlp_out_norm_rows=c.loop_mlp_out_norm_rows if loops else 0.0, qk_norms=c.qk_norms,
+            mlp_out_norm_rows=c.loop_mlp_out_norm_rows if loops else 0.0,
+            attention_output_rows=c.loop_attention_output_rows if loops else 0.0, qk_norms=c.qk_norms,
             mlp_arrays=c.loop_mlp_arrays if loops else 3,
             extra_score_copies=c.extra_score_copies,
             sliding_score_copies=c.sliding_score_copies,
