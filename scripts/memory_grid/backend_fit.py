@@ -47,7 +47,7 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
                    floors: Optional[dict] = None, min_fitted_chunk: int = 0, method: str = "envelope",
                    margin: float = 1.0, margin_bytes: int = 0, steps: Optional[list] = None,
                    step_shapes: Optional[dict] = None, step_bound: float = 1.2,
-                   start: Optional[dict] = None) -> tuple:
+                   start: Optional[dict] = None, bounded: frozenset = frozenset()) -> tuple:
     """Joint fit (`envelope_fit`, from NNLS on relative error) of prefill and decode points with the
     per-layer terms counted min(L, layers_in_flight) times, one constant per forward and one more per
     prompt chunk; then every byte coefficient scaled up (and rounded up) until engine_predictions()
@@ -83,7 +83,8 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
                                                 or k == "prefill_window_gather"})
         for _ in range(4):  # until the stages holding the points settle
             fitted_fields, worst = lp_pass(pts, shapes, coef, names, columns, exclude, floors, min_fitted_chunk,
-                                            margin, margin_bytes, steps or [], step_shapes or {}, step_bound)
+                                            margin, margin_bytes, steps or [], step_shapes or {}, step_bound,
+                                            bounded)
             coef = dataclasses.replace(coef, **fitted_fields, layers_in_flight=layers_in_flight)
             fields = {n: getattr(coef, n) for n in columns}
             fields.update(layers_in_flight=layers_in_flight)
@@ -227,10 +228,13 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     if unknown:
         raise ValueError(f"--min-terms: unknown coefficients {sorted(unknown)}")
     excluded = tuple(t for t in exclude.split(",") if t)
-    bounded = set(step_variants.split(",")) if step_variants else set()
+    # every recorded step of the fitted models from above; those of `step_variants` within the bound too
+    bounded = frozenset(step_variants.split(",")) if step_variants else frozenset()
+    fitted_variants = {p["variant"] for p in pts}
     steps = [p for p in data["points"] if p["kind"] == "step" and p.get("plan") and p["measured"] > 0
-             and p["variant"] in bounded]
+             and p["variant"] in fitted_variants] if bounded else []
     lp = dict(margin=margin, margin_bytes=margin_bytes, steps=steps, step_shapes=shapes, step_bound=step_bound,
+              bounded=bounded,
               start=read_keyed(start)["coefficients"] if start else None) if method == "lp" else {}
     scan, coef, pred = scan_layers_in_flight(pts, shapes, candidates, base, excluded, lows, min_fitted_chunk, method,
                                              **lp)
@@ -246,7 +250,7 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
         if any(pv < p["measured"] for pv, p in zip(pred, pts)):
             raise RuntimeError("a point below its chunk size's largest is under-predicted")
     out = dict(grid=path, backend=backend, forward_path=forward_path or None, method=method,
-               steps_bounded=sorted({p["variant"] for p in steps}), steps_bound=step_bound if steps else None,
+               steps_bounded=sorted(bounded), steps_bound=step_bound if steps else None,
                start=start or None,
                variants=sorted({p["variant"] for p in pts}), excluded_terms=exclude,
                chunk_maxima=chunk_maxima, floors=lows, min_fitted_chunk=min_fitted_chunk,

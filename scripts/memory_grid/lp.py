@@ -49,12 +49,12 @@ def lp_fit(a, b, measured, lower, weights, hi=None, hi_fixed=None, hi_measured=N
 
 def lp_pass(pts: list[dict], shapes: dict, coef, names: list, columns: list, exclude, floors,
              min_fitted_chunk: int, margin: float, margin_bytes: int, steps: list, step_shapes: dict,
-             step_bound: float = 1.2) -> tuple:
+             step_bound: float = 1.2, bounded: frozenset = frozenset()) -> tuple:
     """One pass of the LP fit (`lp_fit`) on every point, each on the stage that holds its transient as
     `coef` predicts it (`_holding_stage`: a chunk's, where its stages were measured alone, the one
     measured largest), each predicted at least `margin` x its measure + `margin_bytes`; with `steps`
-    (recorded engine steps, `steps_grid`), each of those from above too, and the largest predicted /
-    measured of their stages least (`lp_fit`'s hi). Returns (the fitted coefficients and constants, that
+    (recorded engine steps, `steps_grid`), each of those from above too, and the excess of the `bounded`
+    variants' steps' stages over `step_bound` least (`lp_fit`'s hi). Returns (the fitted coefficients and constants, that
     largest ratio or None)."""
     import numpy as np
 
@@ -69,7 +69,7 @@ def lp_pass(pts: list[dict], shapes: dict, coef, names: list, columns: list, exc
             stages.append(max(phases, key=lambda t: t.bytes(coef)))
             measured.append(p["measured"])
             weights.append(0.0)
-        for t in phases:
+        for t in phases if p["variant"] in bounded else ():
             hi.append(t)
             hi_fixed.append(t.fixed_bytes)
             hi_measured.append(p["measured"])
@@ -81,9 +81,9 @@ def lp_pass(pts: list[dict], shapes: dict, coef, names: list, columns: list, exc
     a = np.array([row(t) for t in stages], dtype=float)
     measured = np.array(measured, dtype=float)
     # the grid's points (each on a fresh buffer cache) keep the margin; the engine's steps were measured
-    # as a serving process runs them (a warm cache), from above as they are
+    # as a serving process runs them (a warm cache): `margin_bytes` above them
     grid = np.arange(len(measured)) < len(pts)
-    b = np.maximum(np.where(grid, margin * measured + margin_bytes, measured)
+    b = np.maximum(np.where(grid, margin * measured, measured) + margin_bytes
                    - np.array([t.fixed_bytes for t in stages]), 1.0)
     top = np.array([row(t) for t in hi], dtype=float) if hi else None
     for i, name in enumerate(columns):

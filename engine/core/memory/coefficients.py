@@ -149,8 +149,8 @@ class TransientTerms:
 # engine tests' checkpoint of every family at hidden 256 (`--families all`; a family's own arrays counted
 # by ModelShape's terms). Every grid point is predicted at >= 1.02 x its measure + 8 KB (each measured on a
 # fresh buffer cache; a serving process's warm one counts up to a page or two more per array), every
-# recorded engine step (measured as the engine runs) from above, and the families' steps' excess over 1.2
-# x least (`--fit-steps`). The tiny test model (hidden 64, whose 4 KB pages weigh most) has its own
+# recorded engine step (measured as the engine runs) at >= its measure + 8 KB, and the families' steps'
+# excess over 1.2 x least (`--fit-steps`). The tiny test model (hidden 64, whose 4 KB pages weigh most) has its own
 # calibration (SHAPE_CALIBRATIONS):
 #     python scripts/bench_memory_grid.py --model tiny --chunks 16,64,128,256,512 --prefill-length 2040 \
 #         --decode-rows 16,8,4,2,1 --decode-contexts 256,1024,1800 \
@@ -162,12 +162,12 @@ class TransientTerms:
 #         --layers-in-flight 1 --margin 1.02 --margin-bytes 8192           # scripts/data/cpu_i21_fit.json "cpu"
 # with F=llama-d256,qwen2-d256,qwen3-d256,phi3-d256,qwen3_moe-d256,gemma-d256,gemma2-d256,gemma3_text-d256
 CPU_COEFFICIENTS = TransientCoefficients(
-    prefill_scores=3.196, prefill_mask=0.0, prefill_mlp=3.176, prefill_hidden=2.892, prefill_logits=1.074,
-    decode_gather=1.017, decode_scores=1.794, decode_logits=1.035, decode_mlp=5.461, decode_hidden=13.63,
-    prefill_gather=0.9901, prefill_window_gather=1.001, step_overhead_bytes=3042,
-    prefill_overhead_bytes=0, prefill_layer_rows=0.0, prefill_stage_rows=10.3,
-    prefill_attention_hidden=3.558, prefill_projection_hidden=7.007, prefill_first_rows=0.6998,
-    prefill_head_rows=3.061, family_rows=1.397, allocation_page_bytes=4096, head_apart=True,
+    prefill_scores=3.112, prefill_mask=0.0, prefill_mlp=3.176, prefill_hidden=2.888, prefill_logits=1.057,
+    decode_gather=1.014, decode_scores=1.712, decode_logits=1.068, decode_mlp=5.572, decode_hidden=17.2,
+    prefill_gather=0.9903, prefill_window_gather=1.001, step_overhead_bytes=6160,
+    prefill_overhead_bytes=0, prefill_layer_rows=0.0, prefill_stage_rows=9.396,
+    prefill_attention_hidden=3.571, prefill_projection_hidden=6.969, prefill_first_rows=0.9992,
+    prefill_head_rows=3.061, family_rows=1.42, allocation_page_bytes=4096, head_apart=True,
     phases_apart=True, attention_query_blocks=16,
 )
 # The CPU backend with forwards through mlx-lm's modules (quantized weights; or

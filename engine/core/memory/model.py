@@ -235,7 +235,12 @@ class MemoryModel(ChunkTerms):
             s = self.shape
             stream = TransientTerms(fixed_bytes=MIXED_STREAM_ROWS * self.layer_factor * (chunk.num_tokens + b)
                                     * s.hidden_size * s.dtype_bytes, step_overhead_bytes=1, prefill_overhead_bytes=1)
-            return (phases[0], phases[1], stream + rows) + tuple(phases[2:-1]) + (head,)
+            projections = phases[0]
+            if s.qk_norms:  # the mixed forward norms its queries after the KV write (mixed.py), a chunk's
+                # loop both heads' at once: the larger of the q and the k norms' rows, not their sum
+                kept = max(s.num_heads, s.num_kv_heads) / (s.num_heads + s.num_kv_heads)
+                projections -= TransientTerms(family_rows=projections.family_rows * (1 - kept))
+            return (projections, phases[1], stream + rows) + tuple(phases[2:-1]) + (head,)
         together = phases[0] - TransientTerms(prefill_logits=phases[0].prefill_logits)  # the head is apart
         return (together + rows, head)
 
@@ -252,8 +257,8 @@ class MemoryModel(ChunkTerms):
             return self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                             chunk.samples, chunk.gathers)
         rows = _largest(self.mixed_phases(chunk, context_lens, samples), self.coefficients)
-        if self.layer_factor == 1 and self.coefficients.head_apart:
-            return rows
+        if self.layer_factor == 1 and self.coefficients.head_apart:  # and no less than the rows' decode,
+            return max(rows, self.decode_bytes(context_lens, samples))  # whose every array it computes too
         alone = self.prefill_chunk_bytes(chunk.num_tokens, chunk.context_len, chunk.computes_logits,
                                          chunk.samples, chunk.gathers)
         attention = self.decode_bytes(context_lens, samples) + alone / self.layer_factor
