@@ -17,9 +17,12 @@
 # the benchmark model alone) and runs the prefill benchmark with them; MLX_* variables pass
 # through (the engine's memory model assumes EngineConfig.execution.max_ops_per_buffer: 8 on CUDA).
 #
-# Wheels: /root/stash/part_aa (carried by an earlier call) + wheels_b/ (part_ab and the small wheels):
-#   call 1: carry wheels_a: mkdir -p /root/stash && cp wheels_a/part_aa /root/stash/
-#   call 2: carry wheels_b: bash scripts/gpu_bench.sh
+# Wheels: /root/stash/part_aa (carried by earlier calls) + wheels_b/ (part_ab and the small wheels). Every
+# call also carries the tracked tree (~24 MB), so with a 64 MiB carry the MLX CUDA wheel goes in three
+# parts of 30 MB (split -b 30000000), calls within the machine's 30 s of warmth:
+#   call 1: carry wheels_a (its first part, p1): mkdir -p /root/stash && cp wheels_a/p1 /root/stash/
+#   call 2: carry gpu_wheels (p2): cat /root/stash/p1 gpu_wheels/p2 > /root/stash/part_aa
+#   call 3: carry wheels_b (the last part as part_ab): bash scripts/gpu_bench.sh
 # On a CPU (to test this script): SKIP_INSTALL=1 BENCH_MODEL=llama-test BENCH_DTYPE=float32 \
 #   BENCH_SMALL=1 OUT=/tmp/gpu_out bash scripts/gpu_bench.sh
 set -u

@@ -292,8 +292,8 @@ def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
 
 def test_the_qwen3_and_gemma3_calibrations_cover_todays_decodes():
     """Every decode point of the Qwen3-8B and Gemma-3-12B grids of today's kernels (span kernel,
-    token-major pool), q/k rope unfused and fused, is predicted from above by the engine's set for the
-    shape; Gemma 3's three per-row decode terms are the larger of its two fits' (the first alone under-
+    token-major pool), q/k rope unfused and fused, and of Gemma 3's grids run again after the refit, is
+    predicted from above by the engine's set for the shape; Gemma 3's three per-row decode terms are the larger of its two fits' (the first alone under-
     predicted a one-row decode and, fused, 16 rows)."""
     import dataclasses
 
@@ -306,7 +306,8 @@ def test_the_qwen3_and_gemma3_calibrations_cover_todays_decodes():
     rows = ("decode_logits", "decode_mlp", "decode_hidden")
     assert all(getattr(shipped, name) == fit[name] for name in rows)
     first = dataclasses.replace(shipped, decode_logits=9.023, decode_mlp=308.1, decode_hidden=1233.0)
-    for key in ("qwen3-8b_plain", "qwen3-8b_fused_rope", "gemma3-12b_plain", "gemma3-12b_fused_rope"):
+    for key in ("qwen3-8b_plain", "qwen3-8b_fused_rope", "gemma3-12b_plain", "gemma3-12b_fused_rope",
+                "gemma3-12b_plain_again_at_0eaa832", "gemma3-12b_fused_rope_again_at_0eaa832"):
         grid = grids[key]
         points = [p for p in grid["points"] if p["kind"] == "decode"]
         assert len(points) == 27, key
@@ -314,7 +315,7 @@ def test_the_qwen3_and_gemma3_calibrations_cover_todays_decodes():
         coefficients = coefficients_for("cuda", 8, shape)[0]
         ratios = [a / p["measured"] for a, p in zip(predict.engine_predictions(points, grid["shapes"], coefficients), points)]
         assert min(ratios) >= 1.0, (key, min(ratios))
-        if key.startswith("gemma3"):
+        if key.startswith("gemma3") and "again" not in key:  # (a rerun after the refit: a check alone)
             old = predict.engine_predictions(points, grid["shapes"], first)
             assert min(a / p["measured"] for a, p in zip(old, points)) < 0.9, key  # what the second fit is for
 
