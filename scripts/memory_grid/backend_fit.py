@@ -79,8 +79,8 @@ def fit_backend_at(pts: list[dict], shapes: dict, layers_in_flight: int, base, e
         # from a given start whatever the shipped set (whose values base_coefficients carries), so that the
         # command beside a set reproduces it: which stage holds each point is read off the start first
         if start:  # (a coefficient the start lacks: 1)
-            coef = dataclasses.replace(coef, **{k: start.get(k, 1.0) for k in columns if getattr(coef, k) is not None
-                                                or k == "prefill_window_gather"})
+            coef = dataclasses.replace(coef, **{k: 0.0 if k in exclude else start.get(k, 1.0) for k in columns
+                                                if getattr(coef, k) is not None or k == "prefill_window_gather"})
         for _ in range(4):  # until the stages holding the points settle
             fitted_fields, worst = lp_pass(pts, shapes, coef, names, columns, exclude, floors, min_fitted_chunk,
                                             margin, margin_bytes, steps or [], step_shapes or {}, step_bound,
@@ -232,7 +232,8 @@ def fit_backend(path: str, variants: str = "", backend: str = "cuda", max_layers
     bounded = frozenset(step_variants.split(",")) if step_variants else frozenset()
     fitted_variants = {p["variant"] for p in pts}
     steps = [p for p in data["points"] if p["kind"] == "step" and p.get("plan") and p["measured"] > 0
-             and p["variant"] in fitted_variants] if bounded else []
+             and p["variant"] in fitted_variants and (not forward_path or p.get("path", "loops") == forward_path)
+             ] if bounded else []
     lp = dict(margin=margin, margin_bytes=margin_bytes, steps=steps, step_shapes=shapes, step_bound=step_bound,
               bounded=bounded,
               start=read_keyed(start)["coefficients"] if start else None) if method == "lp" else {}

@@ -26,10 +26,11 @@ def step_prediction(p: dict, shapes: dict, coefficients) -> int:
 
 
 def check_steps(path: str, slack_bytes: int = 0, coefficients=None) -> dict:
-    """Predicted / measured of a grid's engine steps (--grids steps) per variant: min, median, max, and
-    the steps above 1.2 x measured + `slack_bytes`: predicted again from the plans the steps recorded,
-    with `coefficients` or (None) the engine's set for each variant's shape on the CPU (`coefficients_for`:
-    a shape calibration where one ships); steps recorded without their plans, as recorded."""
+    """Predicted / measured of a grid's engine steps (--grids steps, a CPU grid) per variant: min, median,
+    max, and the steps above 1.2 x measured + `slack_bytes`: predicted again from the plans the steps
+    recorded, with `coefficients` or (None) the engine's set for each variant's shape on the CPU
+    (`coefficients_for`: a shape calibration where one ships); steps recorded without their plans, as
+    recorded."""
     from engine.core.memory.coefficients import coefficients_for
 
     data = json.loads(Path(path).read_text())
@@ -112,7 +113,8 @@ def mixed_checks(paths: list[str], backend: str) -> dict:
 
 def step_phases(p: dict, shapes: dict, coefficients) -> list:
     """The stages (TransientTerms) of every forward of a recorded engine step (`step_prediction`): its
-    transient, outside pool growth, is the largest's."""
+    transient, outside pool growth, is the largest's (for a mixed step, where the coefficient set runs a
+    forward's stages apart: the CPU's)."""
     from engine.core.memory.model import MemoryModel, PrefillChunkPlan
 
     plan, flags = p["plan"], p["memory_model"]
@@ -122,6 +124,10 @@ def step_phases(p: dict, shapes: dict, coefficients) -> list:
     phases = []
     if p["mixed"] and chunks and rows and model.mixed:
         phases += model.mixed_phases(chunks[0], rows, samples)
+        # MemoryModel.mixed_bytes, one layer at a time and its stages apart: never below the rows' decode
+        # (where layers coexist, CUDA, its other bound is no stage: this reproduces the staged CPU path)
+        if model.layer_factor == 1 and model.coefficients.head_apart:
+            phases += model.decode_phases(rows, samples)
         chunks = chunks[1:]
     elif rows:
         phases += model.decode_phases(rows, samples)

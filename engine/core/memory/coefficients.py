@@ -340,9 +340,9 @@ SHAPE_CALIBRATIONS = {
     ("cpu", TINY_F32): ("tiny test model calibration of the cpu set", replace(
         CPU_COEFFICIENTS,
         prefill_scores=2.439, prefill_mlp=1.736, prefill_hidden=5.585, prefill_logits=1.042,
-        prefill_gather=0.9372, step_overhead_bytes=24130, prefill_stage_rows=56.36,
-        prefill_attention_hidden=2.617, prefill_projection_hidden=6.411, prefill_first_rows=0.0,
-        prefill_head_rows=0.0, family_rows=1.127), None),
+        prefill_gather=0.9372, step_overhead_bytes=24130, prefill_overhead_bytes=658,
+        prefill_stage_rows=53.79, prefill_attention_hidden=2.617, prefill_projection_hidden=6.411,
+        prefill_first_rows=0.0, prefill_head_rows=0.0, family_rows=1.127), None),
     ("cuda-ops8", GEMMA3_12B_BF16): ("gemma-3-12b bf16 calibration of the cuda-ops8 set (layer loops)", replace(
         CUDA_OPS8_COEFFICIENTS, layers_in_flight=1, prefill_mask=33.04, prefill_mlp=8.114, prefill_hidden=32.46,
         prefill_gather=1.393, prefill_layer_rows=944.9, family_rows=0.5875, step_overhead_bytes=0,
