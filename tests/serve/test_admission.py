@@ -478,9 +478,12 @@ def _kill_controller_under_load(url: str, step: int, attempt: int) -> float:
                 ids.append(json.loads(next(it)[len("data: "):])["id"] + "-0")
             killed = time.monotonic()
             ray.kill(controller(), no_restart=False)
+            # ray.kill returns before the actor is gone: a stats() answered by the old controller (its
+            # counters admitted these requests) is not the rebuild; the restarted one has admitted none
             try:
                 rebuilt = wait_for(lambda: (lambda s: s if s.num_replicas == 2 and s.num_reservations == 2
-                                            else None)(stats()), what="rebuild from heartbeats")
+                                            and s.counters.num_admitted == 0 else None)(stats()),
+                                   what="rebuild from heartbeats")
             except AssertionError:
                 if stats().counters.num_released > 0:  # a stream ended before the rebuild saw it
                     raise _Raced()
