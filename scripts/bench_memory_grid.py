@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit  # noqa: E402
 from memory_grid.backend_fit import fit_backend  # noqa: E402
-from memory_grid.checks import check_steps, merge_grids, mixed_checks  # noqa: E402
+from memory_grid.checks import check_steps, decode_check, merge_grids, mixed_checks, stage_rows  # noqa: E402
 from memory_grid.fit import fit  # noqa: E402
 from memory_grid.measure import measure  # noqa: E402
 from memory_grid.replay import fit_scale, replay_runs  # noqa: E402
@@ -88,6 +88,11 @@ def add_analysis_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure mode: add the points and shapes to --out's grid instead of replacing it")
     p.add_argument("--remeasure", action="store_true",
                    help="--append: the run's points replace the grid's points of the same models and --grids")
+    p.add_argument("--check-decodes", default=None, metavar="GRID_JSON[:KEY]",
+                   help="predicted / measured of grids' decode points (comma-separated) with the engine's set for "
+                        "each shape on --backend (default cuda, under ops 8)")
+    p.add_argument("--stage-rows", default=None, metavar="GRID_JSON",
+                   help="what a CPU grid's chunk stages hold per token, in hidden rows (checks.stage_rows)")
     p.add_argument("--check-mixed", default=None, metavar="GRID_JSON",
                    help="predicted / measured of grids' mixed points (comma-separated) with --backend's set "
                         "(default cuda, the ops-8 set)")
@@ -166,6 +171,12 @@ def main(argv=None):
         return
     if args.check_mixed:
         emit(mixed_checks(args.check_mixed.split(","), args.backend or "cuda"), True, None)
+        return
+    if args.check_decodes:
+        emit({f: decode_check(f, args.backend or "cuda") for f in args.check_decodes.split(",")}, True, None)
+        return
+    if args.stage_rows:
+        emit(stage_rows(args.stage_rows), True, None)
         return
     if args.replay_prefill:
         coefficients = None

@@ -111,9 +111,9 @@ class ConfigShape:
     # to half a row more at 512-token chunks: scripts/data/cpu_i21_grid.json) ...
     loop_mlp_out_norm_rows: float = 0.0
     # ... the rows a layer's attention stage holds after its scores, where it norms the attention's output
-    # (measured on the CPU's chunk loop, hidden 256, float32, chunks of 16-512 tokens: Gemma 2 5.5-6.96,
-    # Gemma 3 5.5-7.61 rows past the per-forward constant at short contexts, scripts/data/cpu_i21_grid.json;
-    # 3% above the largest) ...
+    # (the stage's least over contexts on the CPU's chunk loop, hidden 256, float32, chunks of 16-512 tokens:
+    # Gemma 2 up to 7.01 rows per token, Gemma 3 up to 7.50: `bench_memory_grid.py --stage-rows
+    # scripts/data/cpu_i21_grid.json`; set 2-5 % above) ...
     loop_attention_output_rows: float = 0.0
     # ... and the MLP-wide arrays its MLP stage holds at once: SwiGLU through cpu_math's operations three,
     # Gemma's exact GELU (one compiled operation of mlx-lm's) two

@@ -1,5 +1,6 @@
 """Checks of recorded grids against the formulas (`check_steps`: the engine's own steps as recorded;
-`mixed_check`: mixed forwards with a set), and `merge_grids` (--merge)."""
+`mixed_check`: mixed forwards with a set; `decode_check`: decodes with the engine's sets), what a CPU
+grid's stages hold per token (`stage_rows`), and `merge_grids` (--merge)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from pathlib import Path
 
 from .fit import ratio_stats, read_keyed
-from .predict import mixed_predictions, model_shape
+from .predict import engine_predictions, mixed_predictions, model_shape
 from .shapes import decode_terms
 
 
@@ -45,10 +46,67 @@ def check_steps(path: str, slack_bytes: int = 0, coefficients=None) -> dict:
     out = {}
     for v in sorted({p["variant"] for p in pts}):
         sel = [p for p in pts if p["variant"] == v]
+        above = [p for p in sel if p["predicted"] > 1.2 * p["measured"] + slack_bytes]
         out[v] = dict(ratio_stats([p["predicted"] for p in sel], [p["measured"] for p in sel]),
                       underpredicted=sum(p["predicted"] < p["measured"] for p in sel),
-                      above_1_2x_plus_slack=sum(p["predicted"] > 1.2 * p["measured"] + slack_bytes for p in sel),
-                      smallest_measured_bytes=min(p["measured"] for p in sel))
+                      above_1_2x_plus_slack=len(above),
+                      smallest_measured_bytes=min(p["measured"] for p in sel),
+                      above=[dict(workload=p["workload"], ratio=round(p["predicted"] / p["measured"], 3),
+                                  measured=p["measured"], decodes=p["decodes"], chunks=[c[0] for c in p["chunks"]],
+                                  mixed=p["mixed"]) for p in above])
+    return out
+
+
+def decode_check(spec: str, backend: str = "cuda") -> dict:
+    """Predicted / measured of a grid's decode points (FILE or FILE:KEY) per variant, with the engine's set
+    for each variant's shape on `backend` (under ops 8 on CUDA; a shape calibration where one ships) and
+    with the backend's set alone (`backend_set_min`), and the measured bytes per row count."""
+    from engine.core.memory.coefficients import coefficients_for, coefficients_for_backend
+
+    data = read_keyed(spec)
+    pts = [p for p in data["points"] if p["kind"] == "decode" and p["measured"] > 0]
+    out = {}
+    for v in sorted({p["variant"] for p in pts}):
+        sel = [p for p in pts if p["variant"] == v]
+        coef, what = coefficients_for(backend, 8 if backend == "cuda" else None, model_shape(data["shapes"][v]))
+        pred = engine_predictions(sel, data["shapes"], coef)
+        alone = engine_predictions(sel, data["shapes"], coefficients_for_backend(backend, 8 if backend == "cuda" else None))
+        out[v] = dict(ratio_stats(pred, [p["measured"] for p in sel]), set=what,
+                      backend_set_min=round(min(q / p["measured"] for q, p in zip(alone, sel)), 3),
+                      underpredicted=sum(q < p["measured"] for q, p in zip(pred, sel)),
+                      measured_mb_by_rows={b: sorted({round(p["measured"] / 1e6, 1) for p in sel if p["B"] == b})
+                                           for b in sorted({p["B"] for p in sel})})
+    return out
+
+
+def stage_rows(path: str, reference: str = "llama-d256") -> dict:
+    """What a CPU grid's chunk stages (--grids stages) hold per token, in hidden-size rows (c * D * s bytes
+    per row): per variant and chunk size, the projections' and the MLP's largest over contexts, the
+    attention's least (its part that does not grow with the keys), each also less `reference`'s; and the
+    largest relative difference between a chunk that gathers its row and the same chunk read as a view."""
+    data = json.loads(Path(path).read_text())
+    shapes, out = data["shapes"], {}
+    per: dict = {}
+    for p in data["points"]:
+        if p["kind"] == "stage":
+            sh = shapes[p["variant"]]
+            rows = p["measured"] / (p["c"] * sh["D"] * sh["s"])
+            key = (p["variant"], p["stage"], p["c"])
+            per[key] = (min if p["stage"] == "attention" else max)(per.get(key, rows), rows)
+    for (v, stage, c), rows in sorted(per.items()):
+        if stage == "head":
+            continue
+        ref = per.get((reference, stage, c))
+        entry = out.setdefault(v, {}).setdefault(stage, {})
+        entry[c] = dict(rows=round(rows, 2), less_reference=None if ref is None else round(rows - ref, 2))
+    views = {(p["variant"], p["c"], p["n"]): p["measured"] for p in data["points"]
+             if p["kind"] == "prefill" and not p.get("gathers", True)}
+    for p in data["points"]:
+        key = (p["variant"], p.get("c"), p.get("n"))
+        if p["kind"] == "prefill" and p.get("gathers", True) and key in views:
+            gap = abs(p["measured"] - views[key]) / views[key]
+            entry = out.setdefault(p["variant"], {})
+            entry["gathered_vs_view_largest_gap"] = round(max(entry.get("gathered_vs_view_largest_gap", 0.0), gap), 3)
     return out
 
 

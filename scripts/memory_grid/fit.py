@@ -28,6 +28,7 @@ def base_coefficients():
                                prefill_layer_rows=0.0, head_apart=False, phases_apart=False,
                                prefill_attention_hidden=0.0, prefill_projection_hidden=0.0,
                                prefill_head_rows=0.0, prefill_stage_rows=0.0, prefill_first_rows=0.0,
+                               prefill_window_gather=None,
                                attention_query_blocks=1, allocation_page_bytes=0)
 
 

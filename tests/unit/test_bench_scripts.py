@@ -293,14 +293,15 @@ def test_the_gemma3_12b_calibration_replays_its_runs_never_under():
 def test_the_qwen3_and_gemma3_calibrations_cover_todays_decodes():
     """Every decode point of the Qwen3-8B and Gemma-3-12B grids of today's kernels (span kernel,
     token-major pool), q/k rope unfused and fused, and of Gemma 3's grids run again after the refit, is
-    predicted from above by the engine's set for the shape; Gemma 3's three per-row decode terms are the larger of its two fits' (the first alone under-
-    predicted a one-row decode and, fused, 16 rows)."""
+    predicted from above by the engine's set for the shape (`--check-decodes`); Gemma 3's three per-row
+    decode terms are the larger of its two fits' (the first alone under-predicted both grids)."""
     import dataclasses
 
-    from engine.core.memory.coefficients import GEMMA3_12B_BF16, SHAPE_CALIBRATIONS, coefficients_for
+    from engine.core.memory.coefficients import GEMMA3_12B_BF16, SHAPE_CALIBRATIONS
 
     data = Path(__file__).resolve().parents[2] / "scripts/data"
-    grids = json.loads((data / "h200_i21_decode_families.json").read_text())
+    families = data / "h200_i21_decode_families.json"
+    grids = json.loads(families.read_text())
     fit = json.loads((data / "h200_i21_fit_gemma3_decodes.json").read_text())["coefficients"]
     shipped = SHAPE_CALIBRATIONS[("cuda-ops8", GEMMA3_12B_BF16)][1]
     rows = ("decode_logits", "decode_mlp", "decode_hidden")
@@ -308,16 +309,24 @@ def test_the_qwen3_and_gemma3_calibrations_cover_todays_decodes():
     first = dataclasses.replace(shipped, decode_logits=9.023, decode_mlp=308.1, decode_hidden=1233.0)
     for key in ("qwen3-8b_plain", "qwen3-8b_fused_rope", "gemma3-12b_plain", "gemma3-12b_fused_rope",
                 "gemma3-12b_plain_again_at_0eaa832", "gemma3-12b_fused_rope_again_at_0eaa832"):
-        grid = grids[key]
-        points = [p for p in grid["points"] if p["kind"] == "decode"]
-        assert len(points) == 27, key
-        shape = predict.model_shape(grid["shapes"][points[0]["variant"]])
-        coefficients = coefficients_for("cuda", 8, shape)[0]
-        ratios = [a / p["measured"] for a, p in zip(predict.engine_predictions(points, grid["shapes"], coefficients), points)]
-        assert min(ratios) >= 1.0, (key, min(ratios))
+        (check,) = checks.decode_check(f"{families}:{key}").values()
+        assert check["num_points"] == 27 and check["underpredicted"] == 0 and check["min"] >= 1.0, (key, check)
+        assert ("gemma-3-12b" if key.startswith("gemma3") else "qwen3-8b") in check["set"]
         if key.startswith("gemma3") and "again" not in key:  # (a rerun after the refit: a check alone)
-            old = predict.engine_predictions(points, grid["shapes"], first)
+            points = [p for p in grids[key]["points"] if p["kind"] == "decode"]
+            old = predict.engine_predictions(points, grids[key]["shapes"], first)
             assert min(a / p["measured"] for a, p in zip(old, points)) < 0.9, key  # what the second fit is for
+
+
+def test_stage_rows_reads_what_a_cpu_grids_stages_hold_per_token():
+    """`--stage-rows` on the CPU grid: a llama block's MLP 9 rows a token, its projections 6.4, Gemma's MLP
+    two fewer (one MLP-wide array), Qwen3's projections two more (its q/k norms): docs/memory.md's figures."""
+    out = checks.stage_rows(str(Path(__file__).resolve().parents[2] / "scripts/data/cpu_i21_grid.json"))
+    llama = out["llama-d256"]
+    assert all(abs(llama["mlp"][c]["rows"] - 9.0) < 0.1 for c in (64, 128, 256, 512))
+    assert all(6.35 <= llama["projections"][c]["rows"] <= 6.5 for c in (64, 128, 256, 512))
+    assert all(abs(out["gemma-d256"]["mlp"][c]["less_reference"] + 2.0) < 0.05 for c in (64, 512))
+    assert all(abs(out["qwen3-d256"]["projections"][c]["less_reference"] - 2.0) < 0.1 for c in (64, 512))
 
 
 def test_mixed_forwards_measured_on_the_h200_are_never_under_predicted():

@@ -305,8 +305,8 @@ QWEN3_8B_BF16 = (36, 4096, 32, 8, 128, 12288, 151936, 2)
 # only the sliding layers' window gathers, not a decode that gathers every layer (paged_attention off).
 # Its three per-row decode terms (logits, MLP, hidden) are the larger of that fit's and a second one's, with
 # the decodes of today's kernels (span kernel, token-major pool) measured with the q/k rope unfused and
-# fused (scripts/data/h200_i21_decode_families.json): the first fit under-predicted them, a one-row decode
-# at 0.87 x unfused and 16 rows at 0.86 x fused (docs/memory_cuda.md). Its prefill terms are the first fit's:
+# fused (scripts/data/h200_i21_decode_families.json): the first fit under-predicted them, below 0.9 x in
+# either grid (a test checks; docs/memory_cuda.md). Its prefill terms are the first fit's:
 #     python scripts/bench_memory_grid.py --merge scripts/data/h200_i21_prefill_families.json:at_c25d549/gemma3-12b_grid,\
 #         scripts/data/h200_i21_prefill_families.json:at_d1a5613/gemma3-12b_grid,\
 #         scripts/data/h200_i21_decode_families.json:gemma3-12b_plain,\
@@ -323,8 +323,8 @@ GEMMA3_12B_BF16 = (48, 3840, 16, 8, 256, 15360, 262208, 2)
 #     python scripts/bench_memory_grid.py --fit scripts/data/cpu_i21_grid.json --backend cpu --fit-path loops \
 #         --fit-method lp --fit-start scripts/data/cpu_i24_fit.json:cpu --fit-variants tiny --fit-steps tiny \
 #         --layers-in-flight 1 --margin 1.02 --margin-bytes 24576         # scripts/data/cpu_i21_fit.json "tiny"
-# (24 KB: the engine's steps of a few 16-token chunks, which the grid's workloads do not make, measured up
-# to 11 KB above what the grid's points fit)
+# (24 KB: with 8 KB, a step of 16-token chunks, which the grid's workloads do not make, measured above its
+# prediction in tests/engine/test_async_engine.py)
 TINY_F32 = (2, 64, 4, 2, 16, 128, 49152, 4)
 # (backend set's name, shape_key) -> (what it is, the set, the largest prompt chunk its fit measured: a
 # larger prefill_chunk_size takes the backend's set, whose fit covers it; None: the set's chunks)
