@@ -213,3 +213,45 @@ def test_a_script_exits_cleanly_without_calling_shutdown(tmp_path, model_cache_d
     for run in runs:
         out, _ = run.communicate(timeout=240)
         assert run.returncode == 0 and "end of script" in out and "terminate called" not in out, out[-2000:]
+
+
+async def test_outputs_held_until_the_next_launch(make_engine):
+    """While decodes are pipelined a step's outputs reach the callers' loops when the engine launches its
+    next forward (deliver_at_launch, the default), not while it builds that forward's graph; the streams
+    are the same either way and none is lost at the end."""
+    import engine.async_engine as ae
+
+    prompts = [[7 + i] * (3 + 2 * i) for i in range(5)]
+    runs = {}
+    for at_launch in (True, False):
+        aengine = AsyncEngine(make_engine(), deliver_at_launch=at_launch)
+        executor = aengine.engine.executor
+        hook = executor.before_launch  # the AsyncEngine's own (none without deliver_at_launch)
+        assert (hook is not None) == at_launch
+        in_hook, posts = [False], []
+
+        def spy_hook(hook=hook, in_hook=in_hook):
+            in_hook[0] = True
+            hook()
+            in_hook[0] = False
+
+        def spy_post(loop, items, post=ae._post_to_loop, posts=posts, in_hook=in_hook):
+            posts.append(in_hook[0])
+            post(loop, items)
+
+        async def one(i, aengine=aengine):
+            return [t async for o in aengine.generate(str(i), prompts[i], SamplingParams(max_tokens=12, ignore_eos=True))
+                    for t in o.new_token_ids]
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ae, "_post_to_loop", spy_post)
+            if at_launch:
+                mp.setattr(executor, "before_launch", spy_hook)
+            try:
+                runs[at_launch] = (await asyncio.gather(*(one(i) for i in range(len(prompts)))), posts)
+            finally:
+                aengine.shutdown()
+    (held, held_posts), (now, now_posts) = runs[True], runs[False]
+    assert held == now and all(len(tokens) == 12 for tokens in held)
+    assert sum(held_posts) >= 5  # the pipelined steps' outputs went out from the launch hook
+    assert not any(now_posts)
