@@ -78,7 +78,7 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Union[Engine, Callable[[], Engine]], hang_timeout_s: float = 120.0,
-                 warmup: Optional[bool] = None, deliver_at_launch: bool = True):
+                 warmup: Optional[bool] = None):
         """`engine`: an Engine, or a function that builds one, which then runs in the engine thread
         (`from_config` does so: every MLX array and kernel of the engine is then made by the thread
         that runs it; the constructor waits, and raises what the build raised).
@@ -95,8 +95,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
-        self.deliver_at_launch = deliver_at_launch
-        self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # outputs held until the next launch
         self._busy_since: Optional[float] = None
         self._error: Optional[BaseException] = None
         # Called on the engine thread with the StepRecord of each step that ran a forward; must be
@@ -208,8 +206,6 @@ class AsyncEngine:
                 self._build_error = exc
                 self._warmed.set()
                 return
-        if self.deliver_at_launch:
-            self.engine.set_launch_hook(self._flush)
         try:
             if warmup is None:  # the engine's config decides, on a GPU
                 warmup = mlx_backend() != "cpu" and self.engine.config.execution.start_warmup
@@ -232,11 +228,9 @@ class AsyncEngine:
                 self._busy_since = None
                 self._notify_step(record)  # before delivery: see on_step
                 self._deliver(record.outputs)
-            self._flush()
         except BaseException as exc:  # the loop itself broke: fail everyone, report unhealthy
             logger.exception("engine loop died")
             self._error = exc
-            self._flush()
             for stream in self._streams.values():
                 stream.put(RuntimeError(f"engine loop died: {exc!r}"))
 
@@ -257,7 +251,6 @@ class AsyncEngine:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            self._flush()  # a stream's held outputs go before what this message sends it
             if isinstance(message, AddRequest):
                 try:
                     self.engine.add_request(message.request_id, message.prompt_token_ids, message.sampling)
@@ -272,16 +265,7 @@ class AsyncEngine:
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         """A step's outputs, with one wake-up per event loop (not one per request: every wake-up is
-        a pipe write here and a turn of the loop, which competes with this thread for the GIL).
-
-        While a decode is in flight (`Engine.decode_in_flight`) they are held until the engine hands its
-        next forward to MLX (`_flush`, the engine's launch hook), at most the next graph's build later.
-        Posted at once, the loop's turn (a task per stream, resumed with the GIL held) began while this
-        thread built that graph, took the GIL the moment this thread let it go to wait for the running
-        forward, and kept it until every stream had run: the next launch, and the device, waited for
-        the callers (docs/decode.md). Posted at the launch, the turn runs while MLX encodes the graph
-        without the GIL."""
-        self._flush()  # held outputs of a step that launched nothing go first
+        a pipe write here and a turn of the loop, which competes with this thread for the GIL)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -290,14 +274,5 @@ class AsyncEngine:
             by_loop.setdefault(stream.loop, []).append((stream.queue, out))
             if out.finished:
                 del self._streams[out.request_id]
-        if self.deliver_at_launch and self.engine.decode_in_flight:
-            self._pending = by_loop
-            return
         for loop, items in by_loop.items():
-            _post_to_loop(loop, items)
-
-    def _flush(self) -> None:
-        """Post the held outputs (`_deliver`)."""
-        pending, self._pending = self._pending, {}
-        for loop, items in pending.items():
             _post_to_loop(loop, items)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -264,17 +264,6 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.executor.busy
-
-    @property
-    def decode_in_flight(self) -> bool:
-        """A pipelined decode is on the device: the next step launches the one after it once its graph is
-        built (see `step`)."""
-        return self.executor.pipelining
-
-    def set_launch_hook(self, hook: Optional[Callable[[], None]]) -> None:
-        """`hook` is called on the engine's thread just before each forward is handed to MLX, whose launch
-        encodes the graph with the GIL released (None: no hook). It must be cheap and must not raise."""
-        self.executor.before_launch = hook
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> StepRecord:

@@ -88,10 +88,6 @@ class StepExecutor:
         self._launch_base_bytes = 0  # MLX active memory when the in-flight decode was launched
         self._t0 = time.perf_counter()  # the step's start, for its forwards' timings
         self._timings: list[list] = []  # per forward: ForwardTiming's fields, seconds
-        # Called on this thread just before each forward is handed to MLX (whose launch releases the GIL
-        # while it encodes the graph): AsyncEngine posts the previous step's outputs here (`Engine.
-        # set_launch_hook`). Must be cheap and must not raise.
-        self.before_launch: Optional[Callable[[], None]] = None
         self.num_steps = self.max_predicted_bytes = self.max_measured_bytes = self.last_predicted_bytes = 0
 
     @property
@@ -268,8 +264,6 @@ class StepExecutor:
         """Launch `forward`, timed (ForwardTiming); `build_s`, `built_s`: its graph build, this step."""
         record = [build_s, time.perf_counter() - self._t0, 0.0, None, None, built_s]
         self._timings.append(record)
-        if self.before_launch is not None:
-            self.before_launch()
         self.runner.launch(forward)
         record[2] = time.perf_counter() - self._t0
 

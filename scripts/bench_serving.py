@@ -115,8 +115,7 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    help="--engine-only: TPOT with this fraction of the streams constrained by a JSON schema "
                    "against all free (scripts/bench_constrained.py)")
     p.add_argument("--backends", default="engine,engine_sync,mlx_lm",
-                   help="--engine-only: engine (AsyncEngine), engine_deliver_now (AsyncEngine posting each step's "
-                   "outputs at once instead of at the next launch, deliver_at_launch=false), engine_sync (Engine.step loop), engine_sync_nopipe "
+                   help="--engine-only: engine (AsyncEngine), engine_sync (Engine.step loop), engine_sync_nopipe "
                    "(the same without pipelined decode, async_decode=false), engine_sync_gather (decode gathers "
                    "the KV instead of the CUDA paged-attention kernel, execution.paged_attention=false), "
                    "engine_sync_unfused (one matmul per projection, RunnerOptions.fuse_projections=false), "

@@ -186,7 +186,7 @@ def run_engine_sync_asyncio(lm, prompts, arrivals, args, breakdown: bool = True)
     return asyncio.run(asyncio.to_thread(run_engine_sync_thread, lm, prompts, arrivals, args, breakdown))
 
 
-def run_engine_async(lm, prompts, arrivals, args, deliver_at_launch: bool = True, **overrides) -> dict:
+def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
     """AsyncEngine (what the replica runs): one asyncio task per request, tokens time-stamped as
     the consumer receives them. The same load (other tokens) runs untimed first through the same
     AsyncEngine, then its prefix-cache entries are evicted, so the timed pass finds the KV pool at the
@@ -201,8 +201,7 @@ def run_engine_async(lm, prompts, arrivals, args, deliver_at_launch: bool = True
     from engine.core.types import SamplingParams
 
     # Built in its thread, as the replica's; no built-in warm-up (the same-shape pass below replaces it)
-    aengine = AsyncEngine(lambda: make_engine(lm, prompts, args, **overrides), warmup=args.async_warmup,
-                          deliver_at_launch=deliver_at_launch)
+    aengine = AsyncEngine(lambda: make_engine(lm, prompts, args, **overrides), warmup=args.async_warmup)
     engine = aengine.engine
     tracer = StepTracer(args.trace_steps) if args.trace_steps else None
     sampling = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
@@ -353,5 +352,4 @@ def backend_runners() -> dict:
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
-            "engine_deliver_now": (lambda *a, **k: run_engine_async(*a, **k, deliver_at_launch=False)),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
