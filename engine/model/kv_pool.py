@@ -71,6 +71,12 @@ class Row:
         blocks = np.asarray(self.blocks, np.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def slot(self, position: int) -> int:
+        """Pool slot of one position (`slots` of [position, position + 1))."""
+        if position >= self.capacity:
+            raise ValueError(f"row KV overflow: {position + 1} tokens > capacity {self.capacity}")
+        return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
     def contiguous_start(self, end: int) -> Optional[int]:
         """First slot of positions [0, end) if they lie in consecutive blocks (so in consecutive
         slots), else None."""
@@ -263,7 +269,10 @@ class ForwardView:
         lengths = [r.offset + num_new for r in rows]  # KV length after this forward
         self._lengths = lengths
         self._masks: dict = {}  # (return_array, window_size) -> the mask mlx-lm's modules asked for
-        write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
+        if num_new == 1:  # a decode: one slot per row, without numpy per row (host time of every step)
+            write = np.array([row.slot(row.offset) for row in rows], np.int64)[:, None]  # [B, 1]
+        else:
+            write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
         self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
         self._write_ring: Optional[mx.array] = None  # the same positions in the rows' rings
         if pool.ring_layers:
@@ -277,11 +286,9 @@ class ForwardView:
         self._paged: Optional[tuple[mx.array, mx.array]] = None  # (block table, lengths) of a paged read
         if pool.paged is not None and num_new == 1:
             num_blocks = -(-max(lengths) // pool.block_size)
-            table = np.zeros((len(rows), num_blocks), np.int32)  # past a row's blocks: block 0, unread
-            for b, row in enumerate(rows):
-                used = row.blocks[:num_blocks]
-                table[b, : len(used)] = used
-            self._paged = (mx.array(table), mx.array(lengths, mx.int32))
+            # past a row's blocks: block 0, unread
+            table = [row.blocks[:num_blocks] + [0] * (num_blocks - len(row.blocks)) for row in rows]
+            self._paged = (mx.array(table, mx.int32), mx.array(lengths, mx.int32))
         elif (start := slice_start(pool, rows, num_new, read_slices)) is not None:
             self._slice = (start, start + lengths[0])
         else:

@@ -258,3 +258,51 @@ def test_the_coefficient_set_follows_max_ops_per_buffer_not_the_environment(make
     assert make_engine().memory_coefficients_source == "cuda-ops8 set"
     monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER")
     assert make_engine(execution={"max_ops_per_buffer": 64}).memory_coefficients_source == "cuda set"
+
+
+def test_cuda_kernel_call_arguments_per_shape():
+    """CudaPagedAttention builds its two kernels' arguments once per call shape (the layers of a forward
+    share them): a call passes its arrays with the planned scale and span inputs, the launch grid covers
+    every (row, KV head, span), and a new batch or block count gets its own plan. The kernels themselves
+    run only on a GPU: recorders stand in for them (the object is made without its CUDA constructor)."""
+    import mlx.core as mx
+
+    from engine.model.kernels import split_attention
+    from engine.model.kernels.paged_attention import CudaPagedAttention
+
+    calls = []
+
+    def recorder(name):
+        def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            calls.append((name, inputs, dict(template), grid, threadgroup, output_shapes, output_dtypes))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return kernel
+
+    attn = CudaPagedAttention.__new__(CudaPagedAttention)
+    attn.num_kv_heads, attn.block_size, attn.keys_per_partial, attn.threads = 8, 256, 64, 128
+    attn.spans, attn.keys_per_span, attn.tiled = True, None, True
+    attn.span_loads, attn.span_threads = split_attention.SPAN_LOADS, split_attention.SPAN_THREADS
+    attn._scales, attn._spans, attn._calls = {}, {}, {}
+    attn._partial, attn._span_partial = recorder("partial"), recorder("span")
+    attn._tiled_partial, attn._combine = recorder("tiled"), recorder("combine")
+    table, lengths = mx.zeros((64, 3), mx.int32), mx.full((64,), 600, mx.int32)
+    k_pool = v_pool = mx.zeros((4, 128), mx.bfloat16)
+    for _ in range(3):  # three layers of one forward
+        q = mx.zeros((64, 32, 1, 128), mx.bfloat16)
+        out = attn(q, k_pool, v_pool, table, lengths, 0.0884)
+        assert out.shape == (64, 32, 1, 128) and out.dtype == mx.bfloat16
+    assert len(attn._calls) == 1 and [c[0] for c in calls] == ["tiled", "combine"] * 3
+    name, inputs, template, grid, threadgroup, shapes, dtypes = calls[0]
+    ch = split_attention.span_keys(64, 8, 3 * 256)
+    spans = -(-3 * 256 // ch)
+    assert inputs[3] is table and inputs[4] is lengths and inputs[5].item() == pytest.approx(0.0884)
+    assert inputs[6].item() == ch and template == {"T": mx.bfloat16, "D": 128, "NREP": 4, "HKV": 8, "BLOCK": 256,
+                                                   "THREADS": 128}
+    assert grid == (64 * 8 * spans * 128, 1, 1) and threadgroup == (128, 1, 1)
+    assert shapes == [(64, 8, spans, 4, 128), (64, 8, spans, 4, 2)] and dtypes == [mx.float32, mx.float32]
+    assert calls[1][3] == (64 * 32 * 128, 1, 1) and calls[1][5] == [(64, 32, 1, 128)]
+    attn(mx.zeros((16, 32, 1, 128), mx.bfloat16), k_pool, v_pool, mx.zeros((16, 9), mx.int32),
+         mx.full((16,), 2200, mx.int32), 0.0884)  # another batch: its own plan, its own span
+    ch16 = split_attention.span_keys(16, 8, 9 * 256)
+    assert len(attn._calls) == 2 and calls[-2][1][6].item() == ch16
+    assert calls[-2][3] == (16 * 8 * -(-9 * 256 // ch16) * 128, 1, 1)

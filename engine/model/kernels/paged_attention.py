@@ -253,6 +253,7 @@ class CudaPagedAttention(PagedAttention):
         self.keys_per_partial, self.threads = keys_per_partial, threads
         self._scales: dict[float, mx.array] = {}  # the kernel takes the scale as a [1] array
         self._spans: dict[int, mx.array] = {}  # and the span kernels their keys per span
+        self._calls: dict[tuple, tuple] = {}  # a call's shapes -> its kernels' arguments (`_plan`)
         self._partial = mx.fast.cuda_kernel(
             name="pool_attention_partial",
             input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
@@ -276,35 +277,45 @@ class CudaPagedAttention(PagedAttention):
                                   span_threads=self.span_threads, tiled=self.tiled)
 
     def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
+        B, hq, _, d = queries.shape
+        key = (B, hq, d, queries.dtype, table.shape[1], scale)
+        call = self._calls.get(key)
+        if call is None:  # a forward's layers share one: the host builds 32+ of these calls per decode step
+            if len(self._calls) >= 4096:  # (batch, blocks) pairs of a long-running server: keep it small
+                self._calls.clear()
+            call = self._calls[key] = self._plan(B, hq, d, queries.dtype, table.shape[1], scale)
+        kernel, extra, template, grid, threads, shapes, combine = call
+        part, stats = kernel(
+            inputs=[queries, k_pool, v_pool, table, lengths, *extra], template=template,
+            grid=grid, threadgroup=(threads, 1, 1), output_shapes=shapes, output_dtypes=[mx.float32, mx.float32])
+        (out,) = self._combine(inputs=[part, stats], **combine)
+        return out
+
+    def _plan(self, B: int, hq: int, d: int, dtype, num_blocks: int, scale: float) -> tuple:
+        """The two kernels' arguments of a call with these shapes: (first kernel, its inputs after the
+        lengths, template, grid, threads, output shapes, the combine's arguments but its inputs)."""
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
-        inputs = [queries, k_pool, v_pool, table, lengths, self._scales[scale]]
-        B, hq, _, d = queries.shape
+        extra = [self._scales[scale]]
         hkv, nrep, span = self.num_kv_heads, hq // self.num_kv_heads, self.spans and split_attention.supports(d)
-        tiled = span and self.tiled and split_attention.tiled_supports(d, queries.dtype.size, nrep, self.span_threads)
-        template = [("T", queries.dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
+        tiled = span and self.tiled and split_attention.tiled_supports(d, dtype.size, nrep, self.span_threads)
+        template = [("T", dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
         if span:  # keys per span an input (split_attention's _BLOCK_SETUP says why)
             threads, kernel = self.span_threads, self._tiled_partial if tiled else self._span_partial
-            ch = self.keys_per_span or split_attention.span_keys(B, hkv, table.shape[1] * self.block_size)
-            np_ = -(-table.shape[1] * self.block_size // ch)
+            ch = self.keys_per_span or split_attention.span_keys(B, hkv, num_blocks * self.block_size)
+            np_ = -(-num_blocks * self.block_size // ch)
             if ch not in self._spans:
                 self._spans[ch] = mx.array([ch], mx.int32)
-            inputs.append(self._spans[ch])
+            extra.append(self._spans[ch])
             template += [("THREADS", threads)] + ([] if tiled else [("U", self.span_loads)])
         else:
             ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
-            np_ = table.shape[1] * (self.block_size // ch)
+            np_ = num_blocks * (self.block_size // ch)
             template += [("CH", ch), ("THREADS", threads)]
-        part, stats = kernel(
-            inputs=inputs, template=template,
-            grid=(B * hkv * np_ * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)],
-            output_dtypes=[mx.float32, mx.float32])
-        (out,) = self._combine(
-            inputs=[part, stats], template=[("T", queries.dtype), ("D", d), ("NREP", nrep)],
-            grid=(B * hq * d, 1, 1), threadgroup=(d, 1, 1),
-            output_shapes=[(B, hq, 1, d)], output_dtypes=[queries.dtype])
-        return out
+        combine = dict(template=[("T", dtype), ("D", d), ("NREP", nrep)], grid=(B * hq * d, 1, 1),
+                       threadgroup=(d, 1, 1), output_shapes=[(B, hq, 1, d)], output_dtypes=[dtype])
+        return (kernel, extra, template, (B * hkv * np_ * threads, 1, 1), threads,
+                [(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)], combine)
 
 
 def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> None:
