@@ -60,6 +60,8 @@ def main(argv=None) -> dict:
     p.add_argument("--spans", default="64,128,256,512,1024", help="fixed spans of the long-span kernel to time")
     p.add_argument("--variants", default="", help="long-span kernel variants to time as SPAN:LOADS:THREADS, "
                    "comma-separated (keys per span, keys each lane loads before using any, threads per block)")
+    p.add_argument("--tiled-variants", default="", help="tiled kernel variants to time as SPAN:THREADS, "
+                   "comma-separated (SPAN 0: the chosen span)")
     p.add_argument("--shape", default="32,8,128", help="query heads, KV heads, head size")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeat", type=int, default=40)
@@ -79,6 +81,10 @@ def main(argv=None) -> dict:
         span, loads, threads = (int(x) for x in v.split(":"))
         kernels[f"v{v}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=span,
                                               span_loads=loads, span_threads=threads, tiled=False)
+    for v in (v for v in args.tiled_variants.split(",") if v):
+        span, threads = (int(x) for x in v.split(":"))
+        kernels[f"tiled_v{v}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=span or None,
+                                                    span_threads=threads, tiled=True)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):

@@ -214,7 +214,10 @@ TILED_PARTIAL = """
   __shared__ __align__(16) T sv[2][TK * D];
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
-  __shared__ float sm_acc[NW][NREP][D];
+  // the warps' accumulators for the final merge live in the key tiles, free by then (the loop's last
+  // __syncthreads): a block's shared memory is its tiles, so 256 threads fit CUDA's static 48 KB
+  static_assert(NW * NREP * D * sizeof(float) <= sizeof(sk), "tiled attention: the merge fits the key tiles");
+  float (*sm_acc)[NREP][D] = reinterpret_cast<float (*)[NREP][D]>(&sk[0][0]);
 """ + _BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
   const int span0 = j * CH;  // the span's first position: the tiles count keys from it
   const float sc = scale[0];
@@ -257,20 +260,22 @@ TILE_ELEMENTS = 4096  # one tile of K (or V) in shared memory: 4096 / D keys (th
 
 
 def tiled_shared_bytes(head_dim: int, num_rep: int, threads: int) -> int:
-    """The tiled kernel's static shared memory: two tiles each of K and V, and every warp's running max,
-    sum and accumulator per query head of the group."""
-    return 2 * 2 * TILE_ELEMENTS * 2 + (threads // 32) * num_rep * (2 + head_dim) * 4
+    """The tiled kernel's static shared memory: two tiles each of K and V, and every warp's running max
+    and sum per query head of the group (its accumulators reuse the key tiles for the final merge)."""
+    return 2 * 2 * TILE_ELEMENTS * 2 + (threads // 32) * num_rep * 2 * 4
 
 
 def tiled_supports(head_dim: int, dtype_bytes: int, num_rep: int, threads: int = SPAN_THREADS) -> bool:
     """The tiled kernel's shapes: 2-byte elements (8 per 16-byte copy), rows split over a divisor of a
-    warp's lanes, a tile's keys (4096 / D) in whole rounds of the block's warps, and its shared memory
-    within CUDA's static limit (a query group of 8 heads at D = 128 is past it: the span kernel serves it)."""
+    warp's lanes, a tile's keys (4096 / D) in whole rounds of the block's warps, the warps' accumulators
+    within the key tiles (the final merge's; a query group of 16 heads at D = 128 is past them: the span
+    kernel serves it) and its shared memory within CUDA's static limit."""
     if dtype_bytes != 2 or not supports(head_dim) or threads % 32 or head_dim > TILE_ELEMENTS:
         return False
     keys_per_round = threads // 32 * (32 // (head_dim // 8))
     tile_keys = TILE_ELEMENTS // head_dim
-    return (tile_keys % keys_per_round == 0 and tile_keys >= keys_per_round
+    merge_fits = (threads // 32) * num_rep * head_dim * 4 <= 2 * TILE_ELEMENTS * dtype_bytes
+    return (tile_keys % keys_per_round == 0 and tile_keys >= keys_per_round and merge_fits
             and tiled_shared_bytes(head_dim, num_rep, threads) <= STATIC_SHARED_BYTES)
 
 
