@@ -65,17 +65,19 @@ class Row:
 
     def slots(self, start: int, end: int) -> np.ndarray:
         """Pool slots of positions [start, end)."""
-        if end > self.capacity:
-            raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
+        self._check_end(end)
         pos = np.arange(start, end)
         blocks = np.asarray(self.blocks, np.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
     def slot(self, position: int) -> int:
         """Pool slot of one position (`slots` of [position, position + 1))."""
-        if position >= self.capacity:
-            raise ValueError(f"row KV overflow: {position + 1} tokens > capacity {self.capacity}")
+        self._check_end(position + 1)
         return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _check_end(self, end: int) -> None:
+        if end > self.capacity:
+            raise ValueError(f"row KV overflow: {end} tokens > capacity {self.capacity}")
 
     def contiguous_start(self, end: int) -> Optional[int]:
         """First slot of positions [0, end) if they lie in consecutive blocks (so in consecutive

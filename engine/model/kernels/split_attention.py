@@ -215,7 +215,7 @@ TILED_PARTIAL = """
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
   // the warps' accumulators for the final merge live in the key tiles, free by then (the loop's last
-  // __syncthreads): a block's shared memory is its tiles, so 256 threads fit CUDA's static 48 KB
+  // __syncthreads): a block's shared memory is about its tiles, so groups of 8 heads at D = 128 fit 48 KB
   static_assert(NW * NREP * D * sizeof(float) <= sizeof(sk), "tiled attention: the merge fits the key tiles");
   float (*sm_acc)[NREP][D] = reinterpret_cast<float (*)[NREP][D]>(&sk[0][0]);
 """ + _BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
