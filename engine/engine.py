@@ -135,7 +135,9 @@ class Engine:
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str) -> MemoryModel:
         """The memory model of this model as the runner computes it (KV heads, size and dtype from the
-        loaded model; rings counted with the weights) and the coefficient set for this backend."""
+        loaded model; rings counted with the weights) and the coefficient set for this backend; several
+        rows' prompt chunks packed into forwards of up to ExecutionConfig.max_packed_tokens (the runner's
+        chunk loop only)."""
         runner, layout, pool = self.runner, self.runner.layout, self.runner.pool
         shape = dataclasses.replace(ModelShape.from_config(model_config, layout.kv_dtype.size, weights_bytes,
                                                            module_forwards=runner.chunk_path is None),
@@ -157,7 +159,8 @@ class Engine:
                            coefficients=with_overrides(coefficients, config.memory_coefficients),
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
-                           copies_every_view=pool.copy_views)
+                           copies_every_view=pool.copy_views,
+                           max_packed_tokens=config.execution.max_packed_tokens if runner.chunk_path is not None else 0)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is

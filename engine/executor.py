@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from engine.core.memory.model import MemoryModel
+from engine.core.memory.plan import pack_groups
 from engine.core.scheduler import Scheduler
 from engine.core.types import ForwardTiming, NewRow, Request, SchedulerOutput, StepMemory
 from engine.model.runner import ModelRunner
@@ -117,7 +118,7 @@ class StepExecutor:
         slices = self._slice_reads(plan)
         # predicted again with the chunks the runner reads as views (a request's chunks all views, or
         # all counted as gathers): the record's prediction is of what runs
-        memory_plan = self.scheduler.memory_plan(plan.decodes, plan.prefills, slices)
+        memory_plan = self.scheduler.memory_plan(plan.decodes, plan.prefills, slices, packs=plan.packs)
         plan = dataclasses.replace(plan, memory_plan=memory_plan, predicted_transient_bytes=self.memory.step_transient_bytes(
             memory_plan, mixed=plan.mixed))
         self.num_steps += 1
@@ -195,12 +196,15 @@ class StepExecutor:
         return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
 
     def _builds(self, plan: SchedulerOutput) -> list[tuple]:
-        """(request ids whose tokens the forward samples, its prompt chunk's request or None, a function
-        that builds it) per forward of the plan: the decode (a mixed runner's decode rows ride with the
-        first chunk, engine/model/layers/mixed.py), then each prompt chunk."""
+        """(request ids whose tokens the forward samples, its prompt chunk's request, or for a packed
+        forward the builds of its chunks apart, or None, a function that builds it) per forward of the
+        plan: the decode (a mixed runner's decode rows ride with the first chunk,
+        engine/model/layers/mixed.py), then the prompt chunks, several rows' packed into one forward where
+        the plan says (SchedulerOutput.packs)."""
         requests = self.scheduler.requests
         works = [PrefillWork(c.request_id, requests[c.request_id].prompt_token_ids[c.start:c.start + c.num_tokens],
                              c.start, c.completes_prompt, c.num_pad_tokens) for c in plan.prefills]
+        groups = pack_groups(tuple(works), plan.packs)
         builds = []
         if plan.mixed:  # if that forward cannot be built, the two run apart: a chunk's error fails its row only
             try:
@@ -209,27 +213,34 @@ class StepExecutor:
                 logger.exception("forward of %s with %d decode rows failed to build; running them apart",
                                  works[0].request_id, len(plan.decodes))
             else:
-                first = works.pop(0)
+                first = groups.pop(0)[0]
                 ids = ((first.request_id,) if first.sample else ()) + tuple(plan.decodes)
                 builds.append((ids, None, lambda: mixed))
         if plan.decodes and not builds:
             builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
-        for work in works:
-            builds.append(((work.request_id,), work.request_id, lambda work=work: self.runner.prefill(work)))
+        for group in groups:
+            singles = [((w.request_id,), w.request_id, lambda w=w: self.runner.prefill(w)) for w in group]
+            if len(group) > 1:  # if it cannot be built, its chunks run apart (`_execute`)
+                ids = tuple(w.request_id for w in group if w.sample)
+                builds.append((ids, singles, lambda group=group: self.runner.prefill_packed(list(group))))
+            else:
+                builds += singles
         return builds
 
     def _execute(self, plan: SchedulerOutput, failed: dict[str, str], admitted: StepMemory):
         """Run the plan's forwards one at a time on the device (work.finish), each built while the
         previous one runs; the first while the previous step's last forward may still run (`_Deferred`).
         A prompt chunk whose graph cannot be built touches its own row only: its request goes into
-        `failed`. The step's transient is MLX's peak over what was alive before its first launch, less
+        `failed` (a packed forward that cannot be built runs its chunks apart). The step's transient is MLX's peak over what was alive before its first launch, less
         KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`).
         Returns (sampled tokens, the step's StepMemory)."""
         sampled: dict[str, int] = {}
         running = None  # (request ids, Forward) on the device
         before = None  # (MLX active bytes, KV allocated bytes) once the previous step's forward is done
-        for ids, chunk_id, build in self._builds(plan):
-            if chunk_id in failed:  # a later chunk of a request whose earlier one failed in this step
+        builds = self._builds(plan)
+        while builds:
+            ids, chunk_id, build = builds.pop(0)
+            if isinstance(chunk_id, str) and chunk_id in failed:  # a later chunk of a request whose earlier one failed
                 continue
             build_s = time.perf_counter() - self._t0
             try:
@@ -237,6 +248,11 @@ class StepExecutor:
             except Exception as exc:
                 if chunk_id is None:
                     raise  # the decode: the step fails
+                if isinstance(chunk_id, list):  # a packed forward: its chunks run apart
+                    logger.exception("packed forward of %d prompt chunks failed to build; running them apart",
+                                     len(chunk_id))
+                    builds[:0] = chunk_id
+                    continue
                 logger.exception("prefill of %s failed", chunk_id)
                 failed[chunk_id] = f"{type(exc).__name__}: {exc}"
                 continue

@@ -220,6 +220,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         pool_before = engine.stats().kv_allocated_bytes
         warm_steps = list(observer.steps)
         observer.steps.clear()
+        observer.memory.clear()
         if tracer is not None:
             warm_trace, tracer.steps = tracer.steps, []
         with MemoryWindow() as mem:
@@ -227,6 +228,7 @@ def run_engine_async(lm, prompts, arrivals, args, **overrides) -> dict:
         result = summarize(records, wall)
         result.update(mem.result())
         result["first_steps"] = observer.steps
+        result["step_memory"] = observer.memory_summary()
         result["warm_pass_first_steps"] = warm_steps
         result["pool_grew_in_timed_pass"] = engine.stats().kv_allocated_bytes != pool_before
         result["max_num_batched_tokens"] = engine.config.max_num_batched_tokens  # resolved for the device
@@ -245,14 +247,39 @@ class AsyncStepObserver:
 
     def __init__(self, tracer):
         self.tracer, self.steps, self.t0_ns = tracer, [], time.time_ns()
+        # (predicted, measured bytes, largest pack, chunks, decode rows, pipelined) per step with a record
+        self.memory: list[tuple] = []
 
     def __call__(self, record) -> None:
         if self.tracer is not None:
             self.tracer.observe(record)
+        if record.memory is not None and record.plan is not None:
+            self.memory.append((record.memory.predicted_bytes, record.memory.measured_bytes,
+                                max(record.plan.packs, default=1 if record.prefill_chunks else 0),
+                                len(record.prefill_chunks), record.num_decode_tokens, record.memory.pipelined))
         if len(self.steps) < 8:
             self.steps.append({"start_s": round((record.start_time_ns - self.t0_ns) / 1e9, 4),
                                "duration_s": round(record.duration_s, 4),
-                               "prefill_chunks": len(record.prefill_chunks), "decode_rows": record.num_decode_tokens})
+                               "prefill_chunks": len(record.prefill_chunks), "decode_rows": record.num_decode_tokens,
+                               "packs": list(record.plan.packs) if record.plan is not None else []})
+
+    def memory_summary(self) -> dict:
+        """The steps' predicted and measured transients (the memory model's check on this load): how
+        many were under-predicted, the least prediction / measurement among steps with prompt chunks and
+        among steps with a packed forward, the largest of each."""
+        def least(rows):
+            ratios = [r[0] / r[1] for r in rows if r[1] > 0]
+            return round(min(ratios), 3) if ratios else None
+
+        chunks = [r for r in self.memory if r[2] >= 1]
+        packed = [r for r in self.memory if r[2] > 1]
+        under = [dict(zip(("predicted", "measured", "largest_pack", "chunks", "decode_rows", "pipelined"), r))
+                 for r in self.memory if r[1] > r[0]]
+        return {"steps": len(self.memory), "under_predicted": len(under), "under_predicted_steps": under[:8],
+                "least_ratio_prefill_steps": least(chunks), "least_ratio_packed_steps": least(packed),
+                "packed_steps": len(packed), "largest_pack": max((r[2] for r in packed), default=0),
+                "max_predicted_gb": round(max((r[0] for r in self.memory), default=0) / 1e9, 3),
+                "max_measured_gb": round(max((r[1] for r in self.memory), default=0) / 1e9, 3)}
 
 
 async def stream_requests(aengine, prompts, arrivals, sampling, concurrency: int, observer: AsyncStepObserver) -> tuple:
@@ -352,4 +379,7 @@ def backend_runners() -> dict:
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
-            "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio}
+            "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,
+            # several rows' prompt chunks in one forward (ExecutionConfig.max_packed_tokens)
+            "engine_packed": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 8192})),
+            "engine_packed2048": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 2048}))}

@@ -182,21 +182,58 @@ class Scheduler:
     def _output(self, decodes: tuple[str, ...], prefills: list[ScheduledChunk], new_rows, room: Optional[int],
                 limited: bool) -> SchedulerOutput:
         """The plan, with the decode rows riding in the first chunk's forward where the runner can
-        (memory.mixed) and that forward stays within the bound of separate ones and the free memory.
-        Not in a step the free memory cut: a cut chunk's forward takes the room it leaves, and a mixed
-        forward's prediction is the one with the least slack over what it measures (docs/memory.md)."""
+        (memory.mixed) and that forward stays within the bound of separate ones and the free memory, and
+        the other chunks packed into as few forwards as stay so too (`_packs`). Neither in a step the free
+        memory cut: a cut chunk's forward takes the room it leaves, and a mixed forward's prediction is the
+        one with the least slack over what it measures (docs/memory.md)."""
         mixed = self.memory.mixed and bool(decodes) and bool(prefills) and not limited
         predicted = self.predict(decodes, prefills, mixed=mixed)
         beyond = predicted > self.transient_bound_bytes and not self.config.mix_beyond_bound
         if mixed and (beyond or not self._fits(predicted, room)):
             limited = limited or not beyond
             mixed, predicted = False, self.predict(decodes, prefills)
+        packs = () if limited else self._packs(decodes, prefills, mixed, room)
+        if packs:
+            predicted = self.predict(decodes, prefills, mixed=mixed, packs=packs)
         tokens = len(decodes) + sum(c.num_forward_tokens for c in prefills)
         return SchedulerOutput(decodes=decodes, prefills=tuple(prefills), new_rows=new_rows,
-                               predicted_transient_bytes=predicted, mixed=mixed,
+                               predicted_transient_bytes=predicted, mixed=mixed, packs=packs,
                                num_pool_blocks=self.kv.num_pool_blocks, free_transient_bytes=room,
                                step_budget_tokens=tokens if limited else self.config.max_num_batched_tokens,
                                memory_limited=limited)
+
+    def _packs(self, decodes: Sequence[str], prefills: list[ScheduledChunk], mixed: bool,
+               room: Optional[int]) -> tuple[int, ...]:
+        """The step's prompt chunks (after a mixed forward's, which stays alone) in forwards, in order
+        (SchedulerOutput.packs): one pack that takes the next chunk while that chunk's row is not in it,
+        its tokens stay within ExecutionConfig.max_packed_tokens and the memory model's prediction of it
+        (MemoryModel.packed_bytes) within the configuration's transient bound and the free memory; the
+        chunks after it alone. On a GPU one forward of many rows' tokens runs its matmuls faster than one
+        per chunk (docs/decode.md). () where nothing packs."""
+        first = 1 if mixed else 0
+        if not self.memory.packed or len(prefills) - first < 2:
+            return ()
+        memory = self.memory
+        limit = self.transient_bound_bytes if room is None else min(self.transient_bound_bytes, room)
+        chunks = self.memory_plan(decodes, prefills).prefill_chunks
+        sizes = [1] * first
+        summed, tokens, rows, closed = None, 0, set(), False
+        for chunk, plan in zip(prefills[first:], chunks[first:]):
+            phases = None if closed else memory.chunk_plan_phases(plan)
+            if summed is not None and chunk.request_id not in rows \
+                    and tokens + plan.num_tokens <= memory.max_packed_tokens:
+                trial = tuple(a + b for a, b in zip(summed, phases))
+                if memory.summed_pack_bytes(trial, tokens + plan.num_tokens) <= limit:
+                    summed, tokens = trial, tokens + plan.num_tokens
+                    rows.add(chunk.request_id)
+                    sizes[-1] += 1
+                    continue
+            # one pack a step, the chunks after it alone: on an H200 four packs back to back measured
+            # above each one's prediction (docs/decode.md)
+            closed = closed or (summed is not None and sizes[-1] > 1)
+            summed, tokens, rows = (None, 0, set()) if closed else (phases, plan.num_tokens, {chunk.request_id})
+            sizes.append(1)
+        return tuple(sizes) if len(sizes) < len(prefills) else ()
 
     @staticmethod
     def _fits(predicted: int, room: Optional[int]) -> bool:
@@ -234,17 +271,20 @@ class Scheduler:
         return [i for i in ids if i in chosen]  # arrival order, as the runner's rows
 
     def predict(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
-                slice_reads: Optional[Collection[str]] = None, ahead: int = 0, mixed: bool = False) -> int:
+                slice_reads: Optional[Collection[str]] = None, ahead: int = 0, mixed: bool = False,
+                packs: tuple[int, ...] = ()) -> int:
         """The memory model's transient of a step (`memory_plan`); `mixed`: the decode rows run in the
-        first chunk's forward."""
-        return self.memory.step_transient_bytes(self.memory_plan(decodes, prefills, slice_reads, ahead), mixed=mixed)
+        first chunk's forward; `packs`: the chunks' forwards (SchedulerOutput.packs)."""
+        return self.memory.step_transient_bytes(self.memory_plan(decodes, prefills, slice_reads, ahead, packs),
+                                                mixed=mixed)
 
     def memory_plan(self, decodes: Sequence[str], prefills: Sequence[ScheduledChunk],
-                    slice_reads: Optional[Collection[str]] = None, ahead: int = 0) -> StepPlan:
+                    slice_reads: Optional[Collection[str]] = None, ahead: int = 0,
+                    packs: tuple[int, ...] = ()) -> StepPlan:
         """A step as the memory model reads it. `slice_reads`: requests whose prompt chunks the runner
         reads as views of the pool (the executor asks the runner); None: the chunks the scheduler
         expects to be read so (`_reads_view`); `ahead`: tokens each decoding row has beyond what
-        `update` committed."""
+        `update` committed; `packs`: the chunks' forwards (SchedulerOutput.packs)."""
         requests = self.requests
         return StepPlan(
             decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
@@ -259,6 +299,7 @@ class Scheduler:
                                  else not self._reads_view(c.request_id, c.start + c.num_forward_tokens,
                                                            c.num_forward_tokens))
                 for c in prefills),
+            packs=packs,
         )
 
     def _reads_view(self, request_id: str, end: int, num_tokens: int) -> bool:

@@ -270,6 +270,10 @@ class SchedulerOutput:
     new_rows: tuple[NewRow, ...]
     predicted_transient_bytes: int
     mixed: bool = False  # the decode rows run in the first prompt chunk's forward (engine/model/layers/mixed.py)
+    # The prompt chunks' forwards: how many consecutive chunks of `prefills` each one computes (several
+    # rows' chunks packed into one forward, ModelRunner.prefill_packed; a mixed forward's chunk alone
+    # first). Empty: one forward per chunk.
+    packs: tuple[int, ...] = ()
     num_pool_blocks: int = 0  # blocks the KV pool must hold before this step's forwards
     # Memory the step's transient may use: limit - weights - margin - the KV pool after this step's
     # growth (None: no memory limit given to the scheduler). Every step is predicted within it.

@@ -370,9 +370,7 @@ class ForwardView:
         """Scatter this forward's new keys/values [B, H_kv, T, D] into the pool, in place. A forward
         that writes through two views (engine/model/layers/mixed.py) makes both writes of a layer before either view
         reads it: a read holds the pool array, and MLX would copy it for a later write."""
-        index = self._write_ring if layer in self.pool.ring_layers else self._write
-        for pool_arrays, new in ((self.pool.keys, keys), (self.pool.values, values)):
-            pool_arrays[layer][index] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
+        _scatter(self.pool, layer, self._write_ring if layer in self.pool.ring_layers else self._write, keys, values)
 
     def written(self, layer: int) -> tuple:
         """The layer's pool arrays as this forward's `write` left them, as handles that stay those arrays
@@ -410,3 +408,26 @@ class ForwardView:
     def advance(self) -> None:
         for row in self.rows:
             row.advance()
+
+
+class GroupWrite:
+    """The KV writes of several one-row views of one forward (a packed forward's chunks of equal length,
+    engine/model/layers/chunk_path.py `forward_packed`) as one scatter per pool array: their write
+    indices joined once, for every layer."""
+
+    def __init__(self, views: Sequence[ForwardView]):
+        self.pool = views[0].pool
+        self._write = mx.concatenate([v._write for v in views]) if len(views) > 1 else views[0]._write
+        self._write_ring = None
+        if self.pool.ring_layers:
+            self._write_ring = mx.concatenate([v._write_ring for v in views]) if len(views) > 1 else views[0]._write_ring
+
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """keys/values [B, H_kv, T, D], row b of the views' b-th: into the pool, in place (`ForwardView.write`)."""
+        _scatter(self.pool, layer, self._write_ring if layer in self.pool.ring_layers else self._write, keys, values)
+
+
+def _scatter(pool: KVPool, layer: int, index: mx.array, keys: mx.array, values: mx.array) -> None:
+    """keys/values [B, H_kv, T, D] into rows `index` ([B*H_kv*T], in that order) of the layer's pool arrays."""
+    for pool_arrays, new in ((pool.keys, keys), (pool.values, values)):
+        pool_arrays[layer][index] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]

@@ -1,8 +1,9 @@
 """ModelRunner: the only place that runs the model (mlx, mlx-lm modules).
 
 Takes plain data from the scheduler (which rows compute which tokens) and returns sampled token ids.
-- Prefill: one forward per row and chunk, evaluated before the next row's, so a step's transient is
-  the largest single chunk's, never their sum. Only the prompt's last position reaches the LM head.
+- Prefill: one forward per row and chunk, evaluated before the next row's, or several rows' chunks
+  packed into one forward (`prefill_packed`) where the scheduler's memory model allows it. Only a
+  prompt's last position reaches the LM head.
 - Decode: every decoding row in one batched forward, one token each.
 Both only build their graph and return it as a `Forward`; `launch` starts it and `Forward.finish`
 waits for it. Forwards never overlap on the device (`finish` says why); the engine builds the next one
@@ -311,6 +312,40 @@ class ModelRunner:
         logits = self._head(hidden[:, -1:, :])[:, 0, :]  # [1, V]: the prompt's last position only
         token = sample_rows(logits, [self.samplers[work.request_id]])
         return Forward(stages + [[token]], token)  # every layer's KV write is in its graph (attention reads it)
+
+    def prefill_packed(self, works: list[PrefillWork]) -> "Forward":
+        """Build (only) one forward of several rows' prompt chunks, one chunk per row
+        (engine/model/layers/chunk_path.py `forward_packed`; the engine's chunk loop only). Its `tokens`:
+        one per chunk that ends its prompt, in `works` order (None if none does)."""
+        if self.chunk_path is None:
+            raise ValueError("packed prompt chunks run the engine's chunk loop, not mlx-lm's modules")
+        if len({w.request_id for w in works}) != len(works):
+            raise ValueError("a packed forward computes one chunk per row")
+        # chunks of as many tokens from the same position next to each other: the loop batches each run
+        order = sorted(range(len(works)), key=lambda j: (works[j].start, len(works[j].token_ids) + works[j].num_pad_tokens))
+        asked, works = works, [works[j] for j in order]
+        rows = [self._chunk_row(w) for w in works]
+        ids = [w.forward_token_ids() for w in works]
+        views = [ForwardView(self.pool, [row], len(t)) for row, t in zip(rows, ids)]
+        tokens = mx.array([t for chunk in ids for t in chunk])[None]  # [1, N]
+        self._count(tokens.shape[1])
+        stages = [] if self.stage_waits else None
+        hidden = self.chunk_path.forward_packed(tokens, views, [w.sample for w in works],
+                                                [w.num_pad_tokens for w in works], stages)  # [1, r, D] or None
+        for view, row, w in zip(views, rows, works):
+            view.advance()
+            row.offset -= w.num_pad_tokens  # as in `prefill`
+        stages = [stage_list(h) for h in stages or ()]
+        sampling = [w for w in works if w.sample]
+        if not sampling:  # as in `prefill`: handles to the pool arrays this forward leaves
+            return Forward(stages + [[_alias(a) for a in self.pool.keys + self.pool.values]], None)
+        logits = self._head(hidden[0])  # [r, V]
+        sampled = sample_rows(logits, [self.samplers[w.request_id] for w in sampling])
+        rank = {w.request_id: n for n, w in enumerate(sampling)}
+        back = [rank[w.request_id] for w in asked if w.sample]  # `works` order again
+        if back != sorted(back):
+            sampled = sampled[mx.array(back)]
+        return Forward(stages + [[sampled]], sampled)
 
     def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None,
                defer_sampling: bool = False) -> "Forward":

@@ -22,17 +22,21 @@ OPTIONS = {
 def watch_pads(engine) -> list:
     """Per prompt chunk the runner builds: (its pad, whether decode rows ride in its forward)."""
     runner, seen = engine.runner, []
-    prefill, mixed = runner.prefill, runner.mixed_forward
+    prefill, mixed, packed = runner.prefill, runner.mixed_forward, runner.prefill_packed
 
     def watched_prefill(work):
         seen.append((work.num_pad_tokens, False))
         return prefill(work)
 
+    def watched_packed(works):
+        seen.extend((work.num_pad_tokens, False) for work in works)
+        return packed(works)
+
     def watched_mixed(work, decodes):
         seen.append((work.num_pad_tokens, True))
         return mixed(work, decodes)
 
-    runner.prefill, runner.mixed_forward = watched_prefill, watched_mixed
+    runner.prefill, runner.mixed_forward, runner.prefill_packed = watched_prefill, watched_mixed, watched_packed
     return seen
 
 

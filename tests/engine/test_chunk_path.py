@@ -150,9 +150,11 @@ def test_one_token_chunks_of_a_paged_pool_equal_mlx_lm(make_engine, tiny_parts, 
     runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
     assert runner.chunk_path is not None
     chunks = []  # (tokens, read in place) of every chunk the loop ran
-    forward = runner.chunk_path.forward
+    forward, packed = runner.chunk_path.forward, runner.chunk_path.forward_packed
     runner.chunk_path.forward = lambda t, view, sample, *a, **k: chunks.append((t.shape[1], view.reads_paged)) or forward(
         t, view, sample, *a, **k)
+    runner.chunk_path.forward_packed = lambda t, views, *a, **k: chunks.extend(
+        (v.num_new, v.reads_paged) for v in views) or packed(t, views, *a, **k)
     prompts = [random_prompt(n, seed=n) for n in (65, 1, 30)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=5, ignore_eos=True))

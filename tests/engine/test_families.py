@@ -89,7 +89,7 @@ def test_family_greedy_equals_mlx_lm(checkpoints, family, bits):
 LOOP_FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "gemma3"]
 
 
-@pytest.mark.parametrize("decode", ["loop", "compiled-paged"])
+@pytest.mark.parametrize("decode", ["loop", "compiled-paged", "compiled-paged-packed"])
 @pytest.mark.parametrize("family", LOOP_FAMILIES)
 def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
     """The engine's own layer loops (chunk_path, decode_path, mixed; engine/model/layers/block.py's
@@ -98,14 +98,16 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
     sliding windows and per-layer RoPE) run these families, mixed steps included, and their greedy
     tokens are mlx-lm's; `compiled-paged`: decode's compiled layer traces over the paged attention path
     (MLX's reference in the CUDA kernel's place; Gemma 2's soft-capped logits refuse the kernel, Gemma
-    3's sliding layers gather their window; Qwen3-MoE's experts are not compiled)."""
+    3's sliding layers gather their window; Qwen3-MoE's experts are not compiled); `-packed`: and several
+    rows' prompt chunks in one forward (the engine's way on CUDA; ChunkPath.forward_packed)."""
     from engine.model.kernels.paged_attention import ReferenceAttention
 
-    engine, model = _engine(checkpoints(family))
+    packed = decode.endswith("-packed")
+    engine, model = _engine(checkpoints(family), **({"execution": {"max_packed_tokens": 256}} if packed else {}))
     runner = engine.runner
     paths = engine.execution_paths()
     assert paths.chunk_loop and paths.decode_loop and paths.mixed_batches, paths
-    if decode == "compiled-paged":
+    if decode.startswith("compiled-paged"):
         kernel = ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size)
         if family == "gemma2":
             with pytest.raises(ValueError, match="soft-capped"):
@@ -122,10 +124,18 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
         return real(work, decodes)
 
     runner.mixed_forward = counted
+    real_packed = runner.prefill_packed
+
+    def counted_packed(works):
+        calls["packed"] = calls.get("packed", 0) + 1
+        return real_packed(works)
+
+    runner.prefill_packed = counted_packed
     prompts = _prompts((5, 40, 23, 57), seed=2)  # the 5-token prompt decodes while the others prefill
     want = [reference_greedy_ids(model, p, MAX_TOKENS) for p in prompts]
     assert _serve(engine, prompts) == want
     assert calls["mixed"] >= 1
+    assert (calls.get("packed", 0) >= 1) == packed
 
 
 def test_shapes_read_from_the_model(checkpoints):

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 from engine.core.memory.chunk import FLOAT32_BYTES, PAGE_SLACK_BYTES, ChunkTerms
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients, TransientTerms
-from engine.core.memory.plan import PrefillChunkPlan, StepPlan, round_up  # noqa: F401 (the model's API)
+from engine.core.memory.plan import PrefillChunkPlan, StepPlan, pack_groups, round_up  # noqa: F401 (the model's API)
 from engine.core.memory.shape import ModelShape
 
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
@@ -51,12 +51,18 @@ MIXED_STREAM_ROWS = 3
 # The prompt chunk of the floor step (`MemoryModel.floor_transient_bytes`): small enough that the floor
 # costs the KV budget little, large enough that a prompt still progresses by whole matmul tiles.
 FLOOR_CHUNK_TOKENS = 64
+# Query-sized rows per token and layer in flight that a packed forward (`packed_bytes`) holds beyond its
+# chunks' own forwards added up. Measured on an H200 (the 8B llama's calibration, scripts/data/
+# h200_i25_decode.json `packed_prefill`): 4 x 512 and 16 x 512-token packs measured 1.2 and 1.1 such rows
+# above the sum; 4 keeps their prediction 1.12 x what they measured.
+PACK_ROWS = 4
 
 
 class MemoryModel(ChunkTerms):
     def __init__(self, shape: ModelShape, kv_step: int = 256,
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
-                 mixed: bool = False, copies_viewed_kv: bool = True, copies_every_view: bool = False):
+                 mixed: bool = False, copies_viewed_kv: bool = True, copies_every_view: bool = False,
+                 max_packed_tokens: int = 0):
         """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
         of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
         the same forward as its first prompt chunk (engine/model/layers/mixed.py); the scheduler has it do so when
@@ -65,7 +71,10 @@ class MemoryModel(ChunkTerms):
         engine's chunk loop but with cpu_math's attention; False: also runs recorded by an engine that
         did not, replayed by scripts/bench_memory_grid.py). `copies_every_view`: every chunk read as a
         view copies its row's KV for each layer's attention (KVPool.copy_views: where MLX's attention
-        could not read the token-major pool's strides), one copy per layer in flight."""
+        could not read the token-major pool's strides), one copy per layer in flight. `max_packed_tokens`: the
+        runner can run several rows' prompt chunks of up to that many tokens in all as one forward
+        (`packed_bytes`; 0: never); the scheduler packs them where that forward stays within the
+        configuration's bound and the free memory."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -78,6 +87,8 @@ class MemoryModel(ChunkTerms):
         self.mixed = mixed and shape.num_layers > coefficients.mixed_min_layers
         self.copies_viewed_kv = copies_viewed_kv
         self.copies_every_view = copies_every_view
+        self.max_packed_tokens = max_packed_tokens
+        self.packed = max_packed_tokens > 0
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -264,12 +275,43 @@ class MemoryModel(ChunkTerms):
         attention = self.decode_bytes(context_lens, samples) + alone / self.layer_factor
         return int(max(rows, attention))
 
+    def chunk_plan_phases(self, chunk: PrefillChunkPlan) -> tuple[TransientTerms, ...]:
+        """`chunk_phases` of a planned chunk."""
+        return self.chunk_phases(chunk.num_tokens, chunk.context_len, chunk.computes_logits, chunk.samples,
+                                 chunk.gathers)
+
+    def packed_bytes(self, chunks: Sequence[PrefillChunkPlan]) -> int:
+        """One forward of several rows' prompt chunks (engine/model/layers/chunk_path.py `forward_packed`):
+        its norms, projections, MLP and head run over all their tokens at once, each chunk's RoPE and
+        attention over its own row. Bounded by the chunks' own forwards added stage by stage (every term of
+        a chunk's formula grows with its tokens, its row's keys or its logits, or is a per-forward constant,
+        then counted once per chunk) and PACK_ROWS more rows of the queries' size a token
+        (`pack_rows_bytes`). One chunk: `prefill_chunk_bytes`."""
+        if len(chunks) == 1:
+            return _largest(self.chunk_plan_phases(chunks[0]), self.coefficients)
+        return self.summed_pack_bytes(add_phases([self.chunk_plan_phases(c) for c in chunks]),
+                                      sum(c.num_tokens for c in chunks))
+
+    def summed_pack_bytes(self, phases: Sequence[TransientTerms], num_tokens: int) -> int:
+        """`packed_bytes` from its chunks' stages already added (`add_phases`) and its tokens."""
+        return _largest(phases, self.coefficients) + self.pack_rows_bytes(num_tokens)
+
+    def pack_rows_bytes(self, num_tokens: int) -> int:
+        """What a packed forward holds beyond its chunks' own forwards: PACK_ROWS arrays of the queries'
+        size (H * d) per token and layer in flight (its rows' rotated keys and values kept for their
+        attention, the outputs' layout copies and concatenation)."""
+        s = self.shape
+        return PACK_ROWS * self.layer_factor * num_tokens * s.num_heads * s.head_dim * s.dtype_bytes
+
     def step_transient_bytes(self, plan: StepPlan, mixed: bool = False) -> int:
-        """Decode and each prefill chunk are evaluated one after another: the peak is their max.
-        `mixed`: the decode rows run with the first chunk (engine/model/layers/mixed.py), one forward (`mixed_bytes`)."""
-        chunks = [self.prefill_chunk_bytes(p.num_tokens, p.context_len, p.computes_logits, p.samples, p.gathers)
-                  for p in plan.prefill_chunks]
+        """Decode and each forward of prompt chunks (one chunk, or several packed: `plan.packs`) are
+        evaluated one after another: the peak is their max. `mixed`: the decode rows run with the first
+        chunk (engine/model/layers/mixed.py), one forward (`mixed_bytes`) whose chunk is a pack of its own."""
+        groups = pack_groups(plan.prefill_chunks, plan.packs)
+        chunks = [self.packed_bytes(g) for g in groups]
         if mixed and chunks and plan.decode_context_lens:
+            if len(groups[0]) != 1:
+                raise ValueError(f"packs={plan.packs}: a mixed forward's chunk is a pack of its own")
             first = self.mixed_bytes(plan.prefill_chunks[0], plan.decode_context_lens, plan.decode_samples)
             return max([first] + chunks[1:])
         return max([self.decode_bytes(plan.decode_context_lens, plan.decode_samples)] + chunks)
@@ -299,6 +341,11 @@ class MemoryModel(ChunkTerms):
             self.prefill_chunk_bytes(chunk, max_model_len, samples=True),
             self.decode_bytes([max_model_len] * max_num_seqs, samples=max_num_seqs),
         )
+
+
+def add_phases(phases: Sequence[Sequence[TransientTerms]]) -> tuple[TransientTerms, ...]:
+    """Forwards' stages (a model's chunks have the same stages) added stage by stage."""
+    return tuple(sum(stage, TransientTerms()) for stage in zip(*phases))
 
 
 def _largest(phases: Sequence[TransientTerms], coefficients: TransientCoefficients) -> int:

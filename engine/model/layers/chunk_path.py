@@ -30,7 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.model.kv_pool import chunk_view
+from engine.model.kv_pool import GroupWrite, chunk_view
 from engine.model.layers import block
 from engine.model.layers.bound import BoundModel, unsupported
 from engine.model.layers.ops import ReferenceOps
@@ -102,6 +102,80 @@ class ChunkPath:
             if stages is not None:
                 stages.append(h)
 
+    def forward_packed(self, tokens: mx.array, views: list, samples: list[bool], pads: list[int],
+                       stages: Optional[list] = None) -> Optional[mx.array]:
+        """Several rows' prompt chunks as one forward: tokens [1, N] are the chunks one after another,
+        chunk j of `views[j]` (a ForwardView of its own row and its tokens; no row twice) -> the
+        final-normed hidden states of the last real position of each chunk that `samples`, [1, r, D] in
+        chunk order (None if none does). The norms, projections and MLP run over all N tokens at once
+        (larger matmuls: the point of packing). Consecutive chunks of as many tokens from the same
+        position (`_groups`: a burst's first chunks) are one batch of rows for RoPE, the KV write and,
+        from position 0 (their keys are their own), MLX's causal attention; other chunks attend over
+        their row in the pool one by one, as `forward` does. Every layer writes all chunks' KV before
+        any reads it: a read holds the pool array, which MLX would copy for a later write.
+        `pads`: each chunk's pad past its prompt's end (`forward`'s num_pad); `stages`: as `forward`'s."""
+        H, H_kv, d = self.heads, self.kv_heads, self.head_dim
+        ops, pool = self.ops, views[0].pool
+        N = tokens.shape[1]
+        groups = _groups(views)  # (first chunk, chunks, tokens each, position), in order
+        writes = [GroupWrite(views[j:j + n]) for j, n, _, _ in groups]
+        starts = [sum(v.num_new for v in views[:j]) for j in range(len(views))]
+        sampled = [j for j, s in enumerate(samples) if s]
+        ends = [starts[j] + views[j].num_new - 1 - pads[j] for j in sampled]  # the sampled positions
+        h = self.bound.embed(tokens)  # [1, N, D]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = mx.fast.rms_norm(h, layer.in_w, layer.in_eps)
+            k = layer.norm_k(layer.k(x).reshape(1, N, H_kv, d))
+            v = layer.v(x).reshape(1, N, H_kv, d)
+            rows = []  # per group: its rows' rotated keys and values [n, H_kv, T, d]
+            for (j, n, T, offset), write in zip(groups, writes):
+                a = starts[j]
+                kg = layer.rope(k[:, a:a + n * T].reshape(n, T, H_kv, d).transpose(0, 2, 1, 3), offset=offset)
+                vg = v[:, a:a + n * T].reshape(n, T, H_kv, d).transpose(0, 2, 1, 3)
+                write.write(i, kg, vg)
+                rows.append((kg, vg))
+            if stages is not None:
+                stages.append(views[-1].written(i))
+            if i == last:
+                if not sampled:
+                    return None
+                # the sampled positions' query, attention and MLP alone (as `forward`'s last layer)
+                where = mx.array(ends)
+                x, h = x[:, where], h[:, where]  # [1, r, D]
+                q = layer.norm_q(layer.q(x).reshape(1, len(sampled), H, d))
+                qs = [layer.rope(q[:, n:n + 1].transpose(0, 2, 1, 3), offset=views[j].offset + ends[n] - starts[j])
+                      for n, j in enumerate(sampled)]
+                if stages is not None:
+                    stages.append(tuple(qs))
+                outs = [ops.attend(views[j], i, qj, layer.scale, stages=stages, softcap=layer.softcap,
+                                   drop_keys=pads[j]) for j, qj in zip(sampled, qs)]
+            else:
+                q = layer.norm_q(layer.q(x).reshape(1, N, H, d))
+                qs = [layer.rope(q[:, starts[j]:starts[j] + n * T].reshape(n, T, H, d).transpose(0, 2, 1, 3),
+                                 offset=offset) for j, n, T, offset in groups]
+                if stages is not None:
+                    stages.append(tuple(qs))
+                window = pool.layer_windows[i]
+                outs = []
+                for (j, n, T, offset), qg, (kg, vg) in zip(groups, qs, rows):
+                    if offset == 0 and (window is None or T <= window):  # causal over the rows' own keys
+                        outs.append(ops.attention(qg, kg, vg, layer.scale, "causal", stages, layer.softcap))
+                    else:
+                        outs += [ops.attend(views[j + b], i, qg[b:b + 1], layer.scale, stages=stages,
+                                            softcap=layer.softcap) for b in range(n)]
+            outs = [o.transpose(0, 2, 1, 3).reshape(1, -1, H * d) for o in outs]
+            out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [1, N or r, H d]
+            h, x = block.after_attention(layer, h, layer.o(out), ops.add_rms_norm)
+            if stages is not None:
+                stages += [h, x]
+            m = block.mlp(layer, x, ops.swiglu, stages=stages)
+            if i == last:
+                return block.after_mlp(layer, h, m, self.bound.final_norm, ops.add_rms_norm)[1]
+            h = block.after_mlp(layer, h, m, None, ops.add_rms_norm)[0]
+            if stages is not None:
+                stages.append(h)
+
     def warm_attention(self, shapes, dtype: mx.Dtype) -> None:
         """The first layer's attention of one prompt chunk per (tokens, context) of `shapes`, on zeros,
         its queries made as `forward` makes them and its keys a view of a pool array laid out as the
@@ -117,3 +191,15 @@ class ChunkPath:
                            offset=context - tokens)
             kv = chunk_view(keys, H_kv, d, 0, context)
             mx.eval(self.ops.attention(q, kv, kv, layer.scale, "causal"))
+
+
+def _groups(views: list) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive one-row views computing as many tokens from the same position: (first view,
+    views, tokens each, position) per run, in order."""
+    groups: list[list[int]] = []
+    for j, view in enumerate(views):
+        if groups and (view.num_new, view.offset) == (groups[-1][2], groups[-1][3]):
+            groups[-1][1] += 1
+        else:
+            groups.append([j, 1, view.num_new, view.offset])
+    return [tuple(g) for g in groups]

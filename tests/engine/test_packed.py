@@ -1,0 +1,151 @@
+"""Several rows' prompt chunks packed into one forward (ModelRunner.prefill_packed, ChunkPath.forward_packed;
+up to ExecutionConfig.max_packed_tokens tokens in all): real forwards of the tiny
+llama on the CPU give mlx-lm's greedy tokens and the same tokens as one forward per chunk, padded and
+one-token chunks and batches of first chunks included; the scheduler packs only distinct rows, within the transient bound and the
+free memory; every packed step's measured transient stays within its prediction; a packed forward that
+cannot be built runs its chunks apart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.core.memory.model import MemoryModel, ModelShape, PrefillChunkPlan, StepPlan
+from engine.core.memory.plan import pack_groups
+from engine.core.types import SamplingParams
+
+
+def prompts_of(lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def serve(engine, prompts, max_tokens=8, sampled=()):
+    """Every prompt at once (those in `sampled` sampling at temperature 0.8): (tokens per request, the
+    steps' plans, their StepMemory records)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=5,
+                                                     temperature=0.8 if i in sampled else 0.0))
+    tokens, plans, memory = {}, [], []
+    while engine.has_unfinished():
+        record = engine.step()
+        for out in record.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if record.plan is not None:
+            plans.append(record.plan)
+        if record.memory is not None:
+            memory.append(record.memory)
+    return tokens, plans, memory
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+def test_packed_chunks_give_mlx_lm_greedy_tokens(make_engine, tiny_parts, reference_greedy, pad):
+    engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=128, max_num_seqs=6,
+                         prefix_cache_fraction=0.0, execution={"pad_last_chunk": pad, "max_packed_tokens": 128})
+    assert engine.memory.packed
+    # a one-token prompt, prompts ending inside a chunk and one of several chunks (two of its chunks
+    # in a step never share a forward)
+    prompts = prompts_of([1, 45, 20, 100, 7, 64], engine.memory.shape.vocab_size, seed=2)
+    tokens, plans, memory = serve(engine, prompts)
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 8), i
+    packed = [p for p in plans if any(n > 1 for n in p.packs)]
+    assert packed, "no step packed its chunks"
+    for plan in packed:
+        for group in pack_groups(plan.prefills, plan.packs):
+            assert len({c.request_id for c in group}) == len(group)  # one chunk per row
+        if plan.mixed:
+            assert plan.packs[0] == 1  # the mixed forward's chunk is alone
+    assert any(c.num_pad_tokens for p in packed for c in p.prefills) == pad
+    # first chunks of as many tokens: one batch of rows in the chunk loop (ChunkPath.forward_packed)
+    assert any(len([c for c in group if c.start == 0 and c.num_forward_tokens == 32]) > 1
+               for p in packed for group in pack_groups(p.prefills, p.packs))
+    for m in memory:
+        assert m.measured_bytes <= m.predicted_bytes, m
+
+
+def test_packing_saves_forwards_and_changes_no_token(make_engine):
+    def run(pack: bool):
+        engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, max_num_seqs=4,
+                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": 64 if pack else 0})
+        assert engine.memory.packed == pack
+        prompts = prompts_of([9, 60, 41, 17], engine.memory.shape.vocab_size, seed=5)
+        tokens, plans, _ = serve(engine, prompts, sampled=(1,))  # a sampling row's stream is its own
+        return tokens, engine.runner.num_forward_calls, plans
+
+    (packed, packed_forwards, plans), (apart, apart_forwards, unpacked) = run(True), run(False)
+    assert packed == apart
+    assert packed_forwards < apart_forwards
+    assert any(p.packs for p in plans) and not any(p.packs for p in unpacked)
+
+
+def test_a_packed_forward_that_fails_to_build_runs_apart(make_engine, tiny_parts, reference_greedy,
+                                                        run_to_completion):
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, prefix_cache_fraction=0.0,
+                         execution={"max_packed_tokens": 64})
+    calls = {"n": 0}
+
+    def broken(works):
+        calls["n"] += 1
+        raise RuntimeError("cannot build")
+
+    engine.runner.prefill_packed = broken
+    prompts = prompts_of([20, 50, 33], engine.memory.shape.vocab_size, seed=9)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = run_to_completion(engine)
+    assert calls["n"] >= 1
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 6)
+
+
+def test_scheduler_packs_within_the_bound_and_the_free_memory(make_engine):
+    def plan_with(shrink: int = 0, room=None, most: int = 128):
+        engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=128, max_num_seqs=4,
+                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": most})
+        for i, p in enumerate(prompts_of([32, 32, 32, 32], engine.memory.shape.vocab_size, seed=1)):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
+        scheduler = engine.scheduler
+        scheduler.transient_bound_bytes -= shrink
+        if room is not None:
+            scheduler.config = type(scheduler.config)(**{**scheduler.config.__dict__,
+                                                         "max_memory_bytes": room + engine.kv.pool_bytes})
+        return scheduler, scheduler.schedule()
+
+    scheduler, plan = plan_with()
+    assert len(plan.prefills) == 4 and plan.packs == (4,)
+    four = plan.predicted_transient_bytes
+    assert four == scheduler.memory.packed_bytes(scheduler.memory_plan((), plan.prefills).prefill_chunks)
+    single = scheduler.predict((), plan.prefills[:1])
+    assert four > single
+    # a bound that four chunks' forward passes: packs of fewer
+    scheduler, plan = plan_with(shrink=scheduler.transient_bound_bytes - four + 1)
+    assert len(plan.prefills) == 4 and 1 < len(plan.packs) < 4
+    assert plan.predicted_transient_bytes <= scheduler.transient_bound_bytes
+    # free memory for one chunk's forward only: no pack (the chunks run one after another)
+    scheduler, plan = plan_with(room=single)
+    assert plan.packs == () and plan.predicted_transient_bytes <= single
+    # at most 64 tokens a forward: a pack of two 32-token chunks, one pack a step (the others alone)
+    scheduler, plan = plan_with(most=64)
+    assert plan.packs == (2, 1, 1)
+
+
+def test_memory_model_predicts_a_packed_forward():
+    """A packed forward: every stage of its chunks' own forwards added, and PACK_ROWS query-sized rows a
+    token; one chunk is that chunk's forward; a step's forwards are packs (`packs`)."""
+    shape = ModelShape(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                       intermediate_size=512, vocab_size=1000, dtype_bytes=4)
+    model = MemoryModel(shape, max_packed_tokens=64)
+    chunks = (PrefillChunkPlan(16, 300, False), PrefillChunkPlan(32, 32, True), PrefillChunkPlan(1, 40, True))
+    alone = [model.prefill_chunk_bytes(c.num_tokens, c.context_len, c.computes_logits) for c in chunks]
+    packed = model.packed_bytes(chunks)
+    assert max(alone) + model.pack_rows_bytes(49) < packed <= sum(alone) + model.pack_rows_bytes(49)
+    assert model.packed_bytes(chunks[:1]) == alone[0]
+    assert model.step_transient_bytes(StepPlan(prefill_chunks=chunks, packs=(1, 2))) == max(
+        alone[0], model.packed_bytes(chunks[1:]))
+    assert model.step_transient_bytes(StepPlan(prefill_chunks=chunks)) == max(alone)
+    with pytest.raises(ValueError, match="packs"):
+        model.step_transient_bytes(StepPlan(prefill_chunks=chunks, packs=(2,)))
+    with pytest.raises(ValueError, match="pack of its own"):
+        model.step_transient_bytes(StepPlan(decode_context_lens=(10,), prefill_chunks=chunks, packs=(2, 1)),
+                                   mixed=True)
