@@ -88,7 +88,7 @@ class ExecutionConfig(BaseModel):
         0, ge=0, le=1 << 20,
         description="The most prompt tokens one forward may compute of several rows' chunks packed together "
         "(one chunk per row; 0: one forward per chunk). Packed, the matmuls run over all their tokens at "
-        "once: on an H200 an 8B llama served 64 / 128 streams of 512-token prompts 1.13 / 1.11 x as fast with "
+        "once: on an H200 an 8B llama served 64 / 128 streams of 512-token prompts 1.11 / 1.16 x as fast with "
         "8192 (docs/decode.md). The price is the prefill transient: a pack holds its chunks' temporaries "
         "together (the memory model predicts it and packs only within the configuration's transient bound "
         "and the free memory), so a burst of long prompts peaks several times higher than one chunk at a "

@@ -7,7 +7,8 @@ Every step:
    then waiting requests. The oldest prompt always gets its chunk first, so a long prompt at the head
    always progresses; shorter prompts behind it share what is left of the budget. A budget that every
    prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
-   chunk is its own forward, evaluated after the previous one: the memory bound is per chunk). A
+   chunk is its own forward, evaluated after the previous one: the memory bound is per chunk; with
+   ExecutionConfig.max_packed_tokens one forward a step packs several rows' chunks, `_packs`). A
    chunk cut short of a whole one (by the budget or the memory) ends on a grid, and with
    `pad_last_chunk` a prompt's last chunk computes up to it past the prompt's end (chunk_grid.py).
 

@@ -14,7 +14,9 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   one copy of that KV (n*H_kv*2*d*s), read by its last position's one query (the engine's chunk
   loop); with cpu_math's attention on MLX's CPU backend every chunk read as a view adds it (its
   matmuls need a head's keys in consecutive rows). Rows prefill one after
-  another, each evaluated before the next, so a step's prefill transient is the largest chunk's.
+  another, each evaluated before the next, so a step's prefill transient is the largest chunk's; or
+  several rows' chunks run as one packed forward (`packed_bytes`: their stages added, PACK_ROWS more
+  rows a token).
 - Decode of B rows, the longest with n keys, r of them sampling:
       b_d * B*D*s + g * B*n*H_kv*(2*d*s + 4) + b_s * 4*B*H*n + b_i * B*I*s + (b_v * B + z * r) * 4*V
   the hidden states, one layer's KV of the rows gathered from the pool (right-padded to n, with its
