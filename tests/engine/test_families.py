@@ -213,6 +213,32 @@ def test_family_memory_prediction_tight_on_every_step(checkpoints, family, bits,
 # ----------------------------------------------------------------------------- refusals
 
 
+@pytest.mark.parametrize("family", LOOP_FAMILIES)
+def test_packed_steps_within_their_prediction(checkpoints, family):
+    """Several rows' prompt chunks in one forward (ExecutionConfig.max_packed_tokens) in every family the
+    layer loops run: every step's measured transient stays within its prediction (a pack's: its chunks'
+    stages added and PACK_ROWS more rows a token, MemoryModel.packed_bytes), and some steps packed."""
+    from engine.engine import Engine
+
+    extra = {} if family in ("llama", "mistral", "qwen2", "phi3") else {"head_dim": 64}
+    folder = checkpoints(family, None, hidden_size=256, intermediate_size=512, **extra)
+    engine = Engine.from_config(EngineConfig(model=str(folder), dtype="float32", prefill_chunk_size=128,
+                                             max_num_batched_tokens=256, max_num_seqs=4,
+                                             memory_limit_bytes=2 << 30, execution={"max_packed_tokens": 256}))
+    gc.collect()  # earlier engines collected mid-step would hide part of a step's transient
+    rng = random.Random(1)
+    for i, n in enumerate((100, 250, 60, 180)):
+        engine.add_request(str(i), [rng.randrange(3, 40000) for _ in range(n)],
+                           SamplingParams(max_tokens=4, ignore_eos=True))
+    packed = 0
+    while engine.has_unfinished():
+        record = engine.step()
+        if record.memory is not None:
+            assert record.memory.measured_bytes <= record.memory.predicted_bytes, (family, record.plan.packs)
+            packed += any(n > 1 for n in record.plan.packs)
+    assert packed
+
+
 def test_unsupported_architecture_refused_at_load(tmp_path):
     from engine.model.loader import load_model
 
