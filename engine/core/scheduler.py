@@ -38,7 +38,7 @@ from typing import Collection, Optional, Sequence
 
 from engine.core.chunk_grid import DEFAULT_CHUNK_GRANULE, aligned_chunk, padded_ends
 from engine.core.kv_manager import KVManager
-from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
+from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan, pack_groups
 from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledChunk, SchedulerOutput,
                                processed)
 
@@ -216,7 +216,7 @@ class Scheduler:
             return ()
         memory = self.memory
         limit = self.transient_bound_bytes if room is None else min(self.transient_bound_bytes, room)
-        chunks = self.memory_plan(decodes, prefills).prefill_chunks
+        chunks = self.memory_plan(decodes, prefills, packs=(len(prefills),)).prefill_chunks
         sizes = [1] * first
         summed, tokens, rows, closed = None, 0, set(), False
         for chunk, plan in zip(prefills[first:], chunks[first:]):
@@ -287,6 +287,12 @@ class Scheduler:
         expects to be read so (`_reads_view`); `ahead`: tokens each decoding row has beyond what
         `update` committed; `packs`: the chunks' forwards (SchedulerOutput.packs)."""
         requests = self.requests
+        # as for decode rows: one processed row of a pack sends all its sampled rows through the sampler's
+        # processing path (`_packs` asks with every chunk in one pack: an upper bound while it forms them)
+        processed_ids = {c.request_id for c in prefills
+                         if c.completes_prompt and processed(requests[c.request_id].sampling)}
+        groups = pack_groups(tuple(prefills), packs)
+        processes = {c.request_id for g in groups if any(c.request_id in processed_ids for c in g) for c in g}
         return StepPlan(
             decode_context_lens=tuple(requests[i].num_tokens + ahead for i in decodes),
             # one row that is not a plain argmax sends the whole batch through the sampler's processing
@@ -294,7 +300,7 @@ class Scheduler:
             decode_samples=len(decodes) if any(processed(requests[i].sampling) for i in decodes) else 0,
             prefill_chunks=tuple(  # the tokens a chunk computes, a padded last chunk's pad included
                 PrefillChunkPlan(c.num_forward_tokens, c.start + c.num_forward_tokens, c.completes_prompt,
-                                 c.completes_prompt and processed(requests[c.request_id].sampling),
+                                 c.completes_prompt and c.request_id in processes,
                                  gathers=(c.request_id not in slice_reads or c.num_forward_tokens < 2)
                                  if slice_reads is not None
                                  else not self._reads_view(c.request_id, c.start + c.num_forward_tokens,

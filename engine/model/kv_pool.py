@@ -7,7 +7,8 @@ so that a view's strides do not depend on num_slots: MLX's CUDA attention keys i
 K/V strides, and a head-major view's changed with every growth of the pool (vLLM's layout, for the same
 reason). A request owns a list of blocks (engine/core/blocks.py); its position p lives in slot
 `blocks[p // block_size] * block_size + p % block_size`. Every forward, prefill of one row or decode of
-B rows, touches each layer with a fixed number of operations whatever B is:
+B rows, touches each layer with a fixed number of operations whatever B is (a packed forward of several
+rows' chunks, engine/model/layers/chunk_path.py, one write per run of equal chunks, `GroupWrite`):
 - write: one scatter per K and V of the forward's new tokens (`[B, H_kv, T, D]` flattened, rows
   `slot*H_kv + h`) into the pool, in place (the pool array is donated to the scatter);
 - read, a prompt chunk (T > 1) of a row whose blocks are consecutive: its positions [0, n) are slots

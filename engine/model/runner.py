@@ -332,20 +332,24 @@ class ModelRunner:
         stages = [] if self.stage_waits else None
         hidden = self.chunk_path.forward_packed(tokens, views, [w.sample for w in works],
                                                 [w.num_pad_tokens for w in works], stages)  # [1, r, D] or None
-        for view, row, w in zip(views, rows, works):
-            view.advance()
-            row.offset -= w.num_pad_tokens  # as in `prefill`
         stages = [stage_list(h) for h in stages or ()]
         sampling = [w for w in works if w.sample]
         if not sampling:  # as in `prefill`: handles to the pool arrays this forward leaves
-            return Forward(stages + [[_alias(a) for a in self.pool.keys + self.pool.values]], None)
-        logits = self._head(hidden[0])  # [r, V]
-        sampled = sample_rows(logits, [self.samplers[w.request_id] for w in sampling])
-        rank = {w.request_id: n for n, w in enumerate(sampling)}
-        back = [rank[w.request_id] for w in asked if w.sample]  # `works` order again
-        if back != sorted(back):
-            sampled = sampled[mx.array(back)]
-        return Forward(stages + [[sampled]], sampled)
+            forward = Forward(stages + [[_alias(a) for a in self.pool.keys + self.pool.values]], None)
+        else:
+            logits = self._head(hidden[0])  # [r, V]
+            sampled = sample_rows(logits, [self.samplers[w.request_id] for w in sampling])
+            rank = {w.request_id: n for n, w in enumerate(sampling)}
+            back = [rank[w.request_id] for w in asked if w.sample]  # `works` order again
+            if back != sorted(back):
+                sampled = sampled[mx.array(back)]
+            forward = Forward(stages + [[sampled]], sampled)
+        # the rows advance once all of it is built: a pack that fails to build leaves them where they
+        # were, and its chunks run apart (the executor), writing the same KV again
+        for view, row, w in zip(views, rows, works):
+            view.advance()
+            row.offset -= w.num_pad_tokens  # as in `prefill`
+        return forward
 
     def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None,
                defer_sampling: bool = False) -> "Forward":

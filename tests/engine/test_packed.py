@@ -149,3 +149,63 @@ def test_memory_model_predicts_a_packed_forward():
     with pytest.raises(ValueError, match="pack of its own"):
         model.step_transient_bytes(StepPlan(decode_context_lens=(10,), prefill_chunks=chunks, packs=(2, 1)),
                                    mixed=True)
+
+
+def test_a_packed_forward_whose_head_fails_runs_apart(make_engine, tiny_parts, reference_greedy,
+                                                      run_to_completion, monkeypatch):
+    """The failure comes after the pack's layers were built: its rows must still be where they were, so
+    that its chunks run apart and every request gets mlx-lm's tokens."""
+    import engine.model.runner as runner_module
+
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, prefix_cache_fraction=0.0,
+                         execution={"max_packed_tokens": 64})
+    real_sample, real_packed = runner_module.sample_rows, engine.runner.prefill_packed
+    state = {"packing": False, "failed": 0}
+
+    def sample_rows(logits, samplers):
+        if state["packing"] and not state["failed"]:
+            state["failed"] += 1
+            raise RuntimeError("head failed")
+        return real_sample(logits, samplers)
+
+    def packed(works):
+        state["packing"] = True
+        try:
+            return real_packed(works)
+        finally:
+            state["packing"] = False
+
+    monkeypatch.setattr(runner_module, "sample_rows", sample_rows)
+    engine.runner.prefill_packed = packed
+    prompts = prompts_of([12, 9, 15], engine.memory.shape.vocab_size, seed=4)  # one chunk each: they sample
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=5, ignore_eos=True))
+    tokens = run_to_completion(engine)
+    assert state["failed"] == 1
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 5)
+
+
+@pytest.mark.parametrize("processing", [{"logprobs": 3}, {"repetition_penalty": 1.3}], ids=["logprobs", "penalty"])
+def test_a_pack_with_one_processed_row_is_predicted_as_all_processed(make_engine, processing):
+    """One row asking for logprobs or a penalty sends every sampled row of its pack through the sampler's
+    processing path ([r, V] float32 arrays): the plan counts them all, and no step measures above it."""
+    def loaded():
+        engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=256, max_num_seqs=8,
+                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": 256})
+        for i, p in enumerate(prompts_of([20] * 8, engine.memory.shape.vocab_size, seed=6)):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=3, ignore_eos=True,
+                                                         **(processing if i == 3 else {})))
+        return engine
+
+    scheduler = loaded().scheduler
+    plan = scheduler.schedule()
+    assert plan.packs == (8,)
+    assert all(c.samples for c in scheduler.memory_plan((), plan.prefills, packs=plan.packs).prefill_chunks)
+    # apart, only the processed row's own chunk
+    assert [c.samples for c in scheduler.memory_plan((), plan.prefills).prefill_chunks] == [i == 3 for i in range(8)]
+    engine = loaded()
+    while engine.has_unfinished():
+        record = engine.step()
+        if record.memory is not None:
+            assert record.memory.measured_bytes <= record.memory.predicted_bytes, record.plan.packs

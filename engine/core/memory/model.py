@@ -55,8 +55,8 @@ MIXED_STREAM_ROWS = 3
 FLOOR_CHUNK_TOKENS = 64
 # Query-sized rows per token and layer in flight that a packed forward (`packed_bytes`) holds beyond its
 # chunks' own forwards added up. Measured on an H200 (the 8B llama's calibration, scripts/data/
-# h200_i25_decode.json `packed_prefill`): 4 x 512 and 16 x 512-token packs measured 1.2 and 1.1 such rows
-# above the sum; 4 keeps their prediction 1.12 x what they measured.
+# h200_i25_decode.json `packed_prefill`): 4 x 512 and 16 x 512-token packs measured 2.2 and 2.1 such rows
+# above the plain sum; 4 keeps their prediction 1.12 x what they measured.
 PACK_ROWS = 4
 
 

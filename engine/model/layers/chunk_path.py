@@ -110,7 +110,8 @@ class ChunkPath:
         chunk order (None if none does). The norms, projections and MLP run over all N tokens at once
         (larger matmuls: the point of packing). Consecutive chunks of as many tokens from the same
         position (`_groups`: a burst's first chunks) are one batch of rows for RoPE, the KV write and,
-        from position 0 (their keys are their own), MLX's causal attention; other chunks attend over
+        from position 0 (their keys are their own) where the layer's window (if any) holds them all,
+        MLX's causal attention; other chunks attend over
         their row in the pool one by one, as `forward` does. Every layer writes all chunks' KV before
         any reads it: a read holds the pool array, which MLX would copy for a later write.
         `pads`: each chunk's pad past its prompt's end (`forward`'s num_pad); `stages`: as `forward`'s."""
