@@ -91,16 +91,9 @@ class ChunkPath:
                 stages.append(q)
             out = ops.attend(view, i, q, layer.scale, stages=stages, softcap=layer.softcap,
                              drop_keys=num_pad if i == last else 0)
-            h, x = block.after_attention(layer, h, layer.o(out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d)),
-                                         ops.add_rms_norm)
-            if stages is not None:  # the residual, then the MLP's input norm: its temporaries gone before the MLP's
-                stages += [h, x]
-            m = block.mlp(layer, x, ops.swiglu, stages=stages)
+            h = self._rest_of_layer(layer, h, out.transpose(0, 2, 1, 3).reshape(1, Tq, H * d), stages, i == last)
             if i == last:
-                return block.after_mlp(layer, h, m, self.bound.final_norm, ops.add_rms_norm)[1]
-            h = block.after_mlp(layer, h, m, None, ops.add_rms_norm)[0]
-            if stages is not None:
-                stages.append(h)
+                return h
 
     def forward_packed(self, tokens: mx.array, views: list, samples: list[bool], pads: list[int],
                        stages: Optional[list] = None) -> Optional[mx.array]:
@@ -167,15 +160,26 @@ class ChunkPath:
                                             softcap=layer.softcap) for b in range(n)]
             outs = [o.transpose(0, 2, 1, 3).reshape(1, -1, H * d) for o in outs]
             out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [1, N or r, H d]
-            h, x = block.after_attention(layer, h, layer.o(out), ops.add_rms_norm)
-            if stages is not None:
-                stages += [h, x]
-            m = block.mlp(layer, x, ops.swiglu, stages=stages)
+            h = self._rest_of_layer(layer, h, out, stages, i == last)
             if i == last:
-                return block.after_mlp(layer, h, m, self.bound.final_norm, ops.add_rms_norm)[1]
-            h = block.after_mlp(layer, h, m, None, ops.add_rms_norm)[0]
-            if stages is not None:
-                stages.append(h)
+                return h
+
+    def _rest_of_layer(self, layer, h: mx.array, attended: mx.array, stages: Optional[list], final: bool) -> mx.array:
+        """A layer after its attention `attended` [1, n, H d]: the output projection, the residual add and
+        norm, the MLP (appending `forward`'s stages: the residual, then the MLP's input norm, so its
+        temporaries are gone before the MLP's; the MLP's own; the residual after it). Returns the
+        residual stream [1, n, D], or the final-normed hidden states if `final`."""
+        ops = self.ops
+        h, x = block.after_attention(layer, h, layer.o(attended), ops.add_rms_norm)
+        if stages is not None:
+            stages += [h, x]
+        m = block.mlp(layer, x, ops.swiglu, stages=stages)
+        if final:
+            return block.after_mlp(layer, h, m, self.bound.final_norm, ops.add_rms_norm)[1]
+        h = block.after_mlp(layer, h, m, None, ops.add_rms_norm)[0]
+        if stages is not None:
+            stages.append(h)
+        return h
 
     def warm_attention(self, shapes, dtype: mx.Dtype) -> None:
         """The first layer's attention of one prompt chunk per (tokens, context) of `shapes`, on zeros,
