@@ -12,6 +12,10 @@ serving stalled every request for them. So the engine's thread runs, before its 
 - decodes (pipelined) of `rows` down to 1 rows, requests leaving one per step;
 - greedy and sampled rows (temperature, top-p, top-k, a penalty, log-probabilities): their sampling
   graphs differ.
+- where the engine packs prompt chunks (ExecutionConfig.max_packed_tokens), a burst of PACK_WARMUP_ROWS
+  equal prompts arriving together: one packed forward of their first chunks (its batched RoPE, KV write
+  and attention, and a head of several rows; each new number of rows in a pack still builds its own
+  attention graph).
 Not covered: grammar-constrained rows and decodes of more than `rows` rows (each new row count traces
 the compiled decode again: a first 9- or 10-row decode took 19-24 ms against 13 on the H200,
 scripts/data/h200_i24_tight_burst.json `token_major_at_eb7c392`, `bench_tight_burst.py --timings`). The
@@ -32,6 +36,7 @@ from engine.core.types import SamplingParams, StepRecord
 logger = logging.getLogger(__name__)
 
 WARMUP_ROWS = 8  # decode / mixed row counts covered: 1..8 (the compiled decode traces each count once)
+PACK_WARMUP_ROWS = 4  # prompts of the packed burst (where the engine packs)
 
 
 def warmup_requests(rows: int, chunk_tokens: int, max_model_len: int) -> list[tuple[list[int], SamplingParams]]:
@@ -60,6 +65,7 @@ class WarmupStep:
     prefill_chunks: int
     mixed: bool
     seconds: float
+    largest_pack: int = 1  # prompt chunks in its packed forward (1: none packed)
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ def warm_up(engine, rows: int = WARMUP_ROWS) -> Warmup:
         record: StepRecord = engine.step()
         if record.plan is not None:
             steps.append(WarmupStep(len(record.plan.decodes), len(record.plan.prefills), record.plan.mixed,
-                                    round(record.duration_s, 4)))
+                                    round(record.duration_s, 4), max(record.plan.packs, default=1)))
 
     try:
         for k, (prompt, sampling) in enumerate(warmup_requests(rows, config.prefill_chunk_size,
@@ -95,6 +101,15 @@ def warm_up(engine, rows: int = WARMUP_ROWS) -> Warmup:
             step()
         while engine.has_unfinished():
             step()
+        if engine.memory.packed:  # a burst whose first chunks run as one packed forward
+            length = max(1, min(config.prefill_chunk_size, engine.memory.max_packed_tokens // PACK_WARMUP_ROWS,
+                                engine.max_model_len - 2))
+            for k in range(min(PACK_WARMUP_ROWS, config.max_num_seqs)):
+                engine.add_request(f"warmup-pack-{k}", [7 + (5 * k + i) % 50 for i in range(length)],
+                                   SamplingParams(max_tokens=1, ignore_eos=True))
+                ids.append(f"warmup-pack-{k}")
+            while engine.has_unfinished():
+                step()
     except Exception:
         logger.exception("engine warm-up stopped early")
         for request_id in ids:

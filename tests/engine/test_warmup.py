@@ -48,6 +48,15 @@ def test_warm_up_runs_mixed_and_decode_steps_of_each_row_count(make_engine):
     assert len(out[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("most", [0, 256])
+def test_warm_up_runs_a_packed_forward_where_the_engine_packs(make_engine, most):
+    engine = make_engine(prefill_chunk_size=64, max_num_batched_tokens=256, max_num_seqs=8,
+                         execution={"max_packed_tokens": most})
+    warmup = warm_up(engine, rows=2)
+    assert (max(s.largest_pack for s in warmup.steps) > 1) == bool(most)
+    assert not engine.has_unfinished() and engine.kv.used_bytes == 0
+
+
 def test_a_refused_warm_up_leaves_the_engine_serving(make_engine, caplog):
     engine = make_engine(max_model_len=256)
     calls = []
