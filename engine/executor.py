@@ -43,6 +43,18 @@ class StepRun:
 
 
 @dataclass(frozen=True)
+class _Build:
+    """One forward of a step, to be built: the request ids whose tokens it samples (in its tokens' order),
+    the function that builds it, the request of its one prompt chunk (None: a decode, mixed or packed
+    forward) and, for a packed forward, its chunks' own builds (run instead where it cannot be built)."""
+
+    ids: tuple
+    build: Callable[[], Forward]
+    chunk_of: Optional[str] = None
+    apart: tuple = ()
+
+
+@dataclass(frozen=True)
 class _Inflight:
     """A decode built (and then launched) whose sampled tokens have not been read back."""
 
@@ -195,12 +207,10 @@ class StepExecutor:
         requests = self.scheduler.requests
         return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
 
-    def _builds(self, plan: SchedulerOutput) -> list[tuple]:
-        """(request ids whose tokens the forward samples, its prompt chunk's request, or for a packed
-        forward the builds of its chunks apart, or None, a function that builds it) per forward of the
-        plan: the decode (a mixed runner's decode rows ride with the first chunk,
-        engine/model/layers/mixed.py), then the prompt chunks, several rows' packed into one forward where
-        the plan says (SchedulerOutput.packs)."""
+    def _builds(self, plan: SchedulerOutput) -> list["_Build"]:
+        """The plan's forwards to build, in order: the decode (a mixed runner's decode rows ride with the
+        first chunk, engine/model/layers/mixed.py), then the prompt chunks, several rows' packed into one
+        forward where the plan says (SchedulerOutput.packs)."""
         requests = self.scheduler.requests
         works = [PrefillWork(c.request_id, requests[c.request_id].prompt_token_ids[c.start:c.start + c.num_tokens],
                              c.start, c.completes_prompt, c.num_pad_tokens) for c in plan.prefills]
@@ -215,14 +225,14 @@ class StepExecutor:
             else:
                 first = groups.pop(0)[0]
                 ids = ((first.request_id,) if first.sample else ()) + tuple(plan.decodes)
-                builds.append((ids, None, lambda: mixed))
+                builds.append(_Build(ids, lambda: mixed))
         if plan.decodes and not builds:
-            builds.append((plan.decodes, None, lambda: self._build_decode(plan, None).forward))
+            builds.append(_Build(plan.decodes, lambda: self._build_decode(plan, None).forward))
         for group in groups:
-            singles = [((w.request_id,), w.request_id, lambda w=w: self.runner.prefill(w)) for w in group]
+            singles = [_Build((w.request_id,), lambda w=w: self.runner.prefill(w), w.request_id) for w in group]
             if len(group) > 1:  # if it cannot be built, its chunks run apart (`_execute`)
-                ids = tuple(w.request_id for w in group if w.sample)
-                builds.append((ids, singles, lambda group=group: self.runner.prefill_packed(list(group))))
+                builds.append(_Build(tuple(w.request_id for w in group if w.sample),
+                                     lambda group=group: self.runner.prefill_packed(list(group)), apart=tuple(singles)))
             else:
                 builds += singles
         return builds
@@ -231,30 +241,30 @@ class StepExecutor:
         """Run the plan's forwards one at a time on the device (work.finish), each built while the
         previous one runs; the first while the previous step's last forward may still run (`_Deferred`).
         A prompt chunk whose graph cannot be built touches its own row only: its request goes into
-        `failed` (a packed forward that cannot be built runs its chunks apart). The step's transient is MLX's peak over what was alive before its first launch, less
-        KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`).
+        `failed` (a packed forward that cannot be built runs its chunks apart). The step's transient is
+        MLX's peak over what was alive before its first launch, less KV the step allocated. `admitted`: this step's pool growth and prefix copies (`_add_rows`).
         Returns (sampled tokens, the step's StepMemory)."""
         sampled: dict[str, int] = {}
         running = None  # (request ids, Forward) on the device
         before = None  # (MLX active bytes, KV allocated bytes) once the previous step's forward is done
         builds = self._builds(plan)
         while builds:
-            ids, chunk_id, build = builds.pop(0)
-            if isinstance(chunk_id, str) and chunk_id in failed:  # a later chunk of a request whose earlier one failed
+            item = builds.pop(0)
+            if item.chunk_of in failed:  # a later chunk of a request whose earlier one failed in this step
                 continue
             build_s = time.perf_counter() - self._t0
             try:
-                forward = build()
+                forward = item.build()
             except Exception as exc:
-                if chunk_id is None:
-                    raise  # the decode: the step fails
-                if isinstance(chunk_id, list):  # a packed forward: its chunks run apart
+                if item.apart:  # a packed forward: its chunks run apart
                     logger.exception("packed forward of %d prompt chunks failed to build; running them apart",
-                                     len(chunk_id))
-                    builds[:0] = chunk_id
+                                     len(item.apart))
+                    builds[:0] = item.apart
                     continue
-                logger.exception("prefill of %s failed", chunk_id)
-                failed[chunk_id] = f"{type(exc).__name__}: {exc}"
+                if item.chunk_of is None:
+                    raise  # the decode: the step fails
+                logger.exception("prefill of %s failed", item.chunk_of)
+                failed[item.chunk_of] = f"{type(exc).__name__}: {exc}"
                 continue
             built_s = time.perf_counter() - self._t0
             if running is not None:
@@ -262,7 +272,7 @@ class StepExecutor:
             if before is None:
                 before = self._measure_from()
             self._timed_launch(forward, build_s, built_s)
-            running = (ids, forward)
+            running = (item.ids, forward)
         if before is None:
             before = self._measure_from()
         deferred = running is not None and running[1].tokens is None and self.overlap_steps

@@ -217,24 +217,24 @@ class Scheduler:
         memory = self.memory
         limit = self.transient_bound_bytes if room is None else min(self.transient_bound_bytes, room)
         chunks = self.memory_plan(decodes, prefills, packs=(len(prefills),)).prefill_chunks
-        sizes = [1] * first
-        summed, tokens, rows, closed = None, 0, set(), False
-        for chunk, plan in zip(prefills[first:], chunks[first:]):
-            phases = None if closed else memory.chunk_plan_phases(plan)
-            if summed is not None and chunk.request_id not in rows \
-                    and tokens + plan.num_tokens <= memory.max_packed_tokens:
+        # the pack: chunks [start, start + size); one a step, the chunks after it alone (on an H200 four
+        # packs back to back measured above each one's prediction, docs/memory.md)
+        start, size, summed, tokens, rows = first, 0, (), 0, set()
+        for j in range(first, len(prefills)):
+            chunk, plan = prefills[j], chunks[j]
+            phases = memory.chunk_plan_phases(plan)
+            if size and chunk.request_id not in rows and tokens + plan.num_tokens <= memory.max_packed_tokens:
                 trial = tuple(a + b for a, b in zip(summed, phases))
                 if memory.summed_pack_bytes(trial, tokens + plan.num_tokens) <= limit:
-                    summed, tokens = trial, tokens + plan.num_tokens
+                    summed, tokens, size = trial, tokens + plan.num_tokens, size + 1
                     rows.add(chunk.request_id)
-                    sizes[-1] += 1
                     continue
-            # one pack a step, the chunks after it alone: on an H200 four packs back to back measured
-            # above each one's prediction (docs/decode.md)
-            closed = closed or (summed is not None and sizes[-1] > 1)
-            summed, tokens, rows = (None, 0, set()) if closed else (phases, plan.num_tokens, {chunk.request_id})
-            sizes.append(1)
-        return tuple(sizes) if len(sizes) < len(prefills) else ()
+            if size > 1:
+                break
+            start, size, summed, tokens, rows = j, 1, phases, plan.num_tokens, {chunk.request_id}
+        if size < 2:
+            return ()
+        return (1,) * start + (size,) + (1,) * (len(prefills) - start - size)
 
     @staticmethod
     def _fits(predicted: int, room: Optional[int]) -> bool:

@@ -90,9 +90,13 @@ class MemoryModel(ChunkTerms):
         self.copies_viewed_kv = copies_viewed_kv
         self.copies_every_view = copies_every_view
         self.max_packed_tokens = max_packed_tokens
-        self.packed = max_packed_tokens > 0
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the runner may pack several rows' prompt chunks into one forward (`max_packed_tokens`)."""
+        return self.max_packed_tokens > 0
 
     # --- KV ---------------------------------------------------------------------------------------
     @property
