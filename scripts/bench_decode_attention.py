@@ -19,6 +19,7 @@ import mlx.core as mx  # noqa: E402
 
 from bench_common import emit, environment  # noqa: E402
 from engine.model.kernels.paged_attention import CudaPagedAttention, ReferenceAttention  # noqa: E402
+from engine.model.kernels.mma_attention import BLOCKS_PER_SM  # noqa: E402
 from engine.model.kernels.split_attention import span_keys  # noqa: E402
 
 
@@ -62,6 +63,7 @@ def main(argv=None) -> dict:
                    "comma-separated (keys per span, keys each lane loads before using any, threads per block)")
     p.add_argument("--tiled-variants", default="", help="tiled kernel variants to time as SPAN:THREADS, "
                    "comma-separated (SPAN 0: the chosen span)")
+    p.add_argument("--mma-spans", default="0", help="spans of the tensor-core kernel to time (0: the chosen span)")
     p.add_argument("--shape", default="32,8,128", help="query heads, KV heads, head size")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeat", type=int, default=40)
@@ -72,19 +74,24 @@ def main(argv=None) -> dict:
     scale = head_dim ** -0.5
     ref = ReferenceAttention(kv_heads, args.block_size)
     kernels = {"short_64": CudaPagedAttention(kv_heads, args.block_size, spans=False),
-               "span_auto": CudaPagedAttention(kv_heads, args.block_size, tiled=False),
-               "tiled_auto": CudaPagedAttention(kv_heads, args.block_size, tiled=True)}
+               "span_auto": CudaPagedAttention(kv_heads, args.block_size, tiled=False, mma=False),
+               "tiled_auto": CudaPagedAttention(kv_heads, args.block_size, tiled=True, mma=False)}
+    for s in (s for s in args.mma_spans.split(",") if s):
+        kernels["mma_auto" if s == "0" else f"mma_{s}"] = CudaPagedAttention(kv_heads, args.block_size,
+                                                                            keys_per_span=int(s) or None)
     for s in (s for s in args.spans.split(",") if s):
-        kernels[f"span_{s}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=int(s), tiled=False)
-        kernels[f"tiled_{s}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=int(s), tiled=True)
+        kernels[f"span_{s}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=int(s), tiled=False,
+                                                  mma=False)
+        kernels[f"tiled_{s}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=int(s), tiled=True,
+                                                   mma=False)
     for v in (v for v in args.variants.split(",") if v):
         span, loads, threads = (int(x) for x in v.split(":"))
         kernels[f"v{v}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=span,
-                                              span_loads=loads, span_threads=threads, tiled=False)
+                                              span_loads=loads, span_threads=threads, tiled=False, mma=False)
     for v in (v for v in args.tiled_variants.split(",") if v):
         span, threads = (int(x) for x in v.split(":"))
         kernels[f"tiled_v{v}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=span or None,
-                                                    span_threads=threads, tiled=True)
+                                                    span_threads=threads, tiled=True, mma=False)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
@@ -92,7 +99,9 @@ def main(argv=None) -> dict:
             want = ref(q, kp, vp, table, lengths, scale).astype(mx.float32)
             kv_bytes = 2 * kv_heads * head_dim * 2 * int(lengths.sum().item())
             row = dict(rows=rows, context=context, kv_bytes=kv_bytes,
-                       auto_span=span_keys(rows, kv_heads, table.shape[1] * args.block_size), kernels={})
+                       auto_span=span_keys(rows, kv_heads, table.shape[1] * args.block_size),
+                       mma_auto_span=span_keys(rows, kv_heads, table.shape[1] * args.block_size,
+                                               blocks_per_sm=BLOCKS_PER_SM), kernels={})
             for name, kernel in kernels.items():
                 try:
                     got = kernel(q, kp, vp, table, lengths, scale).astype(mx.float32)

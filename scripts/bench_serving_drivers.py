@@ -375,6 +375,7 @@ def backend_runners() -> dict:
             "engine_sync_unfused": with_options(run_engine_sync, fuse_projections=False),
             "engine_sync_modules": with_options(run_engine_sync, layer_loops=False),
             "engine_sync_span": with_options(run_engine_sync, tiled_attention=False),
+            "engine_tiled": with_options(run_engine_async, mma_attention=False),
             "engine_sync_fused_rope": with_options(run_engine_sync, fused_rope=True),
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),

@@ -54,6 +54,7 @@ class RunnerOptions:
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
     tiled_attention: bool = True  # False: the paged kernel's untiled span kernel (to compare the two)
+    mma_attention: bool = True  # False: no tensor-core span kernel (the tiled one where it applies)
     # CUDA: decode's q/k norms and RoPE in one kernel; opt-in: with fewer kernels a layer, more layers' decode
     # temporaries share MLX's committed batches than the memory model's CUDA set was fitted on
     fused_rope: bool = False
@@ -68,7 +69,7 @@ class ModelRunner:
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
                  stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False,
-                 backend: str = "cpu"):
+                 backend: str = "cpu", mma_attention: bool = True):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -77,7 +78,8 @@ class ModelRunner:
         `paged_attention`: the engine's decode loop reads the pool in place with the CUDA kernel (the
         engine asks for it where MLX runs on CUDA), if the decode runs that loop, the model's shape
         allows it and the kernel passes its self-check (engine/model/kernels/paged_attention.py); else
-        decode gathers. `tiled_attention`: that kernel's tiled variant where it applies (else the span one).
+        decode gathers. `mma_attention`, `tiled_attention`: that kernel's tensor-core, else tiled variant
+        where it applies (else the span one); a variant failing its self-check falls back to the next.
         `fused_rope`: the decode loop's q/k norms, RoPE and q/k/v layout in one CUDA kernel
         (engine/model/kernels/qk_rope.py) where it passes its self-check.
         `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
@@ -109,9 +111,10 @@ class ModelRunner:
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
         self.pool.copy_views = attention_copies_views(backend, lay.head_dim, lay.kv_dtype, lay.family)
         self._build_loops(fuse, mixed, layer_loops, compiled_decode, cpu_math)
+        self.attention_kernel = ""  # the paged kernel's first pass taken (CudaPagedAttention.kind)
         if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,
-                                      tiled_attention)
+                                      tiled_attention, mma_attention)
         if fused_rope and self.decode_path is not None:
             why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype)
             if why is not None:
@@ -146,20 +149,28 @@ class ModelRunner:
             logger.info("prompt chunks run mlx-lm's modules (%s)", loops_why_not)
 
     def _enable_paged_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                             dtype, tiled: bool = True) -> None:
+                             dtype, tiled: bool = True, mma: bool = True) -> None:
         """The CUDA kernel for one-query forwards, if this model's shape allows it and it passes its
-        self-check here; else decode gathers (logged)."""
+        self-check here (tensor-core, tiled, span variants in turn, as allowed); else decode gathers
+        (logged)."""
         why_not = self._loops_why_not() or self._kernel_why_not() or unsupported(
             num_heads, num_kv_heads, head_dim, block_size, dtype)
-        for variant in ((True, False) if tiled else (False,)) if why_not is None else ():  # tiled, else span
+        tried = set()
+        for m, t in ((mma, tiled), (False, tiled), (False, False)) if why_not is None else ():
+            kind = f"mma={m}, tiled={t}"
             try:
-                kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=variant)
+                kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=t, mma=m)
+                kind = kernel.kind(head_dim, dtype, num_heads // num_kv_heads)
+                if kind in tried:  # the same kernel as a variant before (mma or tiled not for this shape)
+                    continue
+                tried.add(kind)
                 self_check(kernel, num_heads, head_dim, dtype)
                 self.use_paged_attention(kernel)
+                self.attention_kernel = kind
                 return
             except Exception as exc:  # noqa: BLE001 - any failure means: do without it
                 why_not = f"{type(exc).__name__}: {exc}"
-                logger.warning("paged decode attention (tiled=%s) failed its self-check: %s", variant, why_not)
+                logger.warning("paged decode attention (%s kernel) failed its self-check: %s", kind, why_not)
         logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
 
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:

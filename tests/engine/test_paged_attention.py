@@ -182,31 +182,38 @@ def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
         self_check(Wrong(2, 256), num_heads=4, head_dim=64, dtype=mx.float32)
 
 
-@pytest.mark.parametrize("works", ["both", "span", "none"])
+@pytest.mark.parametrize("works", ["mma", "tiled", "span", "none"])
 def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, monkeypatch, caplog, works):
-    """The tiled kernel if it passes its self-check, else the span kernel if that one does, else none."""
+    """The tensor-core kernel if it passes its self-check, else the tiled one, else the span one, else none."""
     import engine.model.runner as runner_module
     from engine.model.runner import ModelRunner
 
+    order = ["mma", "tiled", "span"]
+
     class FakeKernel(ReferenceAttention):  # stands for the CUDA kernel on this CPU
-        def __init__(self, num_kv_heads, block_size, tiled=True):
+        def __init__(self, num_kv_heads, block_size, tiled=True, mma=True):
             super().__init__(num_kv_heads, block_size)
-            self.tiled = tiled
+            self.tiled, self.mma = tiled, mma
+
+        def kind(self, head_dim, dtype, num_rep):
+            return "mma" if self.mma else "tiled" if self.tiled else "span"
 
         def __call__(self, queries, *args):
             out = super().__call__(queries, *args)
-            ok = works == "both" or (works == "span" and not self.tiled)
+            kind = self.kind(0, None, 0)
+            ok = works != "none" and order.index(kind) >= order.index(works)
             return out if ok else out + 1.0
 
     monkeypatch.setattr(runner_module, "CudaPagedAttention", FakeKernel)
     runner = ModelRunner(tiny_parts[0], paged_attention=True)
     if works != "none":
-        assert isinstance(runner.pool.paged, FakeKernel)
-        assert runner.pool.paged.tiled == (works == "both")
-        untiled = ModelRunner(tiny_parts[0], paged_attention=True, tiled_attention=False)  # asked for the span one
-        assert isinstance(untiled.pool.paged, FakeKernel) and not untiled.pool.paged.tiled
+        assert isinstance(runner.pool.paged, FakeKernel) and runner.attention_kernel == works
+        untiled = ModelRunner(tiny_parts[0], paged_attention=True, tiled_attention=False, mma_attention=False)
+        assert isinstance(untiled.pool.paged, FakeKernel) and untiled.attention_kernel == "span"  # as asked
+        no_mma = ModelRunner(tiny_parts[0], paged_attention=True, mma_attention=False)
+        assert no_mma.attention_kernel == ("tiled" if works != "span" else "span")
     else:
-        assert runner.pool.paged is None
+        assert runner.pool.paged is None and runner.attention_kernel == ""
         assert "paged decode attention not used" in caplog.text and "differs" in caplog.text
     assert ModelRunner(tiny_parts[0]).pool.paged is None  # not asked for (the engine asks on CUDA only)
     # decodes through mlx-lm's modules: never asked of the kernel, whatever the backend
@@ -224,7 +231,7 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     import engine.model.runner as runner_module
 
     monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
-    monkeypatch.setattr(runner_module, "CudaPagedAttention", lambda kv_heads, block, tiled=True: ReferenceAttention(
+    monkeypatch.setattr(runner_module, "CudaPagedAttention", lambda kv_heads, block, **kinds: ReferenceAttention(
         kv_heads, block))
     monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
     # small chunks, many long rows: the decode term decides the bound
@@ -267,7 +274,7 @@ def test_cuda_kernel_call_arguments_per_shape():
     run only on a GPU: recorders stand in for them (the object is made without its CUDA constructor)."""
     import mlx.core as mx
 
-    from engine.model.kernels import split_attention
+    from engine.model.kernels import mma_attention, split_attention
     from engine.model.kernels.paged_attention import CudaPagedAttention
 
     calls = []
@@ -280,29 +287,36 @@ def test_cuda_kernel_call_arguments_per_shape():
 
     attn = CudaPagedAttention.__new__(CudaPagedAttention)
     attn.num_kv_heads, attn.block_size, attn.keys_per_partial, attn.threads = 8, 256, 64, 128
-    attn.spans, attn.keys_per_span, attn.tiled = True, None, True
+    attn.spans, attn.keys_per_span, attn.tiled, attn.mma = True, None, True, True
     attn.span_loads, attn.span_threads = split_attention.SPAN_LOADS, split_attention.SPAN_THREADS
     attn._scales, attn._spans, attn._calls = {}, {}, {}
     attn._partial, attn._span_partial = recorder("partial"), recorder("span")
     attn._tiled_partial, attn._combine = recorder("tiled"), recorder("combine")
+    attn._mma_partial = recorder("mma")
+    threads = mma_attention.THREADS  # bf16, groups of 4, D = 128: the tensor-core kernel
     table, lengths = mx.zeros((64, 3), mx.int32), mx.full((64,), 600, mx.int32)
     k_pool = v_pool = mx.zeros((4, 128), mx.bfloat16)
     for _ in range(3):  # three layers of one forward
         q = mx.zeros((64, 32, 1, 128), mx.bfloat16)
         out = attn(q, k_pool, v_pool, table, lengths, 0.0884)
         assert out.shape == (64, 32, 1, 128) and out.dtype == mx.bfloat16
-    assert len(attn._calls) == 1 and [c[0] for c in calls] == ["tiled", "combine"] * 3
+    assert len(attn._calls) == 1 and [c[0] for c in calls] == ["mma", "combine"] * 3
     name, inputs, template, grid, threadgroup, shapes, dtypes = calls[0]
-    ch = split_attention.span_keys(64, 8, 3 * 256)
+    ch = split_attention.span_keys(64, 8, 3 * 256, blocks_per_sm=mma_attention.BLOCKS_PER_SM)
     spans = -(-3 * 256 // ch)
     assert inputs[3] is table and inputs[4] is lengths and inputs[5].item() == pytest.approx(0.0884)
     assert inputs[6].item() == ch and template == {"T": mx.bfloat16, "D": 128, "NREP": 4, "HKV": 8, "BLOCK": 256,
-                                                   "THREADS": 128}
-    assert grid == (64 * 8 * spans * 128, 1, 1) and threadgroup == (128, 1, 1)
+                                                   "THREADS": threads}
+    assert grid == (64 * 8 * spans * threads, 1, 1) and threadgroup == (threads, 1, 1)
     assert shapes == [(64, 8, spans, 4, 128), (64, 8, spans, 4, 2)] and dtypes == [mx.float32, mx.float32]
     assert calls[1][3] == (64 * 32 * 128, 1, 1) and calls[1][5] == [(64, 32, 1, 128)]
     attn(mx.zeros((16, 32, 1, 128), mx.bfloat16), k_pool, v_pool, mx.zeros((16, 9), mx.int32),
          mx.full((16,), 2200, mx.int32), 0.0884)  # another batch: its own plan, its own span
-    ch16 = split_attention.span_keys(16, 8, 9 * 256)
+    ch16 = split_attention.span_keys(16, 8, 9 * 256, blocks_per_sm=mma_attention.BLOCKS_PER_SM)
     assert len(attn._calls) == 2 and calls[-2][1][6].item() == ch16
-    assert calls[-2][3] == (16 * 8 * -(-9 * 256 // ch16) * 128, 1, 1)
+    assert calls[-2][3] == (16 * 8 * -(-9 * 256 // ch16) * threads, 1, 1)
+    # float16 KV (no bf16 tensor-core path here): the tiled kernel, 128 threads a block
+    attn(mx.zeros((16, 32, 1, 128), mx.float16), k_pool.astype(mx.float16), v_pool.astype(mx.float16),
+         mx.zeros((16, 9), mx.int32), mx.full((16,), 2200, mx.int32), 0.0884)
+    assert calls[-2][0] == "tiled" and calls[-2][2]["THREADS"] == 128 and calls[-2][4] == (128, 1, 1)
+    assert attn.kind(256, mx.bfloat16, 2) == "tiled" and attn.kind(128, mx.bfloat16, 16) == "span"

@@ -32,7 +32,7 @@ from typing import Optional
 import mlx.core as mx
 
 from engine.core.memory.model import PAGED_PARTIAL_KEYS
-from engine.model.kernels import split_attention
+from engine.model.kernels import mma_attention, split_attention
 
 _HEADER = """
 __device__ __forceinline__ float pa_warp_max(float v) {
@@ -214,6 +214,10 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
 
+    def kind(self, head_dim: int, dtype, num_rep: int) -> str:
+        """Which computation a call of this shape runs (ExecutionPaths.attention_kernel)."""
+        return "reference"
+
 
 class ReferenceAttention(PagedAttention):
     """The same computation with MLX operations: gather the rows' KV through the table, mask the
@@ -235,16 +239,17 @@ class CudaPagedAttention(PagedAttention):
 
     def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS,
                  spans: bool = True, keys_per_span: Optional[int] = None, span_loads: int = 0,
-                 span_threads: int = 0, tiled: bool = True):
+                 span_threads: int = 0, tiled: bool = True, mma: bool = True):
         """`keys_per_partial` and `threads`: the short-span kernel's; `spans`: where the head size allows,
         the long-span kernel (engine/model/kernels/split_attention.py) with as many keys per span as
         still fill the device (fewer partials than the memory model's PAGED_PARTIAL_KEYS spans count);
         `keys_per_span`, `span_loads`, `span_threads` fix its span, loads in flight and threads (timing
         variants, scripts/bench_decode_attention.py; 0 or None: split_attention's); `tiled`: where
         split_attention.tiled_supports allows, the span kernel that stages its keys through shared
-        memory (docs/decode.md)."""
+        memory (docs/decode.md); `mma`: where mma_attention.supports allows (bf16, groups of up to 8
+        heads, head sizes up to 128), the span kernel on tensor cores instead."""
         super().__init__(num_kv_heads, block_size)
-        self.spans, self.keys_per_span, self.tiled = spans, keys_per_span, tiled
+        self.spans, self.keys_per_span, self.tiled, self.mma = spans, keys_per_span, tiled, mma
         self.span_loads = span_loads or split_attention.SPAN_LOADS
         self.span_threads = span_threads or split_attention.SPAN_THREADS
         if block_size % keys_per_partial or keys_per_partial % (threads // 32):
@@ -265,6 +270,9 @@ class CudaPagedAttention(PagedAttention):
             name="pool_attention_tiled", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
             output_names=["part", "stats"], source=split_attention.TILED_PARTIAL,
             header=_HEADER + split_attention.TILED_HEADER)
+        self._mma_partial = mx.fast.cuda_kernel(
+            name="pool_attention_mma", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
+            output_names=["part", "stats"], source=mma_attention.PARTIAL, header=_HEADER + mma_attention.HEADER)
         self._combine = mx.fast.cuda_kernel(
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
@@ -274,7 +282,17 @@ class CudaPagedAttention(PagedAttention):
         span `split_attention.span_keys` picks)."""
         return CudaPagedAttention(self.num_kv_heads, self.block_size, self.keys_per_partial, self.threads,
                                   spans=True, keys_per_span=keys, span_loads=self.span_loads,
-                                  span_threads=self.span_threads, tiled=self.tiled)
+                                  span_threads=self.span_threads, tiled=self.tiled, mma=self.mma)
+
+    def kind(self, head_dim: int, dtype, num_rep: int) -> str:
+        """The first kernel a call of this shape runs: "mma" (tensor cores), "tiled", "span" or "short"."""
+        if not (self.spans and split_attention.supports(head_dim)):
+            return "short"
+        if self.mma and mma_attention.supports(head_dim, dtype.size, num_rep, dtype == mx.bfloat16):
+            return "mma"
+        if self.tiled and split_attention.tiled_supports(head_dim, dtype.size, num_rep, self.span_threads):
+            return "tiled"
+        return "span"
 
     def __call__(self, queries, k_pool, v_pool, table, lengths, scale: float):
         B, hq, _, d = queries.shape
@@ -297,17 +315,21 @@ class CudaPagedAttention(PagedAttention):
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
         extra = [self._scales[scale]]
-        hkv, nrep, span = self.num_kv_heads, hq // self.num_kv_heads, self.spans and split_attention.supports(d)
-        tiled = span and self.tiled and split_attention.tiled_supports(d, dtype.size, nrep, self.span_threads)
+        hkv, nrep = self.num_kv_heads, hq // self.num_kv_heads
+        kind = self.kind(d, dtype, nrep)
+        span, tiled, mma = kind != "short", kind == "tiled", kind == "mma"
         template = [("T", dtype), ("D", d), ("NREP", nrep), ("HKV", hkv), ("BLOCK", self.block_size)]
-        if span:  # keys per span an input (split_attention's _BLOCK_SETUP says why)
+        if span:  # keys per span an input (split_attention's BLOCK_SETUP says why)
             threads, kernel = self.span_threads, self._tiled_partial if tiled else self._span_partial
-            ch = self.keys_per_span or split_attention.span_keys(B, hkv, num_blocks * self.block_size)
+            if mma:
+                threads, kernel = mma_attention.THREADS, self._mma_partial
+            ch = self.keys_per_span or split_attention.span_keys(
+                B, hkv, num_blocks * self.block_size, blocks_per_sm=mma_attention.BLOCKS_PER_SM if mma else 4)
             np_ = -(-num_blocks * self.block_size // ch)
             if ch not in self._spans:
                 self._spans[ch] = mx.array([ch], mx.int32)
             extra.append(self._spans[ch])
-            template += [("THREADS", threads)] + ([] if tiled else [("U", self.span_loads)])
+            template += [("THREADS", threads)] + ([] if tiled or mma else [("U", self.span_loads)])
         else:
             ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
             np_ = num_blocks * (self.block_size // ch)

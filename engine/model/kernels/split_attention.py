@@ -17,7 +17,7 @@ from __future__ import annotations
 # the lanes' parts of the queries (scaled) with the running max, sum and accumulator per query head.
 # The keys per span, CH, are an input, not a template argument: each template instance is a compile
 # (NVRTC, 1.6-3.1 s each on an H200) that MLX keeps for the process only, and CH varies with the batch.
-_BLOCK_SETUP = """
+BLOCK_SETUP = """
   const int CH = span[0];
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -103,7 +103,7 @@ SPAN_PARTIAL = """
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
   __shared__ float sm_acc[NW][NREP][D];
-""" + _BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
+""" + BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
   const float sc = scale[0];
 """ + _QUERY_SETUP + """  for (int w0 = warp * KPI; w0 < n; w0 += STRIDE * U) {  // uniform over the warp: its shuffles need every lane
     Vec kv[U], vv[U];
@@ -218,7 +218,7 @@ TILED_PARTIAL = """
   // __syncthreads): a block's shared memory is about its tiles, so groups of 8 heads at D = 128 fit 48 KB
   static_assert(NW * NREP * D * sizeof(float) <= sizeof(sk), "tiled attention: the merge fits the key tiles");
   float (*sm_acc)[NREP][D] = reinterpret_cast<float (*)[NREP][D]>(&sk[0][0]);
-""" + _BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
+""" + BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
   const int span0 = j * CH;  // the span's first position: the tiles count keys from it
   const float sc = scale[0];
 """ + _QUERY_SETUP + """  const int NT = (n + TK - 1) / TK;
@@ -287,10 +287,12 @@ DEVICE_SMS = 132
 SPAN_CHOICES = (64, 128, 256, 512, 1024)  # what span_keys picks from
 
 
-def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = DEVICE_SMS) -> int:
-    """Keys per span: the longest of SPAN_CHOICES that still gives the device about four thread blocks
-    per multiprocessor, so long rows split over several blocks and many rows keep one or two each."""
+def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = DEVICE_SMS,
+              blocks_per_sm: int = 4) -> int:
+    """Keys per span: the longest of SPAN_CHOICES that still gives the device about `blocks_per_sm`
+    thread blocks per multiprocessor, so long rows split over several blocks and many rows keep one or
+    two each."""
     keys = SPAN_CHOICES[-1]
-    while keys > SPAN_CHOICES[0] and num_rows * num_kv_heads * -(-max_len // keys) < 4 * num_sms:
+    while keys > SPAN_CHOICES[0] and num_rows * num_kv_heads * -(-max_len // keys) < blocks_per_sm * num_sms:
         keys //= 2
     return keys
