@@ -25,6 +25,8 @@ CUDA_MAX_OPS_PER_BUFFER = 8
 # core-bound chunk after another, and a larger budget only delays the decode rows riding in it.
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
+# ExecutionConfig.max_packed_tokens when None, on MLX's CUDA backend (docs/decode.md)
+PACKED_TOKENS_CUDA = 8192
 GPU_BACKENDS = ("cuda", "metal")
 
 
@@ -84,16 +86,23 @@ class ExecutionConfig(BaseModel):
         "of MLX_CUDA_SDPA_CACHE_SIZE, the graphs MLX keeps.",
     )
 
-    max_packed_tokens: int = Field(
-        0, ge=0, le=1 << 20,
+    max_packed_tokens: Optional[int] = Field(
+        None, ge=0, le=1 << 20,
         description="The most prompt tokens one forward may compute of several rows' chunks packed together "
         "(one chunk per row; 0: one forward per chunk). Packed, the matmuls run over all their tokens at "
         "once: on an H200 an 8B llama served 64 / 128 streams of 512-token prompts 1.11 / 1.16 x as fast with "
-        "8192 (docs/decode.md). The price is the prefill transient: a pack holds its chunks' temporaries "
-        "together (the memory model predicts it and packs only within the configuration's transient bound "
-        "and the free memory), so a burst of long prompts peaks several times higher than one chunk at a "
-        "time. Off by default, where the engine's prefill transient stays within 1.25 x sequential "
-        "chunked prefill's (docs/memory.md); the engine's chunk loop only (not mlx-lm's modules).",
+        "8192 (docs/decode.md). A pack holds its chunks' temporaries together: the memory model predicts it, "
+        "and the scheduler packs only within the configuration's transient bound and the free memory. Only "
+        "prompts that fit one chunk pack (pack_long_prompts), so a burst of long prompts still prefills one "
+        "chunk at a time, within 1.25 x sequential chunked prefill's transient (docs/memory.md). None: "
+        "PACKED_TOKENS_CUDA on MLX's CUDA backend, 0 elsewhere (on the CPU a forward's tokens run one "
+        "core-bound matmul after another either way); the engine's chunk loop only (not mlx-lm's modules).",
+    )
+    pack_long_prompts: bool = Field(
+        False,
+        description="Also pack the chunks of prompts longer than one chunk (prefill_chunk_size). Their packs "
+        "are faster still at the price of the bound on long prompts' prefill transient: on an H200 four "
+        "long prompts' prefill peaked at 6 x sequential chunked prefill's with it (docs/memory.md).",
     )
 
     start_warmup: bool = Field(
@@ -118,6 +127,13 @@ class ExecutionConfig(BaseModel):
         if self.max_ops_per_buffer is not None:
             return self.max_ops_per_buffer
         return CUDA_MAX_OPS_PER_BUFFER if backend == "cuda" else None
+
+
+    def resolved_max_packed_tokens(self, backend: str) -> int:
+        """The value for MLX backend `backend`: max_packed_tokens, else PACKED_TOKENS_CUDA on CUDA, else 0."""
+        if self.max_packed_tokens is not None:
+            return self.max_packed_tokens
+        return PACKED_TOKENS_CUDA if backend == "cuda" else 0
 
 
 def export_max_ops_per_buffer(value: Optional[int]) -> None:

@@ -87,7 +87,8 @@ class Engine:
                             config.prefill_chunk_size, self.max_model_len,
                             mix_beyond_bound=step_options.mix_beyond_bound, max_memory_bytes=max_memory,
                             pad_last_chunk=config.execution.pad_last_chunk,
-                            chunk_granule=config.execution.chunk_granule),
+                            chunk_granule=config.execution.chunk_granule,
+                            pack_long_prompts=config.execution.pack_long_prompts),
             self.memory, self.kv, view_reads=self.runner.pool.read_slices)
         # pipelined decodes, on CUDA chunks that sample nothing run into the next step (StepOptions' defaults)
         overlap = step_options.overlap_steps
@@ -129,7 +130,7 @@ class Engine:
                            cpu_math=options.cpu_math and backend == "cpu",
                            read_slices=options.read_slices, max_rows=config.max_num_seqs,
                            max_forward_tokens=config.prefill_chunk_size, stage_waits=backend == "cpu",
-                           tiled_attention=options.tiled_attention,
+                           tiled_attention=options.tiled_attention, mma_attention=options.mma_attention,
                            fused_rope=options.fused_rope and backend == "cuda", backend=backend)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
@@ -160,7 +161,8 @@ class Engine:
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
                            copies_every_view=pool.copy_views,
-                           max_packed_tokens=config.execution.max_packed_tokens if runner.chunk_path is not None else 0)
+                           max_packed_tokens=(config.execution.resolved_max_packed_tokens(backend)
+                                              if runner.chunk_path is not None else 0))
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is
@@ -376,6 +378,7 @@ class Engine:
                               compiled_decode=decode is not None and decode.compiled is not None,
                               chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
                               fused_rope=runner.ops.qk_rope is not None,
+                              attention_kernel=runner.attention_kernel if runner.paged_attention else "",
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1])
 
     def stats(self) -> EngineStats:

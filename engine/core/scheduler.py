@@ -8,7 +8,7 @@ Every step:
    always progresses; shorter prompts behind it share what is left of the budget. A budget that every
    prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
    chunk is its own forward, evaluated after the previous one: the memory bound is per chunk; with
-   ExecutionConfig.max_packed_tokens one forward a step packs several rows' chunks, `_packs`). A
+   ExecutionConfig.max_packed_tokens one forward a step packs several rows' whole prompts, `_packs`). A
    chunk cut short of a whole one (by the budget or the memory) ends on a grid, and with
    `pad_last_chunk` a prompt's last chunk computes up to it past the prompt's end (chunk_grid.py).
 
@@ -58,6 +58,9 @@ class SchedulerConfig:
     pad_last_chunk: bool = False
     # The power of two cut and padded chunks end on (chunk_grid.py; ExecutionConfig.chunk_granule).
     chunk_granule: int = DEFAULT_CHUNK_GRANULE
+    # Packs take the chunks of prompts longer than one chunk too (ExecutionConfig.pack_long_prompts);
+    # else only chunks that are a whole prompt (after its cached prefix).
+    pack_long_prompts: bool = False
 
 
 class Scheduler:
@@ -206,8 +209,9 @@ class Scheduler:
     def _packs(self, decodes: Sequence[str], prefills: list[ScheduledChunk], mixed: bool,
                room: Optional[int]) -> tuple[int, ...]:
         """The step's prompt chunks (after a mixed forward's, which stays alone) in forwards, in order
-        (SchedulerOutput.packs): one pack that takes the next chunk while that chunk's row is not in it,
-        its tokens stay within ExecutionConfig.max_packed_tokens and the memory model's prediction of it
+        (SchedulerOutput.packs): one pack of consecutive chunks, each a whole prompt (unless
+        `pack_long_prompts`) of a row not yet in it, while its tokens stay within
+        ExecutionConfig.max_packed_tokens and the memory model's prediction of it
         (MemoryModel.packed_bytes) within the configuration's transient bound and the free memory; the
         chunks after it alone. On a GPU one forward of many rows' tokens runs its matmuls faster than one
         per chunk (docs/decode.md). () where nothing packs."""
@@ -217,12 +221,18 @@ class Scheduler:
         memory = self.memory
         limit = self.transient_bound_bytes if room is None else min(self.transient_bound_bytes, room)
         chunks = self.memory_plan(decodes, prefills, packs=(len(prefills),)).prefill_chunks
+        packable = [self.config.pack_long_prompts or self._whole_prompt(c) for c in prefills]
         # the pack: chunks [start, start + size); one a step, the chunks after it alone (on an H200 four
         # packs back to back measured above each one's prediction, docs/memory.md)
         start, size, summed, tokens, rows = first, 0, (), 0, set()
         for j in range(first, len(prefills)):
             chunk, plan = prefills[j], chunks[j]
             phases = memory.chunk_plan_phases(plan)
+            if not packable[j]:
+                if size > 1:
+                    break
+                size = 0
+                continue
             if size and chunk.request_id not in rows and tokens + plan.num_tokens <= memory.max_packed_tokens:
                 trial = tuple(a + b for a, b in zip(summed, phases))
                 if memory.summed_pack_bytes(trial, tokens + plan.num_tokens) <= limit:
@@ -235,6 +245,12 @@ class Scheduler:
         if size < 2:
             return ()
         return (1,) * start + (size,) + (1,) * (len(prefills) - start - size)
+
+    def _whole_prompt(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk` computes its prompt whole: it ends the prompt and starts where the row's
+        prefill began (after a cached prefix)."""
+        request = self.requests.get(chunk.request_id)
+        return chunk.completes_prompt and request is not None and chunk.start == request.num_cached_tokens
 
     @staticmethod
     def _fits(predicted: int, room: Optional[int]) -> bool:

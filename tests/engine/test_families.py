@@ -22,6 +22,8 @@ from tests.engine.family_checkpoints import FAMILY_CONFIGS, build_checkpoint, re
 
 PROMPT_LENGTHS = (40, 23, 57)  # chunks of 16: 3, 2 and 4 chunks; 57 + 10 tokens pass gemma3's window
 MAX_TOKENS = 10
+# packed prompt chunks, long prompts' included (the prompts above take several chunks)
+PACK_LONG = {"max_packed_tokens": 256, "pack_long_prompts": True}
 
 VARIANTS = [(family, None) for family in FAMILY_CONFIGS] + [("gemma3", None), ("qwen3", 4), ("gemma3_text", 4), ("qwen3_moe", 4),
                                                             ("llama", 8)]
@@ -103,7 +105,7 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
     from engine.model.kernels.paged_attention import ReferenceAttention
 
     packed = decode.endswith("-packed")
-    engine, model = _engine(checkpoints(family), **({"execution": {"max_packed_tokens": 256}} if packed else {}))
+    engine, model = _engine(checkpoints(family), **({"execution": PACK_LONG} if packed else {}))
     runner = engine.runner
     paths = engine.execution_paths()
     assert paths.chunk_loop and paths.decode_loop and paths.mixed_batches, paths
@@ -224,7 +226,7 @@ def test_packed_steps_within_their_prediction(checkpoints, family):
     folder = checkpoints(family, None, hidden_size=256, intermediate_size=512, **extra)
     engine = Engine.from_config(EngineConfig(model=str(folder), dtype="float32", prefill_chunk_size=128,
                                              max_num_batched_tokens=256, max_num_seqs=4,
-                                             memory_limit_bytes=2 << 30, execution={"max_packed_tokens": 256}))
+                                             memory_limit_bytes=2 << 30, execution=PACK_LONG))
     gc.collect()  # earlier engines collected mid-step would hide part of a step's transient
     rng = random.Random(1)
     for i, n in enumerate((100, 250, 60, 180)):

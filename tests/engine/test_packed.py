@@ -15,6 +15,11 @@ from engine.core.memory.plan import pack_groups
 from engine.core.types import SamplingParams
 
 
+def packing(most, **more):
+    """ExecutionConfig fields: packs of up to `most` tokens, long prompts' chunks included."""
+    return {"max_packed_tokens": most, "pack_long_prompts": True, **more}
+
+
 def prompts_of(lengths, vocab, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
@@ -41,7 +46,7 @@ def serve(engine, prompts, max_tokens=8, sampled=()):
 @pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
 def test_packed_chunks_give_mlx_lm_greedy_tokens(make_engine, tiny_parts, reference_greedy, pad):
     engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=128, max_num_seqs=6,
-                         prefix_cache_fraction=0.0, execution={"pad_last_chunk": pad, "max_packed_tokens": 128})
+                         prefix_cache_fraction=0.0, execution=packing(128, pad_last_chunk=pad))
     assert engine.memory.packed
     # a one-token prompt, prompts ending inside a chunk and one of several chunks (two of its chunks
     # in a step never share a forward)
@@ -67,7 +72,7 @@ def test_packed_chunks_give_mlx_lm_greedy_tokens(make_engine, tiny_parts, refere
 def test_packing_saves_forwards_and_changes_no_token(make_engine):
     def run(pack: bool):
         engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, max_num_seqs=4,
-                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": 64 if pack else 0})
+                             prefix_cache_fraction=0.0, execution=packing(64 if pack else 0))
         assert engine.memory.packed == pack
         prompts = prompts_of([9, 60, 41, 17], engine.memory.shape.vocab_size, seed=5)
         tokens, plans, _ = serve(engine, prompts, sampled=(1,))  # a sampling row's stream is its own
@@ -82,7 +87,7 @@ def test_packing_saves_forwards_and_changes_no_token(make_engine):
 def test_a_packed_forward_that_fails_to_build_runs_apart(make_engine, tiny_parts, reference_greedy,
                                                         run_to_completion):
     engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, prefix_cache_fraction=0.0,
-                         execution={"max_packed_tokens": 64})
+                         execution=packing(64))
     calls = {"n": 0}
 
     def broken(works):
@@ -102,7 +107,7 @@ def test_a_packed_forward_that_fails_to_build_runs_apart(make_engine, tiny_parts
 def test_scheduler_packs_within_the_bound_and_the_free_memory(make_engine):
     def plan_with(shrink: int = 0, room=None, most: int = 128):
         engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=128, max_num_seqs=4,
-                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": most})
+                             prefix_cache_fraction=0.0, execution=packing(most))
         for i, p in enumerate(prompts_of([32, 32, 32, 32], engine.memory.shape.vocab_size, seed=1)):
             engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
         scheduler = engine.scheduler
@@ -128,6 +133,43 @@ def test_scheduler_packs_within_the_bound_and_the_free_memory(make_engine):
     # at most 64 tokens a forward: a pack of two 32-token chunks, one pack a step (the others alone)
     scheduler, plan = plan_with(most=64)
     assert plan.packs == (2, 1, 1)
+
+
+def test_by_default_only_whole_prompts_pack(make_engine, tiny_parts, reference_greedy):
+    """pack_long_prompts off (the default): prompts that fit one chunk pack; the chunks of longer prompts
+    run one at a time, so a burst of long prompts keeps one chunk's prefill transient."""
+    def run(lengths):
+        engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=256, max_num_seqs=8,
+                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": 256})
+        prompts = prompts_of(lengths, engine.memory.shape.vocab_size, seed=3)
+        tokens, plans, memory = serve(engine, prompts, max_tokens=4)
+        for i, prompt in enumerate(prompts):
+            assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 4), i
+        groups = [g for p in plans for g in pack_groups(p.prefills, p.packs) if len(g) > 1]
+        return prompts, groups, memory
+
+    prompts, groups, memory = run([20, 100, 32, 70, 9, 12])
+    assert groups, "no whole prompts packed"
+    for group in groups:
+        for chunk in group:
+            assert chunk.start == 0 and chunk.num_tokens == len(prompts[int(chunk.request_id)]), chunk
+    assert all(m.measured_bytes <= m.predicted_bytes for m in memory)
+    assert not run([100, 70, 65, 33])[1]  # long prompts only: no pack
+
+
+def test_a_prompt_whose_uncached_rest_fits_a_chunk_packs(make_engine):
+    """After a prefix-cache hit a prompt's rest is what it computes: one chunk of it is a whole prompt."""
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, max_num_seqs=4,
+                         execution={"max_packed_tokens": 64})
+    shared, a, b = prompts_of([40, 10, 10], engine.memory.shape.vocab_size, seed=8)
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    cold = {i: o.token_ids for i, o in enumerate(make_engine(prefix_cache_fraction=0.0).generate(
+        [shared + a, shared + b], greedy))}
+    engine.generate([shared + [7]], greedy)  # the shared prefix into the cache
+    tokens, plans, _ = serve(engine, [shared + a, shared + b], max_tokens=3)
+    assert tokens == {str(i): t for i, t in cold.items()}
+    first = plans[0]
+    assert [c.start for c in first.prefills] == [40, 40] and first.packs == (2,)
 
 
 def test_memory_model_predicts_a_packed_forward():
@@ -158,7 +200,7 @@ def test_a_packed_forward_whose_head_fails_runs_apart(make_engine, tiny_parts, r
     import engine.model.runner as runner_module
 
     engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, prefix_cache_fraction=0.0,
-                         execution={"max_packed_tokens": 64})
+                         execution=packing(64))
     real_sample, real_packed = runner_module.sample_rows, engine.runner.prefill_packed
     state = {"packing": False, "failed": 0}
 
@@ -192,7 +234,7 @@ def test_a_pack_with_one_processed_row_is_predicted_as_all_processed(make_engine
     processing path ([r, V] float32 arrays): the plan counts them all, and no step measures above it."""
     def loaded():
         engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=256, max_num_seqs=8,
-                             prefix_cache_fraction=0.0, execution={"max_packed_tokens": 256})
+                             prefix_cache_fraction=0.0, execution=packing(256))
         for i, p in enumerate(prompts_of([20] * 8, engine.memory.shape.vocab_size, seed=6)):
             engine.add_request(str(i), p, SamplingParams(max_tokens=3, ignore_eos=True,
                                                          **(processing if i == 3 else {})))

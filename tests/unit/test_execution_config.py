@@ -138,3 +138,20 @@ def test_the_warm_up_trusts_mlxs_graph_cache_size_only_where_the_engine_set_it_f
     thread.start()
     thread.join()
     assert seen == [1024]  # another thread builds its own cache when it first uses it
+
+
+def test_prompt_packing_is_on_for_cuda_only_and_an_explicit_value_wins():
+    """max_packed_tokens None: PACKED_TOKENS_CUDA on MLX's CUDA backend (where one forward of many rows'
+    tokens runs its matmuls faster), 0 elsewhere; whole prompts only unless pack_long_prompts."""
+    from engine.config import PACKED_TOKENS_CUDA
+
+    default = ExecutionConfig()
+    assert default.max_packed_tokens is None and not default.pack_long_prompts
+    assert default.resolved_max_packed_tokens("cuda") == PACKED_TOKENS_CUDA == 8192
+    assert default.resolved_max_packed_tokens("cpu") == 0 == default.resolved_max_packed_tokens("metal")
+    assert ExecutionConfig(max_packed_tokens=0).resolved_max_packed_tokens("cuda") == 0
+    assert ExecutionConfig(max_packed_tokens=2048).resolved_max_packed_tokens("cpu") == 2048
+    with pytest.raises(ValueError, match="max_packed_tokens"):
+        EngineConfig(execution={"max_packed_tokens": -1})
+    with pytest.raises(ValueError, match="pack_long_prompts"):
+        EngineConfig(execution={"pack_long_prompts": "sometimes"})
