@@ -383,4 +383,5 @@ def backend_runners() -> dict:
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,
             # several rows' prompt chunks in one forward (ExecutionConfig.max_packed_tokens)
             "engine_packed": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 8192})),
-            "engine_packed2048": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 2048}))}
+            "engine_packed2048": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 2048})),
+            "engine_unpacked": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 0}))}
