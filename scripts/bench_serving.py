@@ -120,12 +120,13 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    "the KV instead of the CUDA paged-attention kernel, execution.paged_attention=false), "
                    "engine_sync_unfused (one matmul per projection, RunnerOptions.fuse_projections=false), "
                    "engine_sync_modules (forwards through mlx-lm's modules, layer_loops=false), engine_sync_span (the paged "
-                   "kernel's untiled span variant, RunnerOptions.tiled_attention=false), engine_tiled (its tiled kernel "
+                   "kernel's untiled span variant, RunnerOptions tiled_attention and mma_attention false), engine_tiled (its tiled kernel "
                    "instead of the tensor-core one, RunnerOptions.mma_attention=false), engine_sync_fused_rope and "
                    "engine_fused_rope (decode's q/k norms and RoPE in one CUDA kernel, RunnerOptions.fused_rope), "
                    "engine_sync_uncompiled and engine_uncompiled (the decode loop's layers built in Python, "
                    "compiled_decode=false), engine_sync_thread (engine_sync in a "
-                   "thread of its own), mlx_lm, mlx_lm_wide (mlx_lm with its completion batch raised to the "
+                   "thread of its own), engine_packed and engine_packed2048 (packs of up to 8192 / 2048 prompt tokens, long "
+                   "prompts' chunks included), engine_unpacked (no packs, execution.max_packed_tokens=0), mlx_lm, mlx_lm_wide (mlx_lm with its completion batch raised to the "
                    "concurrency)")
 
 

@@ -374,7 +374,7 @@ def backend_runners() -> dict:
             "engine_sync_gather": (lambda *a, **k: run_engine_sync(*a, **k, execution={"paged_attention": False})),
             "engine_sync_unfused": with_options(run_engine_sync, fuse_projections=False),
             "engine_sync_modules": with_options(run_engine_sync, layer_loops=False),
-            "engine_sync_span": with_options(run_engine_sync, tiled_attention=False),
+            "engine_sync_span": with_options(run_engine_sync, tiled_attention=False, mma_attention=False),
             "engine_tiled": with_options(run_engine_async, mma_attention=False),
             "engine_sync_fused_rope": with_options(run_engine_sync, fused_rope=True),
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
@@ -382,6 +382,9 @@ def backend_runners() -> dict:
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,
             # several rows' prompt chunks in one forward (ExecutionConfig.max_packed_tokens)
-            "engine_packed": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 8192})),
-            "engine_packed2048": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 2048})),
+            # (long prompts' chunks included, as at 50bde34: the default packs whole short prompts only)
+            "engine_packed": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 8192,
+                                                                                    "pack_long_prompts": True})),
+            "engine_packed2048": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 2048,
+                                                                                        "pack_long_prompts": True})),
             "engine_unpacked": (lambda *a, **k: run_engine_async(*a, **k, execution={"max_packed_tokens": 0}))}

@@ -53,8 +53,10 @@ class RunnerOptions:
     compiled_decode: bool = True  # on MLX's CUDA backend only
     cpu_math: bool = True  # on MLX's CPU backend only
     read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
-    tiled_attention: bool = True  # False: the paged kernel's untiled span kernel (to compare the two)
-    mma_attention: bool = True  # False: no tensor-core span kernel (the tiled one where it applies)
+    # the paged kernel's first pass: on tensor cores where it applies (mma_attention), else tiled, else the
+    # span kernel; False rules a variant out (to compare them: both False for the span kernel)
+    tiled_attention: bool = True
+    mma_attention: bool = True
     # CUDA: decode's q/k norms and RoPE in one kernel; opt-in: with fewer kernels a layer, more layers' decode
     # temporaries share MLX's committed batches than the memory model's CUDA set was fitted on
     fused_rope: bool = False
@@ -166,7 +168,6 @@ class ModelRunner:
                 tried.add(kind)
                 self_check(kernel, num_heads, head_dim, dtype)
                 self.use_paged_attention(kernel)
-                self.attention_kernel = kind
                 return
             except Exception as exc:  # noqa: BLE001 - any failure means: do without it
                 why_not = f"{type(exc).__name__}: {exc}"
@@ -179,7 +180,7 @@ class ModelRunner:
         ValueError if the model is not supported."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled, self.bound)
         if self.decode_path is None:
-            self.pool.paged = None
+            self.use_paged_attention(None)
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops, bound_model=self.bound))
 
@@ -208,6 +209,9 @@ class ModelRunner:
         if why_not is not None:
             raise ValueError(f"{type(self.model).__name__}: paged attention not possible ({why_not})")
         self.pool.paged = impl
+        lay = self.layout
+        self.attention_kernel = "" if impl is None else impl.kind(lay.head_dim, lay.kv_dtype,
+                                                                   lay.num_heads // lay.num_kv_heads)
 
     def warm_chunk_shapes(self, shapes: list) -> tuple[int, float]:
         """Build the attention graphs of prompt chunks of `shapes` ((tokens, context) pairs) now, on this

@@ -67,9 +67,14 @@ def test_step_budget_defaults_per_device_and_an_explicit_value_wins(backend, bud
     resolved = cfg.for_backend(backend)
     assert resolved.max_num_batched_tokens == budget and resolved.max_num_seqs == cfg.max_num_seqs
     assert cfg.max_num_batched_tokens is None  # a new object: the configuration is never written into
-    explicit = EngineConfig(max_num_batched_tokens=1024, execution=ExecutionConfig(pad_last_chunk=False))
+    explicit = EngineConfig(max_num_batched_tokens=1024, execution=ExecutionConfig(pad_last_chunk=False,
+                                                                                   max_packed_tokens=0))
     assert explicit.resolved_max_num_batched_tokens(backend) == 1024
     assert explicit.for_backend(backend) is explicit
+    # the packing bound too: resolved into the configuration the engine runs with, an explicit one kept
+    assert resolved.execution.max_packed_tokens == (8192 if backend == "cuda" else 0)
+    assert cfg.execution.max_packed_tokens is None
+    assert EngineConfig(max_num_batched_tokens=1024).for_backend(backend).max_num_batched_tokens == 1024
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal", "cpu"])
