@@ -44,6 +44,10 @@ def test_desired_replicas():
     assert desired_replicas(3, 0, current=1, target_per_replica=2, min_replicas=0, max_replicas=4) == 2
     assert desired_replicas(1, 1, current=2, target_per_replica=8, min_replicas=0, max_replicas=4) == 3  # queued
     assert desired_replicas(40, 9, current=2, target_per_replica=2, min_replicas=0, max_replicas=4) == 4
+    # two replicas each generating, demand for one: both stay (Serve would stop the newest, busy or not)
+    assert desired_replicas(2, 0, current=2, target_per_replica=4, min_replicas=0, max_replicas=4, busy=2) == 2
+    assert desired_replicas(1, 0, current=2, target_per_replica=4, min_replicas=0, max_replicas=4, busy=1) == 1
+    assert desired_replicas(2, 0, current=3, target_per_replica=4, min_replicas=0, max_replicas=4, busy=2) == 2
 
 
 def test_policy_reads_the_replicas_metrics_through_serves_own_config():
@@ -54,6 +58,9 @@ def test_policy_reads_the_replicas_metrics_through_serves_own_config():
     desired, state = policy(context(metrics, current=2))
     assert desired == 4 and state == {"running": 3.0, "queued": 4.0}  # ceil((3 + 4) / 2); the queue counted once
     assert admission_demand_policy(context({}, current=1))[0] == 0  # idle: down (Serve delays it)
+    busy = {RUNNING_METRIC: {"r1": 1.0, "r2": 0.6}, QUEUED_METRIC: {"r1": 0.0, "r2": 0.0}}
+    assert policy(context(busy, current=2))[0] == 2  # both held requests in the window: no downscale
+    assert policy(context({RUNNING_METRIC: {"r1": 1.0, "r2": 0.0}}, current=2))[0] == 1
     assert admission_demand_policy(context({}, current=1, total=5))[0] == 3  # no report yet: the handles' count
 
 
