@@ -161,8 +161,7 @@ class Engine:
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
                            copies_every_view=pool.copy_views,
-                           max_packed_tokens=(config.execution.resolved_max_packed_tokens(backend)
-                                              if runner.chunk_path is not None else 0))
+                           max_packed_tokens=config.execution.max_packed_tokens if runner.chunk_path is not None else 0)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is
@@ -378,7 +377,7 @@ class Engine:
                               compiled_decode=decode is not None and decode.compiled is not None,
                               chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
                               fused_rope=runner.ops.qk_rope is not None,
-                              attention_kernel=runner.attention_kernel if runner.paged_attention else "",
+                              attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1])
 
     def stats(self) -> EngineStats:

@@ -113,7 +113,6 @@ class ModelRunner:
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
         self.pool.copy_views = attention_copies_views(backend, lay.head_dim, lay.kv_dtype, lay.family)
         self._build_loops(fuse, mixed, layer_loops, compiled_decode, cpu_math)
-        self.attention_kernel = ""  # the paged kernel's first pass taken (CudaPagedAttention.kind)
         if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,
                                       tiled_attention, mma_attention)
@@ -180,7 +179,7 @@ class ModelRunner:
         ValueError if the model is not supported."""
         self.decode_path = None if ops is None else DecodePath(self.model, ops, compiled, self.bound)
         if self.decode_path is None:
-            self.use_paged_attention(None)
+            self.pool.paged = None
         if self.mixed is not None:  # the mixed forward rotates its decode rows with the same ops
             self.mixed = MixedForward(self.decode_path or DecodePath(self.model, self.ops, bound_model=self.bound))
 
@@ -209,9 +208,12 @@ class ModelRunner:
         if why_not is not None:
             raise ValueError(f"{type(self.model).__name__}: paged attention not possible ({why_not})")
         self.pool.paged = impl
-        lay = self.layout
-        self.attention_kernel = "" if impl is None else impl.kind(lay.head_dim, lay.kv_dtype,
-                                                                   lay.num_heads // lay.num_kv_heads)
+
+    @property
+    def attention_kernel(self) -> str:
+        """The paged kernel's first pass one-query forwards run (PagedAttention.kind); "" where they gather."""
+        impl, lay = self.pool.paged, self.layout
+        return "" if impl is None else impl.kind(lay.head_dim, lay.kv_dtype, lay.num_heads // lay.num_kv_heads)
 
     def warm_chunk_shapes(self, shapes: list) -> tuple[int, float]:
         """Build the attention graphs of prompt chunks of `shapes` ((tokens, context) pairs) now, on this

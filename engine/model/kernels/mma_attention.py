@@ -68,7 +68,6 @@ __device__ __forceinline__ void pa_load_tile_padded(T* sk, T* sv, const T* k_poo
 _MERGE = split_attention.SPAN_PARTIAL[split_attention.SPAN_PARTIAL.index("  __syncthreads();\n  for (int i = tid"):]
 
 PARTIAL = """
-  constexpr int LPK = D / 8;  // (BLOCK_SETUP's lane split; unused here)
   constexpr int NW = THREADS / 32;
   constexpr int TK = 16 * NW;  // each warp takes 16 keys of a tile
   constexpr int DP = D + 8;
@@ -180,8 +179,8 @@ PARTIAL = """
 """ + _MERGE
 
 
-def supports(head_dim: int, dtype_bytes: int, num_rep: int, is_bfloat16: bool) -> bool:
+def supports(head_dim: int, num_rep: int, is_bfloat16: bool) -> bool:
     """bf16 KV, query groups of up to MAX_GROUP heads, head sizes a multiple of 16 up to MAX_HEAD_DIM
     whose 16-byte row parts divide the block's threads."""
-    return (is_bfloat16 and dtype_bytes == 2 and 1 <= num_rep <= MAX_GROUP and head_dim % 16 == 0
-            and head_dim <= MAX_HEAD_DIM and THREADS % (head_dim // 8) == 0)
+    return (is_bfloat16 and 1 <= num_rep <= MAX_GROUP and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+            and THREADS % (head_dim // 8) == 0)

@@ -288,7 +288,7 @@ class CudaPagedAttention(PagedAttention):
         """The first kernel a call of this shape runs: "mma" (tensor cores), "tiled", "span" or "short"."""
         if not (self.spans and split_attention.supports(head_dim)):
             return "short"
-        if self.mma and mma_attention.supports(head_dim, dtype.size, num_rep, dtype == mx.bfloat16):
+        if self.mma and mma_attention.supports(head_dim, num_rep, dtype == mx.bfloat16):
             return "mma"
         if self.tiled and split_attention.tiled_supports(head_dim, dtype.size, num_rep, self.span_threads):
             return "tiled"

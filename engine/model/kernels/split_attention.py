@@ -13,8 +13,9 @@ divide 32 use the short-span kernel (`supports`).
 
 from __future__ import annotations
 
-# Both span kernels: block g's row b, KV head h and span j, its keys n (none: an empty partial), and
-# the lanes' parts of the queries (scaled) with the running max, sum and accumulator per query head.
+# Every span kernel (these two and mma_attention's): block g's row b, KV head h and span j, its keys n
+# (none: an empty partial); _QUERY_SETUP: the lanes' parts of the queries (scaled) with the running max,
+# sum and accumulator per query head.
 # The keys per span, CH, are an input, not a template argument: each template instance is a compile
 # (NVRTC, 1.6-3.1 s each on an H200) that MLX keeps for the process only, and CH varies with the batch.
 BLOCK_SETUP = """
@@ -22,8 +23,6 @@ BLOCK_SETUP = """
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int sub = lane / LPK;
-  const int dl = lane % LPK;
   const int NB = table_shape[1];
   const int NS = (NB * BLOCK + CH - 1) / CH;
   const int g = blockIdx.x;
@@ -37,6 +36,12 @@ BLOCK_SETUP = """
     pa_empty_span<NREP, D, THREADS>(part_out, stats_out, tid);  // engine/model/kernels/paged_attention.py's header
     return;
   }
+"""
+
+# the span kernels' lanes: lane = sub * LPK + dl holds dims [dl * VEC, dl * VEC + VEC) of one key of its group
+LANE_SPLIT = """
+  const int sub = lane / LPK;
+  const int dl = lane % LPK;
 """
 
 _QUERY_SETUP = """
@@ -103,7 +108,7 @@ SPAN_PARTIAL = """
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
   __shared__ float sm_acc[NW][NREP][D];
-""" + BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
+""" + BLOCK_SETUP + LANE_SPLIT + """  const int* row_table = table + (size_t)b * NB;
   const float sc = scale[0];
 """ + _QUERY_SETUP + """  for (int w0 = warp * KPI; w0 < n; w0 += STRIDE * U) {  // uniform over the warp: its shuffles need every lane
     Vec kv[U], vv[U];
@@ -218,7 +223,7 @@ TILED_PARTIAL = """
   // __syncthreads): a block's shared memory is about its tiles, so groups of 8 heads at D = 128 fit 48 KB
   static_assert(NW * NREP * D * sizeof(float) <= sizeof(sk), "tiled attention: the merge fits the key tiles");
   float (*sm_acc)[NREP][D] = reinterpret_cast<float (*)[NREP][D]>(&sk[0][0]);
-""" + BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
+""" + BLOCK_SETUP + LANE_SPLIT + """  const int* row_table = table + (size_t)b * NB;
   const int span0 = j * CH;  // the span's first position: the tiles count keys from it
   const float sc = scale[0];
 """ + _QUERY_SETUP + """  const int NT = (n + TK - 1) / TK;
