@@ -24,6 +24,7 @@ from engine.core.chunk_grid import grid_shapes
 from engine.core.kv_manager import KVManager
 from engine.core.memory.coefficients import with_overrides
 from engine.core.memory.model import MemoryModel, ModelShape
+from engine.core.memory.workspace import MatmulWorkspace
 from engine.core.model_config import ConfigShape
 from engine.core.output import TextStream, process_token
 from engine.core.scheduler import Scheduler, SchedulerConfig
@@ -69,7 +70,9 @@ class Engine:
         # as are what the layer loops bound beyond views of the weights (Gemma's 1 + weight norms)
         bound_bytes = self.runner.bound.extra_bytes if self.runner.bound is not None else 0
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + pool.ring_bytes + bound_bytes
-        self.memory = self._build_memory_model(config, model_config, weights_bytes, backend)
+        # what a decode's matmuls allocate beside their products (cuBLASLt's workspace on CUDA; none on the CPU)
+        workspace = self.runner.matmul_workspace(config.max_num_seqs) if backend != "cpu" else MatmulWorkspace()
+        self.memory = self._build_memory_model(config, model_config, weights_bytes, backend, workspace)
         model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.memory_limit_bytes = (
@@ -134,7 +137,7 @@ class Engine:
                            fused_rope=options.fused_rope and backend == "cuda", backend=backend)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
-                            backend: str) -> MemoryModel:
+                            backend: str, workspace: MatmulWorkspace = MatmulWorkspace()) -> MemoryModel:
         """The memory model of this model as the runner computes it (KV heads, size and dtype from the
         loaded model; rings counted with the weights) and the coefficient set for this backend; several
         rows' prompt chunks packed into forwards of up to ExecutionConfig.max_packed_tokens (the runner's
@@ -161,7 +164,8 @@ class Engine:
                            paged_decode=runner.paged_attention, mixed=runner.mixed is not None,
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
                            copies_every_view=pool.copy_views,
-                           max_packed_tokens=config.execution.max_packed_tokens if runner.chunk_path is not None else 0)
+                           max_packed_tokens=config.execution.max_packed_tokens if runner.chunk_path is not None else 0,
+                           matmul_workspace=workspace)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is

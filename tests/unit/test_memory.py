@@ -180,6 +180,33 @@ def test_layers_in_flight_counts_the_per_layer_terms_up_to_the_depth():
                             - one.prefill_chunk_bytes(512, 4096, **no_head))) <= 2
 
 
+def test_a_decode_counts_every_layer_s_matmul_workspace_and_its_head_s():
+    """The measured workspace (by rows) of one layer's projections counts in every layer of a decode (not
+    the layers in flight: no fit says how many coexist), the head's once; past the table its largest;
+    prompt chunks do not count it (their calibrations measured them with it)."""
+    import dataclasses
+
+    import pytest
+
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
+    from engine.core.memory.workspace import MatmulWorkspace
+
+    ws = MatmulWorkspace(per_layer=(0, 1000, 5000), head=(7, 8, 9))
+    plain = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True)
+    with_ws = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True, matmul_workspace=ws)
+    for rows, layer, head in ((1, 0, 7), (2, 1000, 8), (3, 5000, 9), (40, 5000, 9)):
+        lens = [600] * rows
+        assert with_ws.decode_bytes(lens) - plain.decode_bytes(lens) == 32 * layer + head, rows
+    assert with_ws.prefill_chunk_bytes(64, 600) == plain.prefill_chunk_bytes(64, 600)
+    assert with_ws.transient_bound_bytes(3, 512, 8192) >= plain.transient_bound_bytes(3, 512, 8192)
+    cpu = dataclasses.replace(CUDA_OPS8_COEFFICIENTS, head_apart=True)  # stages apart: the head's own stage
+    apart = MemoryModel(LLAMA3_8B, coefficients=cpu, paged_decode=True, matmul_workspace=MatmulWorkspace(head=(0, 10**9)))
+    assert apart.decode_bytes([600, 600]) >= 10**9
+    assert not MatmulWorkspace() and MatmulWorkspace(head=(1,))
+    with pytest.raises(ValueError, match="per_layer"):
+        MatmulWorkspace(per_layer=(1, -2))
+
+
 def test_step_overhead_is_added_to_every_forward():
     k = dataclasses.replace(NEUTRAL, step_overhead_bytes=1 << 20)
     base, over = MemoryModel(LLAMA3_8B, coefficients=NEUTRAL), MemoryModel(LLAMA3_8B, coefficients=k)

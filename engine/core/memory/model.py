@@ -25,7 +25,8 @@ vocabulary V, dtype size s bytes (scores are float32: 4 bytes):
   instead of the gather, p * B*H*ceil(n / kv_step)*(d + 2)*4, where the set was fitted on such decodes.
 - Also (docs/memory.md): pool growth and prefix-cache copies between forwards (`kv_copy_bytes`); the
   sampling temporaries per sampling row (z); on CUDA, per-layer terms counted for the layers whose
-  temporaries coexist under MLX's committed batches (`layers_in_flight`) plus per-forward constants;
+  temporaries coexist under MLX's committed batches (`layers_in_flight`) plus per-forward constants,
+  and a decode's matmul workspaces, measured, in every layer (L * w(B) + w_head(B), workspace.py);
   where the runner waits between a forward's stages (the CPU), the largest stage's terms
   (`chunk_phases`, `decode_phases`, `mixed_phases` build them as `TransientTerms`); a family's own
   arrays and sliding windows from its config (ModelShape).
@@ -40,6 +41,7 @@ from engine.core.memory.chunk import FLOAT32_BYTES, PAGE_SLACK_BYTES, ChunkTerms
 from engine.core.memory.coefficients import CPU_COEFFICIENTS, TransientCoefficients, TransientTerms
 from engine.core.memory.plan import PrefillChunkPlan, StepPlan, pack_groups, round_up  # noqa: F401 (the model's API)
 from engine.core.memory.shape import ModelShape
+from engine.core.memory.workspace import MatmulWorkspace
 
 # keys per partial of the paged decode kernel (engine/model/kernels/paged_attention.py): each pool block of kv_step
 # tokens gives kv_step / PAGED_PARTIAL_KEYS partials per row and query head
@@ -64,7 +66,7 @@ class MemoryModel(ChunkTerms):
     def __init__(self, shape: ModelShape, kv_step: int = 256,
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
                  mixed: bool = False, copies_viewed_kv: bool = True, copies_every_view: bool = False,
-                 max_packed_tokens: int = 0):
+                 max_packed_tokens: int = 0, matmul_workspace: MatmulWorkspace = MatmulWorkspace()):
         """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
         of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
         the same forward as its first prompt chunk (engine/model/layers/mixed.py); the scheduler has it do so when
@@ -76,7 +78,9 @@ class MemoryModel(ChunkTerms):
         could not read the token-major pool's strides), one copy per layer in flight. `max_packed_tokens`: the
         runner can run several rows' prompt chunks of up to that many tokens in all as one forward
         (`packed_bytes`; 0: never); the scheduler packs them where that forward stays within the
-        configuration's bound and the free memory."""
+        configuration's bound and the free memory. `matmul_workspace`: what the backend's matmuls allocate
+        beside their products by rows (engine/core/memory/workspace.py), counted in every layer of a
+        decode and in its head."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -90,6 +94,7 @@ class MemoryModel(ChunkTerms):
         self.copies_viewed_kv = copies_viewed_kv
         self.copies_every_view = copies_every_view
         self.max_packed_tokens = max_packed_tokens
+        self.matmul_workspace = matmul_workspace
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
 
@@ -206,10 +211,13 @@ class MemoryModel(ChunkTerms):
         s, b, m = self.shape, len(context_lens), self.layer_factor
         row = m * b * s.hidden_size * s.dtype_bytes
         mlp_rows, unsorted_rows = self._moe_rows()  # a decode's MLP is one stage: both together
+        # the matmuls' workspaces: every layer's (a measure, not a fitted count of the layers in flight)
+        workspace = s.num_layers * self.matmul_workspace.layer_bytes(b)
         layers = self.decode_attention_terms(context_lens, gathers) + TransientTerms(
             decode_mlp=m * b * s.intermediate_size * s.dtype_bytes, decode_hidden=row,
-            family_rows=s.extra_hidden_rows * row, fixed_bytes=(mlp_rows + unsorted_rows) * row, step_overhead_bytes=1)
-        head = self.decode_head_terms(b, samples)
+            family_rows=s.extra_hidden_rows * row, fixed_bytes=(mlp_rows + unsorted_rows) * row + workspace,
+            step_overhead_bytes=1)
+        head = self.decode_head_terms(b, samples) + TransientTerms(fixed_bytes=self.matmul_workspace.head_bytes(b))
         if self.coefficients.head_apart:
             return layers, head + TransientTerms(step_overhead_bytes=1)
         return (layers + head,)
