@@ -273,3 +273,28 @@ def test_a_pack_with_one_processed_row_is_predicted_as_all_processed(make_engine
         record = engine.step()
         if record.memory is not None:
             assert record.memory.measured_bytes <= record.memory.predicted_bytes, record.plan.packs
+
+
+def test_a_sampling_pack_runs_its_kv_writes_in_its_own_forward(tiny_parts):
+    """A pack's first chunks attend over their own rotated keys and values, not the pool: its forward
+    still runs every layer's KV write (as MLX's CUDA backend runs it: no stage waits), so no pending
+    write holds the pack's keys and values into the next forward (which once measured a pack's 4 x 512
+    tokens of them, 260 MB on an 8B, released in the next step's decode)."""
+    import mlx.core as mx
+
+    from engine.model.runner import ModelRunner, PrefillWork
+    from engine.model.sampling import RequestSampler
+
+    runner = ModelRunner(tiny_parts[0], block_size=4, stage_waits=False)
+    runner.grow_pool(32)
+    prompts = prompts_of([12, 12, 12], 1000, seed=4)
+    for r, prompt in enumerate(prompts):
+        runner.add_row(str(r), range(4 * r, 4 * r + 4), RequestSampler(SamplingParams(), 0))
+    pack = runner.prefill_packed([PrefillWork(str(r), p, 0, True) for r, p in enumerate(prompts)])
+    runner.launch(pack)
+    pack.finish()
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.eval(runner.pool.keys + runner.pool.values)  # nothing left to run: nothing released
+    mx.synchronize()
+    assert mx.get_active_memory() == before

@@ -160,6 +160,10 @@ class ChunkPath:
                                             softcap=layer.softcap) for b in range(n)]
             outs = [o.transpose(0, 2, 1, 3).reshape(1, -1, H * d) for o in outs]
             out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [1, N or r, H d]
+            # the layer's writes in its own graph: a group's causal attention reads its rotated keys and
+            # values, not the pool, so nothing read would otherwise run them until a later forward read
+            # the pool (holding every layer's keys and values of the pack until then)
+            out = mx.depends(out, [pool.keys[i], pool.values[i]])
             h = self._rest_of_layer(layer, h, out, stages, i == last)
             if i == last:
                 return h
