@@ -8,7 +8,7 @@ Every step:
    always progresses; shorter prompts behind it share what is left of the budget. A budget that every
    prompt's one chunk leaves unused goes to further chunks of the same prompts, oldest first (each
    chunk is its own forward, evaluated after the previous one: the memory bound is per chunk; with
-   ExecutionConfig.max_packed_tokens one forward a step packs several rows' short prompts, `_packs`). A
+   ExecutionConfig.max_packed_tokens one forward a step packs several rows' whole prompts, `_packs`). A
    chunk cut short of a whole one (by the budget or the memory) ends on a grid, and with
    `pad_last_chunk` a prompt's last chunk computes up to it past the prompt's end (chunk_grid.py).
 
@@ -59,7 +59,7 @@ class SchedulerConfig:
     # The power of two cut and padded chunks end on (chunk_grid.py; ExecutionConfig.chunk_granule).
     chunk_granule: int = DEFAULT_CHUNK_GRANULE
     # Packs take the chunks of prompts longer than one chunk too (ExecutionConfig.pack_long_prompts);
-    # else only chunks of prompts whose uncached rest fits one chunk.
+    # else only chunks that are a whole prompt (after its cached prefix).
     pack_long_prompts: bool = False
 
 
@@ -209,8 +209,8 @@ class Scheduler:
     def _packs(self, decodes: Sequence[str], prefills: list[ScheduledChunk], mixed: bool,
                room: Optional[int]) -> tuple[int, ...]:
         """The step's prompt chunks (after a mixed forward's, which stays alone) in forwards, in order
-        (SchedulerOutput.packs): one pack of consecutive chunks, each of a prompt whose uncached rest
-        fits one chunk (`_short_prompt`; any with `pack_long_prompts`) and of a row not yet in it, while its tokens stay within
+        (SchedulerOutput.packs): one pack of consecutive chunks, each a whole prompt (unless
+        `pack_long_prompts`) of a row not yet in it, while its tokens stay within
         ExecutionConfig.max_packed_tokens and the memory model's prediction of it
         (MemoryModel.packed_bytes) within the configuration's transient bound and the free memory; the
         chunks after it alone. On a GPU one forward of many rows' tokens runs its matmuls faster than one
@@ -221,7 +221,7 @@ class Scheduler:
         memory = self.memory
         limit = self.transient_bound_bytes if room is None else min(self.transient_bound_bytes, room)
         chunks = self.memory_plan(decodes, prefills, packs=(len(prefills),)).prefill_chunks
-        packable = [self.config.pack_long_prompts or self._short_prompt(c) for c in prefills]
+        packable = [self.config.pack_long_prompts or self._whole_prompt(c) for c in prefills]
         # the pack: chunks [start, start + size); one a step, the chunks after it alone (on an H200 four
         # packs back to back measured above each one's prediction, docs/memory.md)
         start, size, summed, tokens, rows = first, 0, (), 0, set()
@@ -246,13 +246,11 @@ class Scheduler:
             return ()
         return (1,) * start + (size,) + (1,) * (len(prefills) - start - size)
 
-    def _short_prompt(self, chunk: ScheduledChunk) -> bool:
-        """Whether `chunk` is of a prompt whose uncached rest fits one chunk (prefill_chunk_size): the
-        whole of it, or a piece of it the step's token budget cut (whose other piece packs in the next
-        step: a piece left alone would be a forward of its own, slower per token than in a pack)."""
+    def _whole_prompt(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk` computes its prompt whole: it ends the prompt and starts where the row's
+        prefill began (after a cached prefix)."""
         request = self.requests.get(chunk.request_id)
-        return (request is not None
-                and request.num_prompt_tokens - request.num_cached_tokens <= self.config.prefill_chunk_size)
+        return chunk.completes_prompt and request is not None and chunk.start == request.num_cached_tokens
 
     @staticmethod
     def _fits(predicted: int, room: Optional[int]) -> bool:

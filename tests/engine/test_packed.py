@@ -157,28 +157,6 @@ def test_by_default_only_whole_prompts_pack(make_engine, tiny_parts, reference_g
     assert not run([100, 70, 65, 33])[1]  # long prompts only: no pack
 
 
-def test_a_short_prompt_cut_by_the_step_budget_packs_both_pieces(make_engine, tiny_parts, reference_greedy):
-    """A prompt that fits one chunk but not what is left of a step's token budget is cut; neither piece
-    runs as a forward of its own (each packs with other prompts' chunks, or rides with the decode rows
-    in a mixed forward), and its tokens stay mlx-lm's."""
-    engine = make_engine(prefill_chunk_size=32, max_num_batched_tokens=80, max_num_seqs=8,
-                         prefix_cache_fraction=0.0, execution={"max_packed_tokens": 256, "chunk_granule": 8})
-    prompts = prompts_of([32, 32, 32, 32], engine.memory.shape.vocab_size, seed=5)
-    tokens, plans, memory = serve(engine, prompts, max_tokens=3)
-    for i, prompt in enumerate(prompts):
-        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 3), i
-    starts = set()
-    for plan in plans:
-        groups = pack_groups(plan.prefills, plan.packs) if plan.packs else [(c,) for c in plan.prefills]
-        for g in groups:
-            for c in g:
-                if c.num_tokens < 32:  # a piece: in a pack, or the mixed forward's chunk
-                    assert len(g) > 1 or (plan.mixed and c == plan.prefills[0]), (c, plan)
-                    starts.add(c.start > 0)
-    assert starts == {False, True}  # a cut prompt's first piece and its rest
-    assert all(m.measured_bytes <= m.predicted_bytes for m in memory)
-
-
 def test_a_prompt_whose_uncached_rest_fits_a_chunk_packs(make_engine):
     """After a prefix-cache hit a prompt's rest is what it computes: one chunk of it is a whole prompt."""
     engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64, max_num_seqs=4,
