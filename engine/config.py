@@ -93,7 +93,7 @@ class ExecutionConfig(BaseModel):
         "once: on an H200 an 8B llama served 64 / 128 streams of 512-token prompts 1.11 / 1.16 x as fast with "
         "8192 (docs/decode.md). A pack holds its chunks' temporaries together: the memory model predicts it, "
         "and the scheduler packs only within the configuration's transient bound and the free memory (a burst "
-        "of short prompts peaks with the pack: 16 x 512 tokens on an 8B, 7.1 GB against 0.4 GB a chunk). Only "
+        "of short prompts peaks with the pack: 16 x 512 tokens on an 8B, 5.4 GB against 0.34 GB a chunk). Only "
         "prompts whose uncached rest fits one chunk pack (pack_long_prompts), so a burst of long prompts "
         "still prefills one chunk at a time, within 1.25 x sequential chunked prefill's transient "
         "(docs/memory.md). None: "
