@@ -64,7 +64,8 @@ def _module_products(layer: nn.Module) -> list[Product]:
 
 
 def _bound_products(layer) -> list[Product]:
-    """A bound layer's projections as the engine's decode loop calls them (fused q/k/v and gate/up)."""
+    """A bound layer's projections as the engine's decode loop calls them (fused q/k/v and gate/up; a
+    sparse MLP's router, not its experts' gathered products, which no cuBLASLt matmul runs)."""
     projections = [p for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p is not None]
     if layer.moe is not None:
         projections.append(layer.moe.router)
