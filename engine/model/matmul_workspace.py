@@ -65,7 +65,7 @@ def _module_products(layer: nn.Module) -> list[Product]:
 
 def _bound_products(layer) -> list[Product]:
     """A bound layer's projections as the engine's decode loop calls them (fused q/k/v and gate/up; a
-    sparse MLP's router, not its experts' gathered products, which no cuBLASLt matmul runs)."""
+    sparse MLP's router; its experts' gathered products are not measured)."""
     projections = [p for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p is not None]
     if layer.moe is not None:
         projections.append(layer.moe.router)
