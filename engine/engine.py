@@ -70,7 +70,8 @@ class Engine:
         # as are what the layer loops bound beyond views of the weights (Gemma's 1 + weight norms)
         bound_bytes = self.runner.bound.extra_bytes if self.runner.bound is not None else 0
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + pool.ring_bytes + bound_bytes
-        # what a decode's matmuls allocate beside their products (cuBLASLt's workspace on CUDA; none on the CPU)
+        # what a decode's matmuls allocate beside their products, measured on GPU backends (cuBLASLt's
+        # workspace on CUDA); the CPU's allocate none
         workspace = self.runner.matmul_workspace(config.max_num_seqs) if backend != "cpu" else MatmulWorkspace()
         self.memory = self._build_memory_model(config, model_config, weights_bytes, backend, workspace)
         model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096

@@ -13,7 +13,7 @@ from engine.model.runner import ModelRunner
 def test_by_rows_measures_what_a_product_allocates_beside_its_result():
     w = mx.random.normal((256, 128), key=mx.random.key(0))
     mx.eval(w)
-    doubled = matmul_workspace.by_rows([(lambda x: (x * 2) @ w.T, 128)], 4, mx.float32)
+    doubled = matmul_workspace.by_rows([(lambda x: (x * 2) @ w.T, 128)], 4, mx.float32, rank=2)
     plain = matmul_workspace.by_rows([(lambda x: x @ w.T, 128)], 4, mx.float32)
     for rows, (a, b) in enumerate(zip(doubled, plain), start=1):
         assert a >= rows * 128 * 4  # the intermediate x * 2, float32

@@ -256,8 +256,7 @@ def test_a_pack_with_one_processed_row_is_predicted_as_all_processed(make_engine
 def test_a_sampling_pack_runs_its_kv_writes_in_its_own_forward(tiny_parts):
     """A pack's first chunks attend over their own rotated keys and values, not the pool: its forward
     still runs every layer's KV write (as MLX's CUDA backend runs it: no stage waits), so no pending
-    write holds the pack's keys and values into the next forward (which once measured a pack's 4 x 512
-    tokens of them, 260 MB on an 8B, released in the next step's decode)."""
+    write holds the pack's keys and values, allocated, into the next forward's transient."""
     import mlx.core as mx
 
     from engine.model.runner import ModelRunner, PrefillWork

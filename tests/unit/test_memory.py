@@ -182,8 +182,9 @@ def test_layers_in_flight_counts_the_per_layer_terms_up_to_the_depth():
 
 def test_a_decode_counts_every_layer_s_matmul_workspace_and_its_head_s():
     """The measured workspace (by rows) of one layer's projections counts in every layer of a decode (not
-    the layers in flight: no fit says how many coexist), the head's once; past the table its largest;
-    prompt chunks do not count it (their calibrations measured them with it)."""
+    the layers in flight: no fit says how many coexist), the head's once, each the most at that many rows
+    or fewer (more rows never predict less); past the table its largest; prompt chunks do not count it
+    (their calibrations measured them with it)."""
     import dataclasses
 
     import pytest
@@ -191,10 +192,10 @@ def test_a_decode_counts_every_layer_s_matmul_workspace_and_its_head_s():
     from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
     from engine.core.memory.workspace import MatmulWorkspace
 
-    ws = MatmulWorkspace(per_layer=(0, 1000, 5000), head=(7, 8, 9))
+    ws = MatmulWorkspace(per_layer=(0, 1000, 5000, 0, 6000), head=(7, 9, 8, 0, 0))
     plain = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True)
     with_ws = MemoryModel(LLAMA3_8B, coefficients=CUDA_OPS8_COEFFICIENTS, paged_decode=True, matmul_workspace=ws)
-    for rows, layer, head in ((1, 0, 7), (2, 1000, 8), (3, 5000, 9), (40, 5000, 9)):
+    for rows, layer, head in ((1, 0, 7), (2, 1000, 9), (3, 5000, 9), (4, 5000, 9), (5, 6000, 9), (40, 6000, 9)):
         lens = [600] * rows
         assert with_ws.decode_bytes(lens) - plain.decode_bytes(lens) == 32 * layer + head, rows
     assert with_ws.prefill_chunk_bytes(64, 600) == plain.prefill_chunk_bytes(64, 600)
