@@ -209,26 +209,22 @@ class StepExecutor:
 
     def _builds(self, plan: SchedulerOutput) -> list["_Build"]:
         """The plan's forwards to build, in order: the decode (a mixed runner's decode rows ride with the
-        first chunk, engine/model/layers/mixed.py, or in the first pack), then the prompt chunks, several
-        rows' packed into one forward where the plan says (SchedulerOutput.packs)."""
+        first chunk, engine/model/layers/mixed.py), then the prompt chunks, several rows' packed into one
+        forward where the plan says (SchedulerOutput.packs)."""
         requests = self.scheduler.requests
         works = [PrefillWork(c.request_id, requests[c.request_id].prompt_token_ids[c.start:c.start + c.num_tokens],
                              c.start, c.completes_prompt, c.num_pad_tokens) for c in plan.prefills]
         groups = pack_groups(tuple(works), plan.packs)
         builds = []
         if plan.mixed:  # if that forward cannot be built, the two run apart: a chunk's error fails its row only
-            first = groups[0]  # a chunk, or a pack (the rows ride in it: runner.prefill_packed)
             try:
-                if len(first) > 1:
-                    mixed = self.runner.prefill_packed(list(first), self._decode_work(plan))
-                else:
-                    mixed = self.runner.mixed_forward(first[0], self._decode_work(plan))
+                mixed = self.runner.mixed_forward(works[0], self._decode_work(plan))
             except Exception:
                 logger.exception("forward of %s with %d decode rows failed to build; running them apart",
-                                 [w.request_id for w in first], len(plan.decodes))
+                                 works[0].request_id, len(plan.decodes))
             else:
-                groups.pop(0)
-                ids = tuple(w.request_id for w in first if w.sample) + tuple(plan.decodes)
+                first = groups.pop(0)[0]
+                ids = ((first.request_id,) if first.sample else ()) + tuple(plan.decodes)
                 builds.append(_Build(ids, lambda: mixed))
         if plan.decodes and not builds:
             builds.append(_Build(plan.decodes, lambda: self._build_decode(plan, None).forward))

@@ -32,7 +32,6 @@ behind it (no starvation).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
@@ -209,56 +208,39 @@ class Scheduler:
 
     def _packs(self, decodes: Sequence[str], prefills: list[ScheduledChunk], mixed: bool,
                room: Optional[int]) -> tuple[int, ...]:
-        """The step's prompt chunks in forwards, in order (SchedulerOutput.packs): one pack of
-        consecutive chunks, each a whole prompt (unless `pack_long_prompts`) of a row not yet in it, while
-        its tokens stay within ExecutionConfig.max_packed_tokens and the memory model's prediction of it
+        """The step's prompt chunks (after a mixed forward's, which stays alone) in forwards, in order
+        (SchedulerOutput.packs): one pack of consecutive chunks, each a whole prompt (unless
+        `pack_long_prompts`) of a row not yet in it, while its tokens stay within
+        ExecutionConfig.max_packed_tokens and the memory model's prediction of it
         (MemoryModel.packed_bytes) within the configuration's transient bound and the free memory; the
         chunks after it alone. On a GPU one forward of many rows' tokens runs its matmuls faster than one
-        per chunk (docs/decode.md). `mixed`: the decode rows ride in the first forward, a pack that starts
-        with the first chunk counting them (MemoryModel.mixed_pack_bytes). () where nothing packs."""
-        if not self.memory.packed or len(prefills) < 2:
+        per chunk (docs/decode.md). () where nothing packs."""
+        first = 1 if mixed else 0
+        if not self.memory.packed or len(prefills) - first < 2:
             return ()
         memory = self.memory
         limit = self.transient_bound_bytes if room is None else min(self.transient_bound_bytes, room)
-        step = self.memory_plan(decodes, prefills, packs=(len(prefills),))
-        chunks = with_rows = step.prefill_chunks
-        # a pack from the first chunk takes the rows (MemoryModel.mixed_pack_bytes: one sampling call for
-        # both, all processed where one row is)
-        rows_bytes, rows_tokens = 0, 0
-        if mixed:
-            processed = bool(step.decode_samples) or any(c.samples for c in chunks)
-            if processed:
-                with_rows = tuple(dataclasses.replace(c, samples=c.computes_logits) for c in chunks)
-            rows_bytes = (memory.decode_bytes(step.decode_context_lens, len(decodes) if processed else 0)
-                          + memory.pack_rows_bytes(len(decodes)))
-            rows_tokens = len(decodes)
+        chunks = self.memory_plan(decodes, prefills, packs=(len(prefills),)).prefill_chunks
         packable = [self.config.pack_long_prompts or self._whole_prompt(c) for c in prefills]
         # the pack: chunks [start, start + size); one a step, the chunks after it alone (on an H200 four
         # packs back to back measured above each one's prediction, docs/memory.md)
-        start, size, summed, tokens, rows = 0, 0, (), 0, set()
-        for j in range(len(prefills)):
+        start, size, summed, tokens, rows = first, 0, (), 0, set()
+        for j in range(first, len(prefills)):
             chunk, plan = prefills[j], chunks[j]
+            phases = memory.chunk_plan_phases(plan)
             if not packable[j]:
                 if size > 1:
                     break
                 size = 0
                 continue
-            if size and start == 0:  # joining the pack from the first chunk, which the rows ride in
-                phases, extra, more = memory.chunk_plan_phases(with_rows[j]), rows_bytes, rows_tokens
-            else:
-                phases, extra, more = memory.chunk_plan_phases(plan), 0, 0
-            if size and chunk.request_id not in rows and tokens + plan.num_tokens + more <= memory.max_packed_tokens:
+            if size and chunk.request_id not in rows and tokens + plan.num_tokens <= memory.max_packed_tokens:
                 trial = tuple(a + b for a, b in zip(summed, phases))
-                if memory.summed_pack_bytes(trial, tokens + plan.num_tokens) + extra <= limit:
+                if memory.summed_pack_bytes(trial, tokens + plan.num_tokens) <= limit:
                     summed, tokens, size = trial, tokens + plan.num_tokens, size + 1
                     rows.add(chunk.request_id)
                     continue
             if size > 1:
                 break
-            if j == 0:  # a pack from the first chunk: the rows' variant
-                phases = memory.chunk_plan_phases(with_rows[0])
-            elif size and start == 0:  # a pack from here on: this chunk's own phases
-                phases = memory.chunk_plan_phases(plan)
             start, size, summed, tokens, rows = j, 1, phases, plan.num_tokens, {chunk.request_id}
         if size < 2:
             return ()

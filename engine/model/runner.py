@@ -33,7 +33,7 @@ from engine.model.layers.decode_path import unsupported as decode_unsupported
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, attention_copies_views, slice_start, sliding_window
-from engine.model.layers.mixed import MixedForward, PackRows
+from engine.model.layers.mixed import MixedForward
 from engine.model.kernels import qk_rope
 from engine.model import matmul_workspace
 from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
@@ -340,51 +340,42 @@ class ModelRunner:
         token = sample_rows(logits, [self.samplers[work.request_id]])
         return Forward(stages + [[token]], token)  # every layer's KV write is in its graph (attention reads it)
 
-    def prefill_packed(self, works: list[PrefillWork], decodes: Sequence[DecodeWork] = ()) -> "Forward":
+    def prefill_packed(self, works: list[PrefillWork]) -> "Forward":
         """Build (only) one forward of several rows' prompt chunks, one chunk per row
-        (engine/model/layers/chunk_path.py `forward_packed`; the engine's chunk loop only), and `decodes`'
-        rows riding in it (as in a mixed forward: `self.mixed` must be set). Its `tokens`: one per chunk
-        that ends its prompt, in `works` order, then one per decode row (None if there are none)."""
+        (engine/model/layers/chunk_path.py `forward_packed`; the engine's chunk loop only). Its `tokens`:
+        one per chunk that ends its prompt, in `works` order (None if none does)."""
         if self.chunk_path is None:
             raise ValueError("packed prompt chunks run the engine's chunk loop, not mlx-lm's modules")
-        if len({w.request_id for w in works} | {w.request_id for w in decodes}) != len(works) + len(decodes):
+        if len({w.request_id for w in works}) != len(works):
             raise ValueError("a packed forward computes one chunk per row")
-        if decodes and self.mixed is None:
-            raise ValueError("decode rows ride in a pack only where the runner mixes (runner.mixed)")
         # chunks of as many tokens from the same position next to each other: the loop batches each run
         order = sorted(range(len(works)), key=lambda j: (works[j].start, len(works[j].token_ids) + works[j].num_pad_tokens))
         asked, works = works, [works[j] for j in order]
         rows = [self._chunk_row(w) for w in works]
         ids = [w.forward_token_ids() for w in works]
         views = [ForwardView(self.pool, [row], len(t)) for row, t in zip(rows, ids)]
-        decode_view = ForwardView(self.pool, [self.rows[w.request_id] for w in decodes], 1) if decodes else None
-        tokens = mx.array([t for chunk in ids for t in chunk] + [w.token_id for w in decodes])[None]  # [1, N + B]
+        tokens = mx.array([t for chunk in ids for t in chunk])[None]  # [1, N]
         self._count(tokens.shape[1])
         stages = [] if self.stage_waits else None
-        pack_rows = PackRows(self.mixed.path, decode_view) if decodes else None
         hidden = self.chunk_path.forward_packed(tokens, views, [w.sample for w in works],
-                                                [w.num_pad_tokens for w in works], stages,
-                                                rows=pack_rows)  # [1, r + B, D] or None
+                                                [w.num_pad_tokens for w in works], stages)  # [1, r, D] or None
         stages = [stage_list(h) for h in stages or ()]
         sampling = [w for w in works if w.sample]
-        if not sampling and not decodes:  # as in `prefill`: handles to the pool arrays this forward leaves
+        if not sampling:  # as in `prefill`: handles to the pool arrays this forward leaves
             forward = Forward(stages + [[_alias(a) for a in self.pool.keys + self.pool.values]], None)
         else:
-            logits = self._head(hidden[0])  # [r + B, V]
-            sampled = sample_rows(logits, [self.samplers[w.request_id] for w in sampling]
-                                  + [self.samplers[w.request_id] for w in decodes])
+            logits = self._head(hidden[0])  # [r, V]
+            sampled = sample_rows(logits, [self.samplers[w.request_id] for w in sampling])
             rank = {w.request_id: n for n, w in enumerate(sampling)}
-            back = [rank[w.request_id] for w in asked if w.sample]  # `works` order again, then the rows
+            back = [rank[w.request_id] for w in asked if w.sample]  # `works` order again
             if back != sorted(back):
-                sampled = sampled[mx.array(back + list(range(len(back), len(back) + len(decodes))))]
+                sampled = sampled[mx.array(back)]
             forward = Forward(stages + [[sampled]], sampled)
         # the rows advance once all of it is built: a pack that fails to build leaves them where they
         # were, and its chunks run apart (the executor), writing the same KV again
         for view, row, w in zip(views, rows, works):
             view.advance()
             row.offset -= w.num_pad_tokens  # as in `prefill`
-        if decode_view is not None:
-            decode_view.advance()
         return forward
 
     def decode(self, work: list[DecodeWork], tokens: Optional[mx.array] = None,

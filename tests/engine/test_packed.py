@@ -59,8 +59,8 @@ def test_packed_chunks_give_mlx_lm_greedy_tokens(make_engine, tiny_parts, refere
     for plan in packed:
         for group in pack_groups(plan.prefills, plan.packs):
             assert len({c.request_id for c in group}) == len(group)  # one chunk per row
-    # the decode rows riding in a pack (from the step's first chunk: ChunkPath.forward_packed's rows)
-    assert any(p.mixed and p.packs[0] > 1 for p in packed)
+        if plan.mixed:
+            assert plan.packs[0] == 1  # the mixed forward's chunk is alone
     assert any(c.num_pad_tokens for p in packed for c in p.prefills) == pad
     # first chunks of as many tokens: one batch of rows in the chunk loop (ChunkPath.forward_packed)
     assert any(len([c for c in group if c.start == 0 and c.num_forward_tokens == 32]) > 1
@@ -188,16 +188,9 @@ def test_memory_model_predicts_a_packed_forward():
     assert model.step_transient_bytes(StepPlan(prefill_chunks=chunks)) == max(alone)
     with pytest.raises(ValueError, match="packs"):
         model.step_transient_bytes(StepPlan(prefill_chunks=chunks, packs=(2,)))
-    # decode rows riding in the first pack: the pack's and the rows' decode forward's, and PACK_ROWS rows each
-    rows = model.decode_bytes([10, 20]) + model.pack_rows_bytes(2)
-    assert model.mixed_pack_bytes(chunks[:2], [10, 20]) == model.packed_bytes(chunks[:2]) + rows
-    assert model.step_transient_bytes(StepPlan(decode_context_lens=(10, 20), prefill_chunks=chunks, packs=(2, 1)),
-                                      mixed=True) == max(model.packed_bytes(chunks[:2]) + rows, alone[2])
-    # one sampling call for both: a row that samples sends the chunks' logits through it too
-    sampling = model.mixed_pack_bytes(chunks[:2], [10, 20], samples=2)
-    assert sampling == model.mixed_pack_bytes(
-        [PrefillChunkPlan(c.num_tokens, c.context_len, c.computes_logits, c.computes_logits) for c in chunks[:2]],
-        [10, 20], samples=2) >= model.mixed_pack_bytes(chunks[:2], [10, 20])
+    with pytest.raises(ValueError, match="pack of its own"):
+        model.step_transient_bytes(StepPlan(decode_context_lens=(10,), prefill_chunks=chunks, packs=(2, 1)),
+                                   mixed=True)
 
 
 def test_a_packed_forward_whose_head_fails_runs_apart(make_engine, tiny_parts, reference_greedy,

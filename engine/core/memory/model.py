@@ -35,7 +35,6 @@ The coefficient sets, and where each was fitted: coefficients.py.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence
 
 from engine.core.memory.chunk import FLOAT32_BYTES, PAGE_SLACK_BYTES, ChunkTerms
@@ -318,32 +317,16 @@ class MemoryModel(ChunkTerms):
         s = self.shape
         return PACK_ROWS * self.layer_factor * num_tokens * s.num_heads * s.head_dim * s.dtype_bytes
 
-    def mixed_pack_bytes(self, chunks: Sequence[PrefillChunkPlan], context_lens: Sequence[int],
-                         samples: int = 0) -> int:
-        """One forward of several rows' prompt chunks with B decoding rows riding in it
-        (chunk_path.forward_packed's `rows`): the pack's (`packed_bytes`), the rows' decode forward's
-        beside it (their hidden states, MLP, attention temporaries and logits: what they add to the
-        pack's stages, counted whole) and PACK_ROWS rows for each of theirs. One sampling call takes
-        the chunks' and the rows' logits: a row of either that is not a plain argmax sends them all
-        through the sampler's processing path."""
-        if samples or any(c.samples for c in chunks):
-            chunks = [dataclasses.replace(c, samples=c.computes_logits) for c in chunks]
-            samples = len(context_lens)
-        return (self.packed_bytes(chunks) + self.decode_bytes(context_lens, samples)
-                + self.pack_rows_bytes(len(context_lens)))
-
     def step_transient_bytes(self, plan: StepPlan, mixed: bool = False) -> int:
         """Decode and each forward of prompt chunks (one chunk, or several packed: `plan.packs`) are
-        evaluated one after another: the peak is their max. `mixed`: the decode rows run in the first
-        forward of prompt chunks: with its chunk (engine/model/layers/mixed.py, `mixed_bytes`), or in its
-        pack (`mixed_pack_bytes`)."""
+        evaluated one after another: the peak is their max. `mixed`: the decode rows run with the first
+        chunk (engine/model/layers/mixed.py), one forward (`mixed_bytes`) whose chunk is a pack of its own."""
         groups = pack_groups(plan.prefill_chunks, plan.packs)
         chunks = [self.packed_bytes(g) for g in groups]
         if mixed and chunks and plan.decode_context_lens:
-            if len(groups[0]) == 1:
-                first = self.mixed_bytes(plan.prefill_chunks[0], plan.decode_context_lens, plan.decode_samples)
-            else:
-                first = self.mixed_pack_bytes(groups[0], plan.decode_context_lens, plan.decode_samples)
+            if len(groups[0]) != 1:
+                raise ValueError(f"packs={plan.packs}: a mixed forward's chunk is a pack of its own")
+            first = self.mixed_bytes(plan.prefill_chunks[0], plan.decode_context_lens, plan.decode_samples)
             return max([first] + chunks[1:])
         return max([self.decode_bytes(plan.decode_context_lens, plan.decode_samples)] + chunks)
 

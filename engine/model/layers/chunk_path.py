@@ -96,7 +96,7 @@ class ChunkPath:
                 return h
 
     def forward_packed(self, tokens: mx.array, views: list, samples: list[bool], pads: list[int],
-                       stages: Optional[list] = None, rows=None) -> Optional[mx.array]:
+                       stages: Optional[list] = None) -> Optional[mx.array]:
         """Several rows' prompt chunks as one forward: tokens [1, N] are the chunks one after another,
         chunk j of `views[j]` (a ForwardView of its own row and its tokens; no row twice) -> the
         final-normed hidden states of the last real position of each chunk that `samples`, [1, r, D] in
@@ -107,78 +107,59 @@ class ChunkPath:
         MLX's causal attention; other chunks attend over
         their row in the pool one by one, as `forward` does. Every layer writes all chunks' KV before
         any reads it: a read holds the pool array, which MLX would copy for a later write.
-        `pads`: each chunk's pad past its prompt's end (`forward`'s num_pad); `stages`: as `forward`'s.
-        `rows`: decode rows riding in the pack (engine/model/layers/mixed.py `PackRows`), their tokens the
-        last `rows.count` of `tokens`: through the norms, projections and MLP with the chunks, their own
-        RoPE, KV write and attention (as a mixed forward's), and their final hidden states after the
-        sampled chunks' ([1, r + B, D])."""
+        `pads`: each chunk's pad past its prompt's end (`forward`'s num_pad); `stages`: as `forward`'s."""
         H, H_kv, d = self.heads, self.kv_heads, self.head_dim
         ops, pool = self.ops, views[0].pool
-        B = rows.count if rows is not None else 0
-        N = tokens.shape[1] - B
+        N = tokens.shape[1]
         groups = _groups(views)  # (first chunk, chunks, tokens each, position), in order
         writes = [GroupWrite(views[j:j + n]) for j, n, _, _ in groups]
         starts = [sum(v.num_new for v in views[:j]) for j in range(len(views))]
         sampled = [j for j, s in enumerate(samples) if s]
         ends = [starts[j] + views[j].num_new - 1 - pads[j] for j in sampled]  # the sampled positions
-        h = self.bound.embed(tokens)  # [1, N + B, D]
+        h = self.bound.embed(tokens)  # [1, N, D]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = mx.fast.rms_norm(h, layer.in_w, layer.in_eps)
-            k, v = layer.k(x), layer.v(x)  # [1, N + B, H_kv d]
-            if B:  # the decode rows' q/k/v, RoPE at their positions and KV write
-                if i == last:  # the sampled chunk positions' queries, then the rows'
-                    where = mx.array(ends + list(range(N, N + B)))
-                    x, h = x[:, where], h[:, where]
-                qx = layer.q(x)
-                rows.project(i, layer, qx[:, -B:], k[:, N:], v[:, N:])
-                k, v = k[:, :N], v[:, :N]
-            k = layer.norm_k(k.reshape(1, N, H_kv, d))
-            v = v.reshape(1, N, H_kv, d)
-            rows_kv = []  # per group: its rows' rotated keys and values [n, H_kv, T, d]
+            k = layer.norm_k(layer.k(x).reshape(1, N, H_kv, d))
+            v = layer.v(x).reshape(1, N, H_kv, d)
+            rows = []  # per group: its rows' rotated keys and values [n, H_kv, T, d]
             for (j, n, T, offset), write in zip(groups, writes):
                 a = starts[j]
                 kg = layer.rope(k[:, a:a + n * T].reshape(n, T, H_kv, d).transpose(0, 2, 1, 3), offset=offset)
                 vg = v[:, a:a + n * T].reshape(n, T, H_kv, d).transpose(0, 2, 1, 3)
                 write.write(i, kg, vg)
-                rows_kv.append((kg, vg))
+                rows.append((kg, vg))
             if stages is not None:
                 stages.append(views[-1].written(i))
             if i == last:
-                if not sampled and not B:
+                if not sampled:
                     return None
                 # the sampled positions' query, attention and MLP alone (as `forward`'s last layer)
-                if not B:
-                    where = mx.array(ends)
-                    x, h = x[:, where], h[:, where]  # [1, r, D]
-                    qx = layer.q(x)
-                outs = []
-                if sampled:
-                    q = layer.norm_q(qx[:, :len(sampled)].reshape(1, len(sampled), H, d))
-                    qs = [layer.rope(q[:, n:n + 1].transpose(0, 2, 1, 3),
-                                     offset=views[j].offset + ends[n] - starts[j]) for n, j in enumerate(sampled)]
-                    if stages is not None:
-                        stages.append(tuple(qs))
-                    outs = [ops.attend(views[j], i, qj, layer.scale, stages=stages, softcap=layer.softcap,
-                                       drop_keys=pads[j]) for j, qj in zip(sampled, qs)]
+                where = mx.array(ends)
+                x, h = x[:, where], h[:, where]  # [1, r, D]
+                q = layer.norm_q(layer.q(x).reshape(1, len(sampled), H, d))
+                qs = [layer.rope(q[:, n:n + 1].transpose(0, 2, 1, 3), offset=views[j].offset + ends[n] - starts[j])
+                      for n, j in enumerate(sampled)]
+                if stages is not None:
+                    stages.append(tuple(qs))
+                outs = [ops.attend(views[j], i, qj, layer.scale, stages=stages, softcap=layer.softcap,
+                                   drop_keys=pads[j]) for j, qj in zip(sampled, qs)]
             else:
-                q = layer.norm_q((qx[:, :N] if B else layer.q(x)).reshape(1, N, H, d))
+                q = layer.norm_q(layer.q(x).reshape(1, N, H, d))
                 qs = [layer.rope(q[:, starts[j]:starts[j] + n * T].reshape(n, T, H, d).transpose(0, 2, 1, 3),
                                  offset=offset) for j, n, T, offset in groups]
                 if stages is not None:
                     stages.append(tuple(qs))
                 window = pool.layer_windows[i]
                 outs = []
-                for (j, n, T, offset), qg, (kg, vg) in zip(groups, qs, rows_kv):
+                for (j, n, T, offset), qg, (kg, vg) in zip(groups, qs, rows):
                     if offset == 0 and (window is None or T <= window):  # causal over the rows' own keys
                         outs.append(ops.attention(qg, kg, vg, layer.scale, "causal", stages, layer.softcap))
                     else:
                         outs += [ops.attend(views[j + b], i, qg[b:b + 1], layer.scale, stages=stages,
                                             softcap=layer.softcap) for b in range(n)]
             outs = [o.transpose(0, 2, 1, 3).reshape(1, -1, H * d) for o in outs]
-            if B:
-                outs.append(rows.attend(i, layer, stages))  # [1, B, H d]
-            out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [1, N or r (+ B), H d]
+            out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [1, N or r, H d]
             # the layer's writes in its own graph: a group's causal attention reads its rotated keys and
             # values, not the pool, so nothing read would otherwise run them until a later forward read
             # the pool (holding every layer's keys and values of the pack until then)

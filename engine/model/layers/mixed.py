@@ -123,38 +123,6 @@ class MixedForward:
         out = mx.concatenate(parts, axis=1).reshape(1, Tq + B, H * d)
         return out
 
-class PackRows:
-    """A step's decode rows riding in a pack of prompt chunks (engine/model/layers/chunk_path.py
-    `forward_packed`'s `rows`): per layer, their q/k/v (the pack's products' last rows) rotated at each
-    row's own position and their KV written, then the paged kernel's attention (or, without it, MLX's
-    over their gathered KV), as a mixed forward's rows (`MixedForward`) and a decode's."""
-
-    def __init__(self, path: DecodePath, view):
-        """`path`: the decode path whose RoPE specs and ops the rows take; `view`: B rows, one token each."""
-        self.path, self.view = path, view
-        self.count = len(view.rows)
-        offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
-        self.offsets = offsets.astype(mx.int32)
-        self._q = None
-
-    def project(self, i: int, layer, q: mx.array, k: mx.array, v: mx.array) -> None:
-        """Layer i's rows' products q [1, B, H d], k and v [1, B, H_kv d]: rotated (q/k head norms first
-        where the family has them), the keys and values written."""
-        path = self.path
-        qkv = mx.concatenate([q[0], k[0], v[0]], axis=-1)[:, None, :]  # [B, 1, (H + 2 H_kv) d]
-        self._q, dk, dv = path.ops.rope_qkv(qkv, self.offsets, path.ropes[i], path.heads, path.kv_heads,
-                                            qk_norms(layer))
-        self.view.write(i, dk, dv)
-
-    def attend(self, i: int, layer, stages: Optional[list] = None) -> mx.array:
-        """Layer i's rows' attention (after `project`) -> [1, B, H d]; a stage of its own where the runner
-        waits between stages."""
-        out = self.path.ops.attend(self.view, i, self._q, layer.scale, softcap=layer.softcap)  # [B, H, 1, d]
-        if stages is not None:
-            stages.append(out)
-        return out.transpose(2, 0, 1, 3).reshape(1, self.count, -1)
-
-
 def _query_rows(a: mx.array, first: int, num: int, T: int) -> mx.array:
     """a [1, T + B, ...] -> its rows whose queries a layer computes: the chunk's [first, first + num),
     then the B decode rows' (a itself where that is every row)."""
