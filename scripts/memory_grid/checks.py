@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .fit import ratio_stats, read_keyed
-from .predict import engine_predictions, mixed_predictions, model_shape
+from .predict import engine_predictions, matmul_workspace, mixed_predictions, model_shape
 from .shapes import decode_terms
 
 
@@ -20,7 +20,8 @@ def step_prediction(p: dict, shapes: dict, coefficients) -> int:
     from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 
     plan, flags = p["plan"], p["memory_model"]
-    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients, **flags)
+    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
+                        matmul_workspace=matmul_workspace(shapes[p["variant"]]), **flags)
     step = StepPlan(decode_context_lens=tuple(plan["decode_context_lens"]), decode_samples=plan["decode_samples"],
                     prefill_chunks=tuple(PrefillChunkPlan(**c) for c in plan["prefill_chunks"]))
     return max(model.step_transient_bytes(step, mixed=p["mixed"]), p.get("other_predicted", 0))
@@ -176,7 +177,8 @@ def step_phases(p: dict, shapes: dict, coefficients) -> list:
     from engine.core.memory.model import MemoryModel, PrefillChunkPlan
 
     plan, flags = p["plan"], p["memory_model"]
-    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients, **flags)
+    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
+                        matmul_workspace=matmul_workspace(shapes[p["variant"]]), **flags)
     chunks = [PrefillChunkPlan(**c) for c in plan["prefill_chunks"]]
     rows, samples = list(plan["decode_context_lens"]), plan["decode_samples"]
     phases = []

@@ -183,6 +183,9 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         # step's window also holds what building the next decode's graph allocates: its KV indices).
         engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=pipelined,
                              layer_loops=layer_loops)
+        ws = engine.memory.matmul_workspace  # what the engine measured: the fit takes it out (predict.py)
+        if ws and len(ws.per_layer) >= len(shape.get("matmul_workspace", {}).get("per_layer", ())):
+            shape["matmul_workspace"] = {"per_layer": list(ws.per_layer), "head": list(ws.head)}
         path = forward_path(engine)
         recorder, meter, alive = start_decoding(engine, prompts, max_tokens)
         for b in rows:

@@ -20,12 +20,23 @@ def model_shape(sh: dict):
                       head_dim=sh["d"], intermediate_size=sh["I"], vocab_size=sh["V"], dtype_bytes=sh["s"])
 
 
+def matmul_workspace(sh: dict):
+    """The decode's matmul workspaces the engine measured for a grid's shape (recorded by `decode_grid`
+    as its `matmul_workspace`; none in grids from before, or on the CPU): in the model's predictions, and
+    so out of what a fit's coefficients explain (a decode's fixed bytes)."""
+    from engine.core.memory.workspace import MatmulWorkspace
+
+    ws = sh.get("matmul_workspace") or {}
+    return MatmulWorkspace(tuple(ws.get("per_layer", ())), tuple(ws.get("head", ())))
+
+
 def _model_of(sh: dict, coefficients, paged: bool = False, copies_viewed_kv: bool = True,
               copies_every_view: bool = False):
     from engine.core.memory.model import MemoryModel
 
     return MemoryModel(model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True,
-                       copies_viewed_kv=copies_viewed_kv, copies_every_view=copies_every_view)
+                       copies_viewed_kv=copies_viewed_kv, copies_every_view=copies_every_view,
+                       matmul_workspace=matmul_workspace(sh))
 
 
 def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:

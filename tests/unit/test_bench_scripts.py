@@ -620,3 +620,26 @@ def test_lp_fit_bounds_every_point_from_above_and_trims_the_excess():
     x, worst = lp_fit(a, measured, measured, np.zeros(3), np.ones(40), hi=a[:5], hi_fixed=np.zeros(5),
                       hi_measured=measured[:5], hi_step=list(range(5)))
     assert worst is not None and worst < 1e-6 and np.all(a @ x >= measured * (1 - 1e-9))
+
+
+def test_a_grid_shape_s_matmul_workspace_is_in_its_predictions_and_out_of_the_fit():
+    """A decode grid point of a shape whose engine measured its matmuls' workspaces (`decode_grid`
+    records them as the shape's `matmul_workspace`): the engine's prediction counts them (every layer's
+    and the head's), and a fit row takes them out of the measure (a decode's fixed bytes), so a refit does
+    not count them again; a shape without them (older grids, the CPU) predicts as before."""
+    from engine.core.memory.coefficients import CUDA_OPS8_COEFFICIENTS
+
+    config = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=512, vocab_size=1000, rms_norm_eps=1e-5)
+    plain = shapes.shape_of(config, 2)
+    measured = dict(plain, matmul_workspace={"per_layer": [1000, 3000, 2000], "head": [10, 20, 30]})
+    point = dict(kind="decode", variant="v", B=3, n=300, c=1, logits=True, gathers=False, paged=True,
+                 measured=10 ** 7)
+    coef = CUDA_OPS8_COEFFICIENTS
+    before = predict.engine_predictions([point], {"v": plain}, coef)[0]
+    after = predict.engine_predictions([point], {"v": measured}, coef)[0]
+    assert after - before == 2 * 3000 + 30  # two layers' (the most at 3 rows or fewer) and the head's
+    names = ["decode_mlp"]
+    _, fitted_plain = backend_fit._fit_row(point, {"v": plain}, coef, names)
+    _, fitted = backend_fit._fit_row(point, {"v": measured}, coef, names)
+    assert fitted_plain - fitted == 2 * 3000 + 30
