@@ -20,8 +20,10 @@ def step_prediction(p: dict, shapes: dict, coefficients) -> int:
     from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
 
     plan, flags = p["plan"], p["memory_model"]
+    flags = dict(flags)
+    recorded = {"matmul_workspace": flags.pop("matmul_workspace")} if "matmul_workspace" in flags else shapes[p["variant"]]
     model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
-                        matmul_workspace=matmul_workspace(shapes[p["variant"]]), **flags)
+                        matmul_workspace=matmul_workspace(recorded), **flags)
     step = StepPlan(decode_context_lens=tuple(plan["decode_context_lens"]), decode_samples=plan["decode_samples"],
                     prefill_chunks=tuple(PrefillChunkPlan(**c) for c in plan["prefill_chunks"]))
     return max(model.step_transient_bytes(step, mixed=p["mixed"]), p.get("other_predicted", 0))
@@ -177,8 +179,10 @@ def step_phases(p: dict, shapes: dict, coefficients) -> list:
     from engine.core.memory.model import MemoryModel, PrefillChunkPlan
 
     plan, flags = p["plan"], p["memory_model"]
+    flags = dict(flags)
+    recorded = {"matmul_workspace": flags.pop("matmul_workspace")} if "matmul_workspace" in flags else shapes[p["variant"]]
     model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
-                        matmul_workspace=matmul_workspace(shapes[p["variant"]]), **flags)
+                        matmul_workspace=matmul_workspace(recorded), **flags)
     chunks = [PrefillChunkPlan(**c) for c in plan["prefill_chunks"]]
     rows, samples = list(plan["decode_context_lens"]), plan["decode_samples"]
     phases = []

@@ -64,9 +64,14 @@ def step_plan_dict(plan) -> Optional[dict]:
 
 
 def memory_flags(memory) -> dict:
-    """The MemoryModel arguments besides the shape and the set that a step's prediction depends on."""
-    return dict(kv_step=memory.kv_step, paged_decode=memory.paged_decode, mixed=memory.mixed,
-                copies_viewed_kv=memory.copies_viewed_kv, copies_every_view=memory.copies_every_view)
+    """The MemoryModel arguments besides the shape and the set that a step's prediction depends on (its
+    decode's matmul workspaces as plain lists, where the engine measured any: predict.matmul_workspace)."""
+    flags = dict(kv_step=memory.kv_step, paged_decode=memory.paged_decode, mixed=memory.mixed,
+                 copies_viewed_kv=memory.copies_viewed_kv, copies_every_view=memory.copies_every_view)
+    if memory.matmul_workspace:
+        flags["matmul_workspace"] = {"per_layer": list(memory.matmul_workspace.per_layer),
+                                     "head": list(memory.matmul_workspace.head)}
+    return flags
 
 
 def mixed_grid(lm: LoadedModel, chunks: list[int], rows: list[int], contexts: list[int], shape: dict,

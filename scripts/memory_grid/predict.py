@@ -22,8 +22,9 @@ def model_shape(sh: dict):
 
 def matmul_workspace(sh: dict):
     """The decode's matmul workspaces the engine measured for a grid's shape (recorded by `decode_grid`
-    as its `matmul_workspace`; none in grids from before, or on the CPU): in the model's predictions, and
-    so out of what a fit's coefficients explain (a decode's fixed bytes)."""
+    as its `matmul_workspace`, and by `memory_flags` in a step point's; none in grids from before, or on
+    the CPU): in the model's predictions, and so out of what a fit's coefficients explain (a decode's
+    fixed bytes)."""
     from engine.core.memory.workspace import MatmulWorkspace
 
     ws = sh.get("matmul_workspace") or {}
