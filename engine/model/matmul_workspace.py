@@ -4,7 +4,7 @@ engine/core/memory/workspace.py says why the memory model needs it. The runner m
 a decode forward calls, layer by layer (one measure per distinct set of weight shapes), and the LM head,
 at every row count a decode can have, once when the engine starts: each product on zeros, evaluated
 alone, MLX's peak over what was alive before less the product (0.04-0.09 s for an 8B model at 16 rows on
-an H200). The engine measures on every GPU backend (CUDA; Metal's matmuls too, if they allocate any); the
+an H200: a few milliseconds a row count, so a `max_num_seqs` in the thousands adds seconds to the start). The engine measures on every GPU backend (CUDA; Metal's matmuls too, if they allocate any); the
 CPU backend's matmuls write their product only: nothing to measure there.
 """
 
