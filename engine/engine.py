@@ -32,6 +32,7 @@ from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, Fi
                                RequestOutput, SamplingParams, SchedulerOutput, StepOptions, StepRecord)
 from engine.executor import StepExecutor, StepRun
 from engine.model.families import GPU_LOOP_FAMILIES, family_of
+from engine.model import matmul_workspace
 from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
 from engine.model.runner import ModelRunner, RunnerOptions
 from engine.model.sampling import RequestSampler
@@ -72,7 +73,8 @@ class Engine:
         weights_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + pool.ring_bytes + bound_bytes
         # what a decode's matmuls allocate beside their products, measured on GPU backends (cuBLASLt's
         # workspace on CUDA); the CPU's allocate none
-        workspace = self.runner.matmul_workspace(config.max_num_seqs) if backend != "cpu" else MatmulWorkspace()
+        workspace = (matmul_workspace.of_runner(self.runner, config.max_num_seqs) if backend != "cpu"
+                     else MatmulWorkspace())
         self.memory = self._build_memory_model(config, model_config, weights_bytes, backend, workspace)
         model_max = ConfigShape.from_config(model_config).max_position_embeddings or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
@@ -138,7 +140,7 @@ class Engine:
                            fused_rope=options.fused_rope and backend == "cuda", backend=backend)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
-                            backend: str, workspace: MatmulWorkspace = MatmulWorkspace()) -> MemoryModel:
+                            backend: str, workspace: MatmulWorkspace) -> MemoryModel:
         """The memory model of this model as the runner computes it (KV heads, size and dtype from the
         loaded model; rings counted with the weights) and the coefficient set for this backend; several
         rows' prompt chunks packed into forwards of up to ExecutionConfig.max_packed_tokens (the runner's

@@ -2,8 +2,8 @@
 forward runs), with the memory model the engine builds for a random shape (bench_common.RANDOM_SHAPES) on
 MLX's CUDA backend: the layer loops' coefficients for ops 8, paged decodes, mixed steps, chunks read as
 views of the pool; without the decode's matmul workspaces, which the engine measures on the device when it
-starts (engine/model/matmul_workspace.py): its decodes predict a little less than the engine's. Every step samples a token for each decode row and each prompt it ends; requests
-finish at max_tokens. What it counts is what the engine's records count (bench_tight_burst.step_summary):
+starts (engine/model/matmul_workspace.py): its decodes predict a little less than the engine's. Every step
+samples a token for each decode row and each prompt it ends; requests finish at max_tokens. What it counts is what the engine's records count (bench_tight_burst.step_summary):
 distinct (forward tokens, context) pairs of prompt chunks, those no earlier run of the process had (the
 bench's warm-up burst first), steps, steps cut by memory, tokens computed (pads included), KV's share.
 Pipelined decodes and deferred chunks change no plan of a step that holds a prompt chunk, so they are

@@ -1,11 +1,12 @@
 """Measure what MLX's matmuls allocate beside their products, by rows: cuBLASLt's workspace on CUDA.
 
-engine/core/memory/workspace.py says why the memory model needs it. The runner measures the projections
-a decode forward calls, layer by layer (one measure per distinct set of weight shapes), and the LM head,
-at every row count a decode can have, once when the engine starts: each product on zeros, evaluated
-alone, MLX's peak over what was alive before less the product (0.04-0.09 s for an 8B model at 16 rows on
-an H200: a few milliseconds a row count, so a `max_num_seqs` in the thousands adds seconds to the start). The engine measures on every GPU backend (CUDA; Metal's matmuls too, if they allocate any); the
-CPU backend's matmuls write their product only: nothing to measure there.
+engine/core/memory/workspace.py says why the memory model needs it. `of_runner` measures the projections
+a runner's decode forward calls, layer by layer (one measure per distinct set of weight shapes), and the
+LM head, at every row count a decode can have, once when the engine starts: each product on zeros,
+evaluated alone, MLX's peak over what was alive before less the product (0.04-0.09 s for an 8B model at
+16 rows on an H200: a few milliseconds a row count, so a `max_num_seqs` in the thousands adds seconds to
+the start). The engine measures on every GPU backend (CUDA; Metal's matmuls too, if they allocate any);
+the CPU backend's matmuls write their product only: nothing to measure there.
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ def allocated_beside(fn: Callable[[mx.array], mx.array], x: mx.array) -> int:
     return max(0, mx.get_peak_memory() - base - y.nbytes)
 
 
-def by_rows(products: Sequence[Product], max_rows: int, dtype, rank: int = 3) -> tuple[int, ...]:
-    """The bytes `products` allocate beside their results, added up, for each row count 1..max_rows
-    (an input of `rank` dimensions: [r, 1, K] as a decode's, or [r, K] for 2). Each product runs once on
-    a new shape before it is measured: a first call may set up what later ones reuse."""
+def by_rows(products: Sequence[Product], max_rows: int, dtype) -> tuple[int, ...]:
+    """The bytes `products` allocate beside their results, added up, for each row count 1..max_rows (an
+    input [r, 1, K], as a decode's). Each product runs once on a new shape before it is measured: a first
+    call may set up what later ones reuse."""
     out = []
     for rows in range(1, max_rows + 1):
         total = 0
         for fn, k in products:
-            x = mx.zeros((rows, k) if rank == 2 else (rows, 1, k), dtype)
+            x = mx.zeros((rows, 1, k), dtype)
             mx.eval(x)
             mx.eval(fn(x))
             total += allocated_beside(fn, x)
@@ -91,6 +92,16 @@ def probe(layers: Sequence, head: Callable[[mx.array], mx.array], hidden_size: i
                 "layer, %d the head", len(tables), max_rows, time.perf_counter() - start,
                 max(result.per_layer, default=0), max(result.head, default=0))
     return result
+
+
+def of_runner(runner, max_rows: int) -> MatmulWorkspace:
+    """What `runner`'s decode forward (engine/model/runner.py: the engine's decode loop, else mlx-lm's
+    modules) allocates beside its matmuls' products at 1..max_rows rows."""
+    bound = runner.decode_path is not None
+    backbone = runner.layout.backbone
+    layers = runner.decode_path.layers if bound else backbone.layers
+    hidden = backbone.layers[0].input_layernorm.weight.shape[-1]
+    return probe(layers, runner.layout.head, hidden, max_rows, runner.layout.kv_dtype, bound)
 
 
 def _weight_shape(fn) -> tuple:

@@ -23,7 +23,6 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.core.memory.workspace import MatmulWorkspace
 from engine.model.layers.bound import BoundModel, language_model
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
@@ -35,8 +34,7 @@ from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, attention_copies_views, slice_start, sliding_window
 from engine.model.layers.mixed import MixedForward
 from engine.model.kernels import qk_rope
-from engine.model import matmul_workspace
-from engine.model.kernels.paged_attention import CudaPagedAttention, PagedAttention, self_check, unsupported
+from engine.model.kernels.paged_attention import PagedAttention, first_passing, unsupported
 from engine.model.sampling import DeferredSampling, RequestSampler, sample_rows
 from engine.model.work import DecodeWork, Forward, PrefillWork, stage_list
 
@@ -158,30 +156,13 @@ class ModelRunner:
         (logged)."""
         why_not = self._loops_why_not() or self._kernel_why_not() or unsupported(
             num_heads, num_kv_heads, head_dim, block_size, dtype)
-        tried = set()
-        for m, t in ((mma, tiled), (False, tiled), (False, False)) if why_not is None else ():
-            kind = f"mma={m}, tiled={t}"
-            try:
-                kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=t, mma=m)
-                kind = kernel.kind(head_dim, dtype, num_heads // num_kv_heads)
-                if kind in tried:  # the same kernel as a variant before (mma or tiled not for this shape)
-                    continue
-                tried.add(kind)
-                self_check(kernel, num_heads, head_dim, dtype)
-                self.use_paged_attention(kernel)
-                return
-            except Exception as exc:  # noqa: BLE001 - any failure means: do without it
-                why_not = f"{type(exc).__name__}: {exc}"
-                logger.warning("paged decode attention (%s kernel) failed its self-check: %s", kind, why_not)
-        logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
-
-    def matmul_workspace(self, max_rows: int) -> MatmulWorkspace:
-        """What a decode forward's matmuls (its layers' projections, its LM head) allocate beside their
-        products at 1..max_rows rows, measured here (engine/model/matmul_workspace.py)."""
-        bound = self.decode_path is not None
-        layers = self.decode_path.layers if bound else self._backbone.layers
-        hidden = self._backbone.layers[0].input_layernorm.weight.shape[-1]
-        return matmul_workspace.probe(layers, self._head, hidden, max_rows, self.layout.kv_dtype, bound)
+        kernel = None
+        if why_not is None:
+            kernel, why_not = first_passing(num_heads, num_kv_heads, head_dim, block_size, dtype, tiled, mma)
+        if kernel is None:
+            logger.warning("paged decode attention not used (%s): decode gathers the KV", why_not)
+        else:
+            self.use_paged_attention(kernel)
 
     def use_decode_path(self, ops: Optional[ReferenceOps], compiled: bool = False) -> None:
         """Decode forwards run engine/model/layers/decode_path.py's loop with `ops` (None: mlx-lm's modules,

@@ -13,17 +13,24 @@ from .predict import engine_predictions, matmul_workspace, mixed_predictions, mo
 from .shapes import decode_terms
 
 
+def _step_model(p: dict, shapes: dict, coefficients):
+    """The MemoryModel a step point's engine built (`steps_grid`'s memory flags: its decode's matmul
+    workspaces there if it measured any, else the shape's), with `coefficients`."""
+    from engine.core.memory.model import MemoryModel
+
+    flags = dict(p["memory_model"])
+    recorded = {"matmul_workspace": flags.pop("matmul_workspace")} if "matmul_workspace" in flags else shapes[p["variant"]]
+    return MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
+                       matmul_workspace=matmul_workspace(recorded), **flags)
+
+
 def step_prediction(p: dict, shapes: dict, coefficients) -> int:
     """A recorded engine step's prediction with `coefficients`, from the memory plan and the memory
     model's arguments its engine recorded (`steps_grid`): the engine's own arithmetic, beside what the
     step predicted outside its forwards (pool growth, prefix copies: StepMemory.other_predicted_bytes)."""
-    from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan
+    from engine.core.memory.model import PrefillChunkPlan, StepPlan
 
-    plan, flags = p["plan"], p["memory_model"]
-    flags = dict(flags)
-    recorded = {"matmul_workspace": flags.pop("matmul_workspace")} if "matmul_workspace" in flags else shapes[p["variant"]]
-    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
-                        matmul_workspace=matmul_workspace(recorded), **flags)
+    plan, model = p["plan"], _step_model(p, shapes, coefficients)
     step = StepPlan(decode_context_lens=tuple(plan["decode_context_lens"]), decode_samples=plan["decode_samples"],
                     prefill_chunks=tuple(PrefillChunkPlan(**c) for c in plan["prefill_chunks"]))
     return max(model.step_transient_bytes(step, mixed=p["mixed"]), p.get("other_predicted", 0))
@@ -176,13 +183,9 @@ def step_phases(p: dict, shapes: dict, coefficients) -> list:
     """The stages (TransientTerms) of every forward of a recorded engine step (`step_prediction`): its
     transient, outside pool growth, is the largest's (for a mixed step, where the coefficient set runs a
     forward's stages apart: the CPU's)."""
-    from engine.core.memory.model import MemoryModel, PrefillChunkPlan
+    from engine.core.memory.model import PrefillChunkPlan
 
-    plan, flags = p["plan"], p["memory_model"]
-    flags = dict(flags)
-    recorded = {"matmul_workspace": flags.pop("matmul_workspace")} if "matmul_workspace" in flags else shapes[p["variant"]]
-    model = MemoryModel(model_shape(shapes[p["variant"]]), coefficients=coefficients,
-                        matmul_workspace=matmul_workspace(recorded), **flags)
+    plan, model = p["plan"], _step_model(p, shapes, coefficients)
     chunks = [PrefillChunkPlan(**c) for c in plan["prefill_chunks"]]
     rows, samples = list(plan["decode_context_lens"]), plan["decode_samples"]
     phases = []

@@ -184,7 +184,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
         engine = make_engine(lm, [n] * b_max, max_tokens, max_num_seqs=max(16, b_max), async_decode=pipelined,
                              layer_loops=layer_loops)
         ws = engine.memory.matmul_workspace  # what the engine measured: the fit takes it out (predict.py)
-        if ws and len(ws.per_layer) >= len(shape.get("matmul_workspace", {}).get("per_layer", ())):
+        if ws:
             shape["matmul_workspace"] = {"per_layer": list(ws.per_layer), "head": list(ws.head)}
         path = forward_path(engine)
         recorder, meter, alive = start_decoding(engine, prompts, max_tokens)

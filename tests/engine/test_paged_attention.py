@@ -185,12 +185,14 @@ def test_self_check_passes_the_reference_and_fails_a_wrong_kernel():
 @pytest.mark.parametrize("works", ["mma", "tiled", "span", "none"])
 def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, monkeypatch, caplog, works):
     """The tensor-core kernel if it passes its self-check, else the tiled one, else the span one, else none."""
-    import engine.model.runner as runner_module
+    import engine.model.kernels.paged_attention as kernels_module
     from engine.model.runner import ModelRunner
 
     order = ["mma", "tiled", "span"]
 
     class FakeKernel(ReferenceAttention):  # stands for the CUDA kernel on this CPU
+        spans = False  # self_check runs it alone (not at every span length, as the CUDA kernel)
+
         def __init__(self, num_kv_heads, block_size, tiled=True, mma=True):
             super().__init__(num_kv_heads, block_size)
             self.tiled, self.mma = tiled, mma
@@ -204,7 +206,7 @@ def test_runner_uses_the_kernel_only_if_it_passes_its_self_check(tiny_parts, mon
             ok = works != "none" and order.index(kind) >= order.index(works)
             return out if ok else out + 1.0
 
-    monkeypatch.setattr(runner_module, "CudaPagedAttention", FakeKernel)
+    monkeypatch.setattr(kernels_module, "CudaPagedAttention", FakeKernel)
     runner = ModelRunner(tiny_parts[0], paged_attention=True)
     if works != "none":
         assert isinstance(runner.pool.paged, FakeKernel) and runner.attention_kernel == works
@@ -228,12 +230,12 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     paged decodes (the ops-8 CUDA set is fitted on them), the forwards' bound is smaller than with
     gathering decodes and the KV budget no smaller; decode is still mlx-lm's greedy."""
     import engine.backend as backend_module
-    import engine.model.runner as runner_module
+    import engine.model.kernels.paged_attention as kernels_module
 
     monkeypatch.setattr(backend_module, "mlx_backend", lambda: "cuda")  # max_ops_per_buffer: 8 there
-    monkeypatch.setattr(runner_module, "CudaPagedAttention", lambda kv_heads, block, **kinds: ReferenceAttention(
+    monkeypatch.setattr(kernels_module, "CudaPagedAttention", lambda kv_heads, block, **kinds: ReferenceAttention(
         kv_heads, block))
-    monkeypatch.setattr(runner_module, "self_check", lambda *args: None)
+    monkeypatch.setattr(kernels_module, "self_check", lambda *args: None)
     # small chunks, many long rows: the decode term decides the bound
     paged = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0)
     gathering = make_engine(max_num_seqs=16, max_model_len=2048, prefill_chunk_size=16, prefix_cache_fraction=0.0,

@@ -27,12 +27,15 @@ kernel (a device or MLX version it fails on falls back to gathering, with a warn
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import mlx.core as mx
 
 from engine.core.memory.model import PAGED_PARTIAL_KEYS
 from engine.model.kernels import mma_attention, split_attention
+
+logger = logging.getLogger(__name__)
 
 _HEADER = """
 __device__ __forceinline__ float pa_warp_max(float v) {
@@ -354,6 +357,29 @@ def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> No
     for kernel in impls:
         for lengths, table, num_blocks in cases:
             _check_case(kernel, num_heads, head_dim, dtype, lengths, table, num_blocks)
+
+
+def first_passing(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, tiled: bool = True,
+                  mma: bool = True) -> tuple[Optional["CudaPagedAttention"], Optional[str]]:
+    """The first of the tensor-core, tiled and span kernels (as `mma` and `tiled` allow) that serves this
+    shape and passes `self_check` here: (it, None); else (None, why the last one failed), each failure
+    logged. A variant that runs the same kernel as one tried before (mma or tiled not for this shape) is
+    not checked again."""
+    why_not, tried = None, set()
+    for m, t in ((mma, tiled), (False, tiled), (False, False)):
+        kind = f"mma={m}, tiled={t}"
+        try:
+            kernel = CudaPagedAttention(num_kv_heads, block_size, tiled=t, mma=m)
+            kind = kernel.kind(head_dim, dtype, num_heads // num_kv_heads)
+            if kind in tried:
+                continue
+            tried.add(kind)
+            self_check(kernel, num_heads, head_dim, dtype)
+            return kernel, None
+        except Exception as exc:  # noqa: BLE001 - any failure means: do without it
+            why_not = f"{type(exc).__name__}: {exc}"
+            logger.warning("paged decode attention (%s kernel) failed its self-check: %s", kind, why_not)
+    return None, why_not
 
 
 def _check_case(impl: PagedAttention, num_heads: int, head_dim: int, dtype, lengths: list, table: list,
