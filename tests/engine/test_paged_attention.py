@@ -276,7 +276,8 @@ def test_the_coefficient_set_follows_max_ops_per_buffer_not_the_environment(make
 def test_cuda_kernel_call_arguments_per_shape():
     """CudaPagedAttention builds its two kernels' arguments once per call shape (the layers of a forward
     share them): a call passes its arrays with the planned scale and span inputs, the launch grid covers
-    every (row, KV head, span), and a new batch or block count gets its own plan. The kernels themselves
+    every (row, KV head, span), and a new batch or block count gets its own plan; where every row fits
+    one span the span kernel's direct variant writes the output alone. The kernels themselves
     run only on a GPU: recorders stand in for them (the object is made without its CUDA constructor)."""
     import mlx.core as mx
 
@@ -299,6 +300,8 @@ def test_cuda_kernel_call_arguments_per_shape():
     attn._partial, attn._span_partial = recorder("partial"), recorder("span")
     attn._tiled_partial, attn._combine = recorder("tiled"), recorder("combine")
     attn._mma_partial = recorder("mma")
+    attn._direct = {attn._span_partial: recorder("span_direct"), attn._tiled_partial: recorder("tiled_direct"),
+                    attn._mma_partial: recorder("mma_direct")}
     threads = mma_attention.THREADS  # bf16, groups of 4, D = 128: the tensor-core kernel
     table, lengths = mx.zeros((64, 3), mx.int32), mx.full((64,), 600, mx.int32)
     k_pool = v_pool = mx.zeros((4, 128), mx.bfloat16)
@@ -306,23 +309,41 @@ def test_cuda_kernel_call_arguments_per_shape():
         q = mx.zeros((64, 32, 1, 128), mx.bfloat16)
         out = attn(q, k_pool, v_pool, table, lengths, 0.0884)
         assert out.shape == (64, 32, 1, 128) and out.dtype == mx.bfloat16
-    assert len(attn._calls) == 1 and [c[0] for c in calls] == ["mma", "combine"] * 3
-    name, inputs, template, grid, threadgroup, shapes, dtypes = calls[0]
+    # 64 rows of 3 blocks: one span a row, so the tensor-core kernel writes the output (no combine)
     ch = split_attention.span_keys(64, 8, 3 * 256, blocks_per_sm=mma_attention.BLOCKS_PER_SM)
-    spans = -(-3 * 256 // ch)
+    assert ch >= 3 * 256
+    assert len(attn._calls) == 1 and [c[0] for c in calls] == ["mma_direct"] * 3
+    name, inputs, template, grid, threadgroup, shapes, dtypes = calls[0]
     assert inputs[3] is table and inputs[4] is lengths and inputs[5].item() == pytest.approx(0.0884)
     assert inputs[6].item() == ch and template == {"T": mx.bfloat16, "D": 128, "NREP": 4, "HKV": 8, "BLOCK": 256,
                                                    "THREADS": threads}
-    assert grid == (64 * 8 * spans * threads, 1, 1) and threadgroup == (threads, 1, 1)
-    assert shapes == [(64, 8, spans, 4, 128), (64, 8, spans, 4, 2)] and dtypes == [mx.float32, mx.float32]
-    assert calls[1][3] == (64 * 32 * 128, 1, 1) and calls[1][5] == [(64, 32, 1, 128)]
+    assert grid == (64 * 8 * threads, 1, 1) and threadgroup == (threads, 1, 1)
+    assert shapes == [(64, 32, 1, 128)] and dtypes == [mx.bfloat16]
     attn(mx.zeros((16, 32, 1, 128), mx.bfloat16), k_pool, v_pool, mx.zeros((16, 9), mx.int32),
          mx.full((16,), 2200, mx.int32), 0.0884)  # another batch: its own plan, its own span
     ch16 = split_attention.span_keys(16, 8, 9 * 256, blocks_per_sm=mma_attention.BLOCKS_PER_SM)
-    assert len(attn._calls) == 2 and calls[-2][1][6].item() == ch16
-    assert calls[-2][3] == (16 * 8 * -(-9 * 256 // ch16) * threads, 1, 1)
+    spans = -(-9 * 256 // ch16)
+    assert spans > 1 and len(attn._calls) == 2 and [c[0] for c in calls[-2:]] == ["mma", "combine"]
+    assert calls[-2][1][6].item() == ch16 and calls[-2][3] == (16 * 8 * spans * threads, 1, 1)
+    assert calls[-2][5] == [(16, 8, spans, 4, 128), (16, 8, spans, 4, 2)] and calls[-2][6] == [mx.float32] * 2
+    assert calls[-1][3] == (16 * 32 * 128, 1, 1) and calls[-1][5] == [(16, 32, 1, 128)]
     # float16 KV (no bf16 tensor-core path here): the tiled kernel, 128 threads a block
     attn(mx.zeros((16, 32, 1, 128), mx.float16), k_pool.astype(mx.float16), v_pool.astype(mx.float16),
          mx.zeros((16, 9), mx.int32), mx.full((16,), 2200, mx.int32), 0.0884)
     assert calls[-2][0] == "tiled" and calls[-2][2]["THREADS"] == 128 and calls[-2][4] == (128, 1, 1)
     assert attn.kind(256, mx.bfloat16, 2) == "tiled" and attn.kind(128, mx.bfloat16, 16) == "span"
+
+
+def test_direct_span_kernel_source():
+    """split_attention.direct turns each span kernel (span, tiled, tensor-core) into one writing the
+    output: the partial and statistics writes and the empty-span path are gone, the merge's quotient is
+    the output, and a source without them is refused."""
+    from engine.model.kernels import mma_attention, split_attention
+
+    for source in (split_attention.SPAN_PARTIAL, split_attention.TILED_PARTIAL, mma_attention.PARTIAL):
+        got = split_attention.direct(source)
+        assert "part_out" not in got and "stats_out" not in got and "pa_empty_span" not in got
+        assert got.count("out_row[i] = static_cast<T>(A / L);") == 1
+        assert got.count("T* out_row = out + (size_t)g * NREP * D;") == 1
+    with pytest.raises(ValueError, match="span kernel"):
+        split_attention.direct("  out[0] = 0;")

@@ -10,7 +10,9 @@ PagedAttention, with the split over the sequence of flash-decoding):
 1. `partial`: one thread block per (row, KV head, span of `PAGED_PARTIAL_KEYS` keys of the row, within
    one pool block): the softmax statistics (max, sum) and the unnormalised output of the GQA group's
    queries over that span's keys;
-2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output.
+2. `combine`: one thread block per (row, query head): the blocks' partials merged into the output;
+   where every row of the call fits one span of the first kernel (many rows: long spans), that kernel
+   writes the output itself instead (`split_attention.direct`), one launch a layer fewer.
 
 Where the head size allows (engine/model/kernels/split_attention.py `supports`), the first kernel is
 the long-span one of that module instead: spans of up to 1024 keys with 16-byte loads and an online
@@ -279,6 +281,16 @@ class CudaPagedAttention(PagedAttention):
         self._combine = mx.fast.cuda_kernel(
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
+        # The span kernels writing the output where every row fits one span (split_attention.direct)
+        span_inputs = ["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"]
+        self._direct = {kernel: mx.fast.cuda_kernel(name=f"pool_attention_{name}_direct", input_names=span_inputs,
+                                                    output_names=["out"], source=split_attention.direct(source),
+                                                    header=header)
+                        for kernel, name, source, header in (
+                            (self._span_partial, "span", split_attention.SPAN_PARTIAL, _HEADER),
+                            (self._tiled_partial, "tiled", split_attention.TILED_PARTIAL,
+                             _HEADER + split_attention.TILED_HEADER),
+                            (self._mma_partial, "mma", mma_attention.PARTIAL, _HEADER + mma_attention.HEADER))}
 
     def fixed_span(self, keys: int) -> "CudaPagedAttention":
         """The same kernels with `keys` keys per span of the long-span kernels (the self-check runs each
@@ -306,6 +318,10 @@ class CudaPagedAttention(PagedAttention):
                 self._calls.clear()
             call = self._calls[key] = self._plan(B, hq, d, queries.dtype, table.shape[1], scale)
         kernel, extra, template, grid, threads, shapes, combine = call
+        if combine is None:  # one span a row: the kernel writes the output (split_attention.direct)
+            (out,) = kernel(inputs=[queries, k_pool, v_pool, table, lengths, *extra], template=template, grid=grid,
+                            threadgroup=(threads, 1, 1), output_shapes=shapes, output_dtypes=[queries.dtype])
+            return out
         part, stats = kernel(
             inputs=[queries, k_pool, v_pool, table, lengths, *extra], template=template,
             grid=grid, threadgroup=(threads, 1, 1), output_shapes=shapes, output_dtypes=[mx.float32, mx.float32])
@@ -314,7 +330,8 @@ class CudaPagedAttention(PagedAttention):
 
     def _plan(self, B: int, hq: int, d: int, dtype, num_blocks: int, scale: float) -> tuple:
         """The two kernels' arguments of a call with these shapes: (first kernel, its inputs after the
-        lengths, template, grid, threads, output shapes, the combine's arguments but its inputs)."""
+        lengths, template, grid, threads, output shapes, the combine's arguments but its inputs); where a
+        span kernel covers each row in one span, that kernel's direct variant alone (combine None)."""
         if scale not in self._scales:
             self._scales[scale] = mx.array([scale], mx.float32)
         extra = [self._scales[scale]]
@@ -337,9 +354,12 @@ class CudaPagedAttention(PagedAttention):
             ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
             np_ = num_blocks * (self.block_size // ch)
             template += [("CH", ch), ("THREADS", threads)]
+        grid = (B * hkv * np_ * threads, 1, 1)
+        if span and np_ == 1:
+            return self._direct[kernel], extra, template, grid, threads, [(B, hq, 1, d)], None
         combine = dict(template=[("T", dtype), ("D", d), ("NREP", nrep)], grid=(B * hq * d, 1, 1),
                        threadgroup=(d, 1, 1), output_shapes=[(B, hq, 1, d)], output_dtypes=[dtype])
-        return (kernel, extra, template, (B * hkv * np_ * threads, 1, 1), threads,
+        return (kernel, extra, template, grid, threads,
                 [(B, hkv, np_, nrep, d), (B, hkv, np_, nrep, 2)], combine)
 
 
@@ -347,7 +367,7 @@ def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> No
     """Run `impl` on two cases of this model's attention shape against `ReferenceAttention` and raise if
     it fails or disagrees: two short rows (one across a block boundary, blocks out of order), and two
     rows of several blocks out of order (the long-span kernel at every span `split_attention.span_keys`
-    picks too). The runner calls it before using the kernel, so a GPU or MLX version it does not work on
+    picks too: the longest put each of the first case's rows in one span, the direct variant). The runner calls it before using the kernel, so a GPU or MLX version it does not work on
     falls back to gathering instead of failing every decode. It also compiles the kernels (at their
     first call: NVRTC, seconds each) before the engine serves."""
     bs = impl.block_size

@@ -301,3 +301,29 @@ def span_keys(num_rows: int, num_kv_heads: int, max_len: int, num_sms: int = DEV
     while keys > SPAN_CHOICES[0] and num_rows * num_kv_heads * -(-max_len // keys) < blocks_per_sm * num_sms:
         keys //= 2
     return keys
+
+
+# A row's keys in one span (a step of many rows: span_keys then picks spans as long as the rows): the span
+# kernel's partial is already the row's attention, and a second kernel that only divides it by its sum
+# is one more launch per layer. `direct` makes a span kernel (this module's, or mma_attention's, which
+# share BLOCK_SETUP and the merge) write that quotient as the output [B, H, 1, D] itself, with the same
+# float arithmetic as the combine's (whose weight for a lone span is exp(0) = 1).
+_SPAN_OUTPUTS = """  float* part_out = part + (size_t)g * NREP * D;
+  float* stats_out = stats + (size_t)g * NREP * 2;
+  if (n <= 0) {
+    pa_empty_span<NREP, D, THREADS>(part_out, stats_out, tid);  // engine/model/kernels/paged_attention.py's header
+    return;
+  }
+"""
+_MERGE_OUTPUTS = """    part_out[i] = A;
+    if (i % D == 0) { stats_out[2 * r] = M; stats_out[2 * r + 1] = L; }
+"""
+
+
+def direct(source: str) -> str:
+    """The span kernel `source` for calls whose rows each fit one span (its grid's block g is then row
+    g / HKV's KV head g % HKV, and every row has a key): output `out` [B, H, 1, D] in T, no partials."""
+    if source.count(_SPAN_OUTPUTS) != 1 or source.count(_MERGE_OUTPUTS) != 1:
+        raise ValueError("not a span kernel's source (BLOCK_SETUP and the merge's outputs)")
+    return (source.replace(_SPAN_OUTPUTS, "  T* out_row = out + (size_t)g * NREP * D;\n")
+            .replace(_MERGE_OUTPUTS, "    out_row[i] = static_cast<T>(A / L);\n"))
