@@ -347,3 +347,27 @@ def test_direct_span_kernel_source():
         assert got.count("T* out_row = out + (size_t)g * NREP * D;") == 1
     with pytest.raises(ValueError, match="span kernel"):
         split_attention.direct("  out[0] = 0;")
+
+
+def test_direct_kernels_pair_with_their_span_kernels(monkeypatch):
+    """Each span kernel's direct variant is made from that kernel's own source and header (the
+    constructor's pairing; MLX's kernel factory recorded here, the CPU build has no CUDA kernels)."""
+    import mlx.core as mx
+
+    from engine.model.kernels import mma_attention, split_attention
+    from engine.model.kernels.paged_attention import CudaPagedAttention
+
+    class Made:
+        def __init__(self, **spec):
+            self.spec = spec
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: Made(**spec))
+    attn = CudaPagedAttention(8, 256)
+    pairs = ((attn._span_partial, split_attention.SPAN_PARTIAL), (attn._tiled_partial, split_attention.TILED_PARTIAL),
+             (attn._mma_partial, mma_attention.PARTIAL))
+    assert len(attn._direct) == 3
+    for kernel, source in pairs:
+        direct = attn._direct[kernel].spec
+        assert kernel.spec["source"] == source and direct["source"] == split_attention.direct(source)
+        assert direct["header"] == kernel.spec["header"] and direct["output_names"] == ["out"]
+        assert direct["input_names"] == kernel.spec["input_names"]

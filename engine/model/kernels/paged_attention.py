@@ -3,9 +3,9 @@
 Without it a one-query forward (decode, or a 1-token prompt chunk) gathers, per layer, every row's K
 and V out of the pool into a contiguous `[B, H_kv, L_max, D]` copy, then calls MLX's attention with a
 `[B, 1, 1, L_max]` mask. On CUDA that mask rules out MLX's fused decode kernel: attention falls back to
-a dozen separate operations per layer. With it, per layer and forward: two kernels, reading each
-row's keys and values where they lie in the pool, through the rows' block table (the idea of vLLM's
-PagedAttention, with the split over the sequence of flash-decoding):
+a dozen separate operations per layer. With it, per layer and forward: two kernels (one where each
+row fits one span, below), reading each row's keys and values where they lie in the pool, through the
+rows' block table (the idea of vLLM's PagedAttention, with the split over the sequence of flash-decoding):
 
 1. `partial`: one thread block per (row, KV head, span of `PAGED_PARTIAL_KEYS` keys of the row, within
    one pool block): the softmax statistics (max, sum) and the unnormalised output of the GQA group's
@@ -367,9 +367,10 @@ def self_check(impl: PagedAttention, num_heads: int, head_dim: int, dtype) -> No
     """Run `impl` on two cases of this model's attention shape against `ReferenceAttention` and raise if
     it fails or disagrees: two short rows (one across a block boundary, blocks out of order), and two
     rows of several blocks out of order (the long-span kernel at every span `split_attention.span_keys`
-    picks too: the longest put each of the first case's rows in one span, the direct variant). The runner calls it before using the kernel, so a GPU or MLX version it does not work on
-    falls back to gathering instead of failing every decode. It also compiles the kernels (at their
-    first call: NVRTC, seconds each) before the engine serves."""
+    picks too: with 256-token blocks the 512- and 1024-key spans put each of the first case's rows in one
+    span, the direct variant). The runner calls it before using the kernel, so a GPU or MLX version it
+    does not work on falls back to gathering instead of failing every decode. It also compiles the
+    kernels (at their first call: NVRTC, seconds each) before the engine serves."""
     bs = impl.block_size
     spans = isinstance(impl, CudaPagedAttention) and impl.spans
     impls = [impl] + ([impl.fixed_span(keys) for keys in split_attention.SPAN_CHOICES] if spans else [])
