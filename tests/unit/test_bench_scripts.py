@@ -643,3 +643,24 @@ def test_a_grid_shape_s_matmul_workspace_is_in_its_predictions_and_out_of_the_fi
     _, fitted_plain = backend_fit._fit_row(point, {"v": plain}, coef, names)
     _, fitted = backend_fit._fit_row(point, {"v": measured}, coef, names)
     assert fitted_plain - fitted == 2 * 3000 + 30
+
+
+def test_decode_gemm_plans_fit_its_kernel_and_fill_the_card():
+    """scripts/bench_decode_gemm.py's plan (the candidate decode GEMM, GPU only): for the 8B's decode
+    products at 1-128 rows the fragments cover the rows, the K split divides K into whole steps, each
+    warp's features divide N, and the grid gives the card a block a multiprocessor with no more K splits
+    than that needs; the two outputs' sources differ only in their write."""
+    import bench_decode_gemm as dg
+
+    for n, k in dg.SHAPES.values():
+        for m in (1, 4, 16, 64, 128):
+            p = dg.DecodeGemm.plan(m, n, k)
+            assert p["NT"] * 8 >= m > (p["NT"] - 1) * 8 and p["MT"] * p["NT"] <= 16
+            assert k % (32 * p["U"] * p["SPLIT"]) == 0 and n % (16 * p["MT"]) == 0
+            assert p["blocks"] * dg.WARPS * 16 * p["MT"] >= n
+            assert p["blocks"] * p["SPLIT"] >= dg.FILL or p["SPLIT"] == 16 or k % (64 * p["U"] * p["SPLIT"])
+            assert p["SPLIT"] == 1 or p["blocks"] * p["SPLIT"] // 2 < dg.FILL  # no more splits than needed
+    assert dg.DecodeGemm.plan(64, 4096, 4096)["SPLIT"] > 1 and dg.DecodeGemm.plan(64, 128256, 4096)["SPLIT"] == 1
+    assert "WRITE" not in dg.GEMM_OUT + dg.GEMM_PART
+    assert dg.GEMM_OUT.replace("out[(size_t)tok * N + f] = static_cast<T>(acc[mt][nt][i])", "W") == \
+        dg.GEMM_PART.replace("part[((size_t)blockIdx.y * M + tok) * N + f] = acc[mt][nt][i]", "W")
