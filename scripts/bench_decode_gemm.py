@@ -19,7 +19,12 @@ output directly).
 
 Per (projection, rows): the largest error against `x @ w.T` relative to its largest value, device time
 per call of both (50 calls in one graph), and host encode per call of both (`async_eval` of 64
-independent products). Nothing in the engine uses the kernel yet.
+independent products); `--sweep` times every plan the kernel can take, `--chain-rows` a 32-layer chain of
+the four layer products (dependent, as in a forward) with each matmul.
+
+Measured on the H200 (`scripts/data/h200_i25_decode.json`, key `decode_gemm_s25`; docs/decode.md, "A decode
+GEMM of the engine's own"): it loses to cuBLASLt at the engine's row counts (2x at 64 rows for gate/up and
+down) and its encode is no cheaper, so the engine does not use it; the script stays as the measurement.
 """
 
 from __future__ import annotations
@@ -172,10 +177,10 @@ class DecodeGemm:
             split *= 2
         return dict(NT=nt, MT=mt, U=u, SPLIT=split, blocks=blocks)
 
-    def __call__(self, x: mx.array, w: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, w: mx.array, plan: dict = None) -> mx.array:
         m, k = x.shape
         n = w.shape[0]
-        p = self.plan(m, n, k)
+        p = plan or self.plan(m, n, k)
         if n % (16 * p["MT"]) or k % (32 * p["U"] * p["SPLIT"]):
             raise ValueError(f"decode_gemm: shape {m}x{k} @ {n}x{k}^T not supported")
         template = [("T", x.dtype), ("NT", p["NT"]), ("MT", p["MT"]), ("WARPS", WARPS), ("U", p["U"])]
@@ -219,10 +224,78 @@ def encode_us(fn, calls: int = 64) -> float:
     return round(sorted(times)[2] * 1e6 / calls, 2)
 
 
+def sweep(gemm: DecodeGemm, x: mx.array, w: mx.array) -> dict:
+    """Device time of each plan the kernel can take for this product."""
+    m, k = x.shape
+    n = w.shape[0]
+    nt = -(-m // 8)
+    out = {}
+    for mt in (1, 2):
+        if mt == 2 and nt > 8:
+            continue
+        for u in (2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
+                if n % (16 * mt * WARPS) or k % (32 * u * split):
+                    continue
+                plan = dict(NT=nt, MT=mt, U=u, SPLIT=split, blocks=-(-n // (WARPS * 16 * mt)))
+                try:
+                    out[f"MT{mt}_U{u}_S{split}"] = device_us(lambda: gemm(x, w, plan), calls=30)
+                except Exception as e:  # a plan the compiler refuses
+                    out[f"MT{mt}_U{u}_S{split}"] = repr(e)[:200]
+    return out
+
+
+def chain(gemm: DecodeGemm, m: int, layers: int) -> dict:
+    """A decode step's products without the rest: per layer q/k/v, o, gate/up, down on 8 weight sets in
+    turn, each product's input a slice of the last one's output (dependent, as in a forward), built and
+    evaluated as one graph; plain and with each layer compiled, MLX's matmul against the kernel.
+    Milliseconds a step (build + encode + device), best of 5."""
+    ws = []
+    for i in range(8):
+        ws.append({name: (mx.random.normal(SHAPES[name], key=mx.random.key(10 + 4 * i + j)) * 0.02)
+                   .astype(mx.bfloat16) for j, name in enumerate(("qkv", "o", "gate_up", "down"))})
+    mx.eval(ws)
+
+    def layer(mm, x, qkv, o, gate_up, down):
+        a = mm(x, qkv)[:, :4096]
+        h = mm(a, o) + x
+        g = mm(h, gate_up)
+        return mm(g[:, :14336] * g[:, 14336:], down) + h
+
+    mlx_mm = lambda a, w: a @ w.T
+    kern_mm = lambda a, w: gemm(a, w)
+    out = {}
+    for label, mm in (("mlx", mlx_mm), ("kernel", kern_mm)):
+        for compiled in (False, True):
+            fn = mx.compile(lambda x, *w, mm=mm: layer(mm, x, *w)) if compiled else (lambda x, *w, mm=mm: layer(mm, x, *w))
+            x0 = (mx.random.normal((m, 4096), key=mx.random.key(3)) * 0.1).astype(mx.bfloat16)
+            mx.eval(x0)
+
+            def step():
+                x = x0
+                for i in range(layers):
+                    w = ws[i % 8]
+                    x = fn(x, w["qkv"], w["o"], w["gate_up"], w["down"])
+                    x = x * 0.01  # keep the values small
+                return x
+            times = []
+            for r in range(7):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                mx.eval(step())
+                times.append(time.perf_counter() - t0)
+            out[f"{label}{'_compiled' if compiled else ''}_ms"] = round(min(times[2:]) * 1e3, 3)
+    print("chain", m, out, flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,4,16,64,128")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--sweep", action="store_true", help="also time other fragments, loads and K splits")
+    p.add_argument("--chain-rows", default="", help="rows of a decode-like chain of layers (e.g. 64,128)")
+    p.add_argument("--chain-layers", type=int, default=32)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -241,10 +314,16 @@ def main(argv=None) -> dict:
                         device_us=dict(mlx=device_us(lambda: x @ w.T), kernel=device_us(lambda: gemm(x, w))),
                         encode_us=dict(mlx=encode_us(lambda: x @ w.T), kernel=encode_us(lambda: gemm(x, w))))
             case["weights_tb_per_s"] = {kk: round(n * k * 2 / v / 1e6, 2) for kk, v in case["device_us"].items()}
+            if args.sweep:
+                case["sweep"] = sweep(gemm, x, w)
             cases[f"{name}_M{m}"] = case
             print(name, m, case, flush=True)
+    if args.chain_rows:
+        result_chain = {f"M{m}": chain(gemm, m, args.chain_layers) for m in map(int, args.chain_rows.split(","))}
+    else:
+        result_chain = {}
     result = dict(bench="decode_gemm", argv=list(argv if argv is not None else sys.argv[1:]),
-                  environment=environment(), cases=cases)
+                  environment=environment(), cases=cases, chain=result_chain)
     emit(result, args.json, args.out)
     return result
 
