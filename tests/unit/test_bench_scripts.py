@@ -664,3 +664,24 @@ def test_decode_gemm_plans_fit_its_kernel_and_fill_the_card():
     assert "WRITE" not in dg.GEMM_OUT + dg.GEMM_PART
     assert dg.GEMM_OUT.replace("out[(size_t)tok * N + f] = static_cast<T>(acc[mt][nt][i])", "W") == \
         dg.GEMM_PART.replace("part[((size_t)blockIdx.y * M + tok) * N + f] = acc[mt][nt][i]", "W")
+
+
+def test_decode_lookup_variants_read_the_same_rows(tmp_path):
+    """scripts/bench_decode_small_ops.py on the CPU with a small table: every lookup variant (the
+    engine's index, take of the flat ids, ids the host writes at each call) gives the reference rows
+    (the script raises where one differs) and a time for each row count; the copy kernel is CUDA's only."""
+    import bench_decode_small_ops as small
+
+    out = tmp_path / "small.json"
+    result = small.main(["--rows", "1,5", "--calls", "4", "--vocab", "512", "--json", "--out", str(out)])
+    assert set(result["us_per_call"]) == {"rows_1", "rows_5"}
+    for case in result["us_per_call"].values():
+        assert {"index_2d", "take_flat", "index_2d_host_ids"} <= set(case)
+        assert all(v > 0 for v in case.values())
+    assert json.loads(out.read_text())["table"] == [512, small.HIDDEN]
+    w = small.mx.arange(3 * small.HIDDEN, dtype=small.mx.float32).reshape(3, small.HIDDEN)
+    ids = small.mx.array([2, 0], small.mx.uint32)
+    for name, fn in small.VARIANTS.items():
+        if name != "copy_kernel":
+            assert fn(w, ids, [2, 0]).shape == (2, 1, small.HIDDEN)
+            assert fn(w, ids, [2, 0])[0, 0, 0].item() == 2 * small.HIDDEN
