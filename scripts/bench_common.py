@@ -345,6 +345,19 @@ def run_mlx_lm_burst(gen, prompts: list[list[int]], max_tokens: Sequence[int],
 
 
 # --------------------------------------------------------------------------- output
+def per_call_us(make: Callable[[int], mx.array], calls: int = 50) -> float:
+    """Microseconds a call of `make(i)` (a lazy array for call i): `calls` of them evaluated together after
+    a warm-up of 3, best of 3 timings."""
+    mx.eval([make(i) for i in range(3)])
+    best = float("inf")
+    for _ in range(3):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval([make(i) for i in range(calls)])
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e6 / calls, 2)
+
+
 def environment() -> dict:
     import importlib.metadata as md
 

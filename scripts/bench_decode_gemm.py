@@ -33,12 +33,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
-from bench_common import emit, environment  # noqa: E402
+from bench_common import emit, environment, per_call_us  # noqa: E402
 
 HEADER = r"""
 __device__ __forceinline__ void dg_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -177,7 +178,7 @@ class DecodeGemm:
             split *= 2
         return dict(NT=nt, MT=mt, U=u, SPLIT=split, blocks=blocks)
 
-    def __call__(self, x: mx.array, w: mx.array, plan: dict = None) -> mx.array:
+    def __call__(self, x: mx.array, w: mx.array, plan: Optional[dict] = None) -> mx.array:
         m, k = x.shape
         n = w.shape[0]
         p = plan or self.plan(m, n, k)
@@ -201,14 +202,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 def device_us(fn, calls: int = 50) -> float:
     """Microseconds a call: `calls` products evaluated together, after a warm-up."""
-    mx.eval([fn() for _ in range(3)])
-    best = float("inf")
-    for _ in range(3):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1e6 / calls, 2)
+    return per_call_us(lambda i: fn(), calls)
 
 
 def encode_us(fn, calls: int = 64) -> float:
@@ -256,11 +250,13 @@ def chain(gemm: DecodeGemm, m: int, layers: int) -> dict:
                    .astype(mx.bfloat16) for j, name in enumerate(("qkv", "o", "gate_up", "down"))})
     mx.eval(ws)
 
+    heads_width, inter = SHAPES["o"][1], SHAPES["down"][1]  # q's columns of q/k/v; gate's of gate/up
+
     def layer(mm, x, qkv, o, gate_up, down):
-        a = mm(x, qkv)[:, :4096]
+        a = mm(x, qkv)[:, :heads_width]
         h = mm(a, o) + x
         g = mm(h, gate_up)
-        return mm(g[:, :14336] * g[:, 14336:], down) + h
+        return mm(g[:, :inter] * g[:, inter:], down) + h
 
     mlx_mm = lambda a, w: a @ w.T
     kern_mm = lambda a, w: gemm(a, w)
@@ -268,7 +264,7 @@ def chain(gemm: DecodeGemm, m: int, layers: int) -> dict:
     for label, mm in (("mlx", mlx_mm), ("kernel", kern_mm)):
         for compiled in (False, True):
             fn = mx.compile(lambda x, *w, mm=mm: layer(mm, x, *w)) if compiled else (lambda x, *w, mm=mm: layer(mm, x, *w))
-            x0 = (mx.random.normal((m, 4096), key=mx.random.key(3)) * 0.1).astype(mx.bfloat16)
+            x0 = (mx.random.normal((m, SHAPES["o"][0]), key=mx.random.key(3)) * 0.1).astype(mx.bfloat16)
             mx.eval(x0)
 
             def step():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
-from bench_common import emit, environment  # noqa: E402
+from bench_common import emit, environment, per_call_us  # noqa: E402
 
 VOCAB, HIDDEN = 128256, 4096
 
@@ -60,16 +60,11 @@ if mx.cuda.is_available():
     VARIANTS["copy_kernel"] = lambda w, ids, values: rows_kernel(w, ids)
 
 
-def per_call_us(fn, w: mx.array, ids: list, calls: int) -> float:
-    values = [i.tolist() for i in ids]  # read before the timing: the host-made variant's lists
-    mx.eval([fn(w, i, v) for i, v in zip(ids[:3], values)])
-    best = float("inf")
-    for _ in range(3):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval([fn(w, i, v) for i, v in zip(ids[:calls], values)])
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1e6 / calls, 2)
+def lookup_us(fn, w: mx.array, ids: list, calls: int) -> float:
+    """Microseconds a lookup, each call with its own ids (their lists read before the timing: the
+    host-made variant's)."""
+    values = [i.tolist() for i in ids]
+    return per_call_us(lambda i: fn(w, ids[i], values[i]), calls)
 
 
 def main(argv=None) -> dict:
@@ -93,7 +88,7 @@ def main(argv=None) -> dict:
         for name, fn in VARIANTS.items():
             if not mx.array_equal(fn(w, ids[0], ids[0].tolist()), want).item():
                 raise AssertionError(f"{name} differs from the reference lookup at {rows} rows")
-            case[name] = per_call_us(fn, w, ids, args.calls)
+            case[name] = lookup_us(fn, w, ids, args.calls)
         cases[f"rows_{rows}"] = case
         print(rows, case, flush=True)
     result = dict(bench="decode_small_ops", argv=list(argv if argv is not None else sys.argv[1:]),

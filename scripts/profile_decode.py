@@ -140,6 +140,16 @@ def summarise_ncu(path: str) -> dict:
                 top_kernels=[dict(name=n, count=c, ms=round(t / 1e6, 4)) for n, (c, t) in top])
 
 
+def gemm_tflops(model: str, prompt_tokens: int, gemm_ms: float) -> dict:
+    """The rate of a step's matmuls counted as its prompt tokens' alone (2 x the layers' projection
+    parameters a token; the decode rows' and the LM head's few products left out, so a floor)."""
+    from bench_common import RANDOM_SHAPES, matmul_params
+
+    flops = 2.0 * matmul_params(RANDOM_SHAPES[model]) * prompt_tokens
+    return dict(model=model, prompt_tokens=prompt_tokens, gemm_ms=gemm_ms,
+                tflops=round(flops / (gemm_ms * 1e-3) / 1e12, 1))
+
+
 def decode_floors(config: dict, dtype_bytes: int, rows: int, context: int, bandwidth_tbs: float) -> dict:
     """The bytes a decode of `rows` rows with `context` keys each must read (every layer's projections
     and the LM head once, every row's KV once) and that read's time at `bandwidth_tbs`."""
@@ -167,6 +177,8 @@ def main(argv=None) -> dict:
                    "cuProfilerStart/Stop, for ncu --profile-from-start off")
     p.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
     p.add_argument("--ncu-csv", help="only summarise this ncu CSV log")
+    p.add_argument("--prompt-tokens-in-step", type=int, default=0,
+                   help="--ncu-csv: the profiled step's prompt tokens, for its matmuls' TFLOP/s (--model's shape)")
     p.add_argument("--floors", help="only the bytes-read floor of a decode of ROWS:CONTEXT (--model a random shape)")
     p.add_argument("--bandwidth-tbs", type=float, default=4.3, help="--floors: the device's copy rate, TB/s")
     p.add_argument("--json", action="store_true")
@@ -175,6 +187,9 @@ def main(argv=None) -> dict:
     if args.ncu_csv or args.floors:
         if args.ncu_csv:
             result = summarise_ncu(args.ncu_csv)
+            if args.prompt_tokens_in_step and "kinds" in result:
+                result["gemm_tflops"] = gemm_tflops(args.model, args.prompt_tokens_in_step,
+                                                    result["kinds"]["gemm"]["ms"])
         else:
             from bench_common import RANDOM_SHAPES
 

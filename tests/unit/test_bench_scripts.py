@@ -685,3 +685,23 @@ def test_decode_lookup_variants_read_the_same_rows(tmp_path):
         if name != "copy_kernel":
             assert fn(w, ids, [2, 0]).shape == (2, 1, small.HIDDEN)
             assert fn(w, ids, [2, 0])[0, 0, 0].item() == 2 * small.HIDDEN
+
+
+def test_an_ncu_log_is_summed_by_kind_and_a_steps_matmul_rate_read_from_it(tmp_path):
+    """scripts/profile_decode.py --ncu-csv on a small log in Nsight Compute's CSV form: kernels summed by
+    kind (times in their units), and with --prompt-tokens-in-step the matmuls' TFLOP/s of those tokens."""
+    import profile_decode
+    from bench_common import RANDOM_SHAPES, matmul_params
+
+    rows = [("nvjet_sm90_tst_256x64", "msecond", "2"), ("nvjet_sm90_tst_96x64", "usecond", "500"),
+            ("void mlx::rope<bf16>", "nsecond", "4,000"), ("void mlx::gather<bf16>", "usecond", "5")]
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    body = [f'"{i}","{n}","gpu__time_duration.sum","{u}","{v}"' for i, (n, u, v) in enumerate(rows)]
+    log = tmp_path / "ncu.csv"
+    log.write_text("==PROF== noise\n" + "\n".join([head] + body) + "\n")
+    result = profile_decode.main(["--ncu-csv", str(log), "--prompt-tokens-in-step", "1000", "--model", "llama-8b"])
+    assert result["num_kernels"] == 4 and result["total_gpu_ms"] == 2.509
+    assert result["kinds"]["gemm"] == {"count": 2, "ms": 2.5}
+    assert result["kinds"]["rope"]["ms"] == 0.004 and result["kinds"]["copy"]["ms"] == 0.005
+    want = 2 * matmul_params(RANDOM_SHAPES["llama-8b"]) * 1000 / 2.5e-3 / 1e12
+    assert result["gemm_tflops"]["tflops"] == round(want, 1)
