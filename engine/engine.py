@@ -63,6 +63,15 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = config.model
+        launch_thread = step_options.launch_thread
+        launch_thread = backend == "cuda" if launch_thread is None else launch_thread
+        # With a launch thread (engine/executor.py `_LaunchThread`) two threads encode this engine's forwards,
+        # one at a time: on a stream of MLX's thread-unsafe kind (any thread may encode on it; MLX's usual
+        # streams belong to the thread that made them), made before any array or trace of the engine is.
+        self._stream = (mx.new_thread_unsafe_stream(mx.default_device())
+                        if launch_thread and step_options.async_decode else None)
+        self._stream_set = threading.local()  # .done in each thread whose default it is
+        self._use_stream()
         # The runner first: whether its decodes read the pool in place (the CUDA kernel, if it passes its
         # self-check) changes the memory model's decode term, and so the floor step and KV budget.
         self.runner = self._build_runner(model, config, runner_options, backend)
@@ -101,7 +110,7 @@ class Engine:
         self.executor = StepExecutor(self.runner, self.memory, self.scheduler, config.seed,
                                      async_decode=step_options.async_decode,
                                      overlap_steps=backend == "cuda" if overlap is None else overlap,
-                                     make_sampler=self._make_sampler)
+                                     make_sampler=self._make_sampler, launch_thread=self._stream is not None)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
         self._warmed = self._warm_chunk_shapes(config) if backend == "cuda" else (0, 0.0)  # (shapes, seconds)
@@ -294,6 +303,7 @@ class Engine:
         scheduled and its first forward built while it runs, and waits for it before launching."""
         start_ns, started = time.time_ns(), time.perf_counter()
         schedule_s = 0.0
+        self._use_stream()
         if self.executor.pipelining:
             run = self.executor.advance()
         else:
@@ -310,6 +320,13 @@ class Engine:
         return StepRecord(tuple(outputs), start_ns, time.perf_counter() - started, plan=run.plan,
                           memory=run.memory, slice_reads=run.slice_reads, forwards=run.forwards,
                           schedule_s=schedule_s)
+
+    def _use_stream(self) -> None:
+        """Make the engine's own stream (if it has one) the default of the calling thread (MLX's default
+        stream is per thread; an engine built in one thread may be stepped in another)."""
+        if self._stream is not None and not getattr(self._stream_set, "done", False):
+            mx.set_default_stream(self._stream)
+            self._stream_set.done = True
 
     def _commit_run(self, run: StepRun) -> list[RequestOutput]:
         if run.error is not None:
@@ -385,7 +402,8 @@ class Engine:
                               chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
                               fused_rope=runner.ops.qk_rope is not None,
                               attention_kernel=runner.attention_kernel,
-                              num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1])
+                              num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
+                              launch_thread=self._stream is not None)
 
     def stats(self) -> EngineStats:
         s, kv, ex = self.scheduler, self.kv, self.executor

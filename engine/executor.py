@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -72,6 +74,77 @@ class _Deferred:
     base_bytes: int  # what its step's transient was measured over
 
 
+class _LaunchThread:
+    """The host thread that encodes the pipelined decodes (`StepOptions.launch_thread`).
+
+    MLX's `async_eval` releases the GIL while it encodes a forward, and returns only once the device is
+    within MLX's window of queued batches (10 of `max_ops_per_buffer` operations) of the forward's end
+    (docs/decode.md): on the engine thread the host can do nothing else for most of a decode step, so
+    the commit of the step before and the graph build of the step after ran while the device finished
+    the window and then idled. Here the engine thread commits and builds while this thread encodes.
+    One thread encodes at a time: the engine thread joins this one before it waits for, or encodes,
+    anything else, on a stream of MLX's thread-unsafe kind (one encoder for both threads; the engine
+    makes it its default stream)."""
+
+    def __init__(self):
+        self._go = threading.Semaphore(0)
+        self._started = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._job: Optional[Callable[[], None]] = None
+        self._error: Optional[BaseException] = None
+        self._ended_s = 0.0  # perf_counter when the last job returned
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="mlx-decode-launch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            job, self._job = self._job, None
+            self._started.release()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as exc:  # raised by `join`, on the engine thread
+                self._error = exc
+            self._ended_s = time.perf_counter()
+            self._done.release()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run `job` (an encode) on this thread; returns once it has started. Waiting for the start hands
+        this thread the GIL at once: otherwise it would wait for the engine thread's next switch (up to
+        Python's switch interval, 5 ms) while the device idles."""
+        if self._busy:
+            raise RuntimeError("a launch is still running")
+        self._job, self._busy = job, True
+        self._go.release()
+        self._started.acquire()
+
+    def join(self) -> float:
+        """Wait for the running job (if any) to return; re-raise its error. Returns when it returned
+        (perf_counter seconds)."""
+        if self._busy:
+            self._done.acquire()
+            self._busy = False
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+        return self._ended_s
+
+    def close(self) -> None:
+        try:
+            self.join()
+        except BaseException:
+            pass
+        self._go.release()  # no job: the thread ends
+        self._started.acquire()
+
+
 def _measure_start() -> int:
     """Start measuring a transient: MLX's active bytes now, its peak reset. Synchronized first: MLX's
     worker may still be releasing a finished forward's buffers, which would count in this base and hide
@@ -86,9 +159,12 @@ class StepExecutor:
 
     def __init__(self, runner: ModelRunner, memory: MemoryModel, scheduler: Scheduler, seed: int,
                  async_decode: bool, overlap_steps: bool,
-                 make_sampler: Optional[Callable[[Request], RequestSampler]] = None):
+                 make_sampler: Optional[Callable[[Request], RequestSampler]] = None,
+                 launch_thread: bool = False):
         """`make_sampler`: a new row's sampler (the engine's gives it its grammar's matcher); else one
-        from the request's sampling params and `seed`."""
+        from the request's sampling params and `seed`. `launch_thread`: pipelined decodes are encoded
+        on a thread of their own (`_LaunchThread`; the caller runs the engine on a stream any thread
+        may encode)."""
         self.runner = runner
         self.make_sampler = make_sampler or (lambda r: RequestSampler(r.sampling, seed, r.prompt_token_ids))
         self.memory = memory
@@ -102,6 +178,11 @@ class StepExecutor:
         self._t0 = time.perf_counter()  # the step's start, for its forwards' timings
         self._timings: list[list] = []  # per forward: ForwardTiming's fields, seconds
         self.num_steps = self.max_predicted_bytes = self.max_measured_bytes = self.last_predicted_bytes = 0
+        self._launcher: Optional[_LaunchThread] = None
+        self.num_thread_launches = 0  # decodes the launch thread encoded
+        if launch_thread and async_decode:
+            self._launcher = _LaunchThread()
+            weakref.finalize(self, self._launcher.close)
 
     @property
     def pipelining(self) -> bool:
@@ -368,7 +449,22 @@ class StepExecutor:
         `built_s`: when its graph build started and ended (None: not timed)."""
         built_s = time.perf_counter() - self._t0 if built_s is None and build_s is not None else built_s
         self._launch_base_bytes = _measure_start()
-        self._timed_launch(decode.forward, build_s, built_s)
+        if self._launcher is None or decode.forward.sampling is not None:  # a grammar's mask: host work
+            self._timed_launch(decode.forward, build_s, built_s)
+            return
+        # its record's launch ends when the thread has started: the encode itself overlaps the commit
+        # of the step before and the build of the next, and ends within the next step's wait
+        record = [build_s, time.perf_counter() - self._t0, 0.0, None, None, built_s]
+        self._timings.append(record)
+        forward, runner = decode.forward, self.runner
+        self._launcher.submit(lambda: runner.launch(forward))
+        self.num_thread_launches += 1
+        record[2] = time.perf_counter() - self._t0
+
+    def _join_launch(self) -> None:
+        """Wait until the launch thread (if any) has encoded the decode in flight (its error raised)."""
+        if self._launcher is not None:
+            self._launcher.join()
 
     def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
         """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are
@@ -407,6 +503,7 @@ class StepExecutor:
             next_error = None
         built_s = time.perf_counter() - self._t0
         try:
+            self._join_launch()
             finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
             tokens = prev.forward.tokens.tolist()
         except Exception as exc:

@@ -72,11 +72,11 @@ def runner_options(**fields):
 def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Optional[int] = None,
                 layer_loops: bool = True, async_decode: bool = True, overlap_steps: Optional[bool] = None,
                 read_slices: bool = True, mixed_batches: bool = True, mix_beyond_bound: bool = False,
-                **overrides):
+                launch_thread: Optional[bool] = None, **overrides):
     """This engine at its default config around the already loaded model. `layer_loops`,
     `read_slices`, `mixed_batches` (RunnerOptions'), `async_decode`, `overlap_steps` (None: the
-    engine's choice), `mix_beyond_bound` (StepOptions'): its ways to compare, chosen at construction;
-    `overrides`: EngineConfig fields."""
+    engine's choice), `mix_beyond_bound`, `launch_thread` (StepOptions'; None: the engine's choice):
+    its ways to compare, chosen at construction; `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
     from engine.core.types import StepOptions
     from engine.engine import Engine
@@ -91,7 +91,7 @@ def make_engine(lm: LoadedModel, lengths: list[int], max_tokens: int, chunk: Opt
                     runner_options=runner_options(layer_loops=layer_loops, read_slices=read_slices,
                                                   mixed_batches=mixed_batches),
                     step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps,
-                                             mix_beyond_bound=mix_beyond_bound))
+                                             mix_beyond_bound=mix_beyond_bound, launch_thread=launch_thread))
     return engine
 
 

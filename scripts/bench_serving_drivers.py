@@ -336,10 +336,12 @@ def run_mlx_lm(lm, prompts, arrivals, args, settings: dict = MLX_LM_SERVER_DEFAU
     return result
 
 
-def make_engine(lm, prompts, args, options=None, async_decode: bool = True, grammar_compiler=None, **overrides):
+def make_engine(lm, prompts, args, options=None, async_decode: bool = True, grammar_compiler=None,
+                launch_thread=None, **overrides):
     """This engine at its default config (max_num_seqs raised to the concurrency if that is larger),
     with a memory limit that admits every request. `options`: a RunnerOptions (None: the defaults);
-    `async_decode`: False runs decode steps one after another; `overrides`: EngineConfig fields."""
+    `async_decode`: False runs decode steps one after another; `launch_thread`: StepOptions' (None: the
+    engine's choice); `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
     from engine.core.types import StepOptions
     from engine.engine import Engine
@@ -357,7 +359,8 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, gram
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options,
-                  step_options=StepOptions(async_decode=async_decode), grammar_compiler=grammar_compiler)
+                  step_options=StepOptions(async_decode=async_decode, launch_thread=launch_thread),
+                  grammar_compiler=grammar_compiler)
 
 
 def backend_runners() -> dict:
@@ -376,6 +379,8 @@ def backend_runners() -> dict:
             "engine_sync_modules": with_options(run_engine_sync, layer_loops=False),
             "engine_sync_span": with_options(run_engine_sync, tiled_attention=False, mma_attention=False),
             "engine_tiled": with_options(run_engine_async, mma_attention=False),
+            # pipelined decodes encoded on the engine thread (StepOptions.launch_thread off; on CUDA's default)
+            "engine_no_launch_thread": (lambda *a, **k: run_engine_async(*a, **k, launch_thread=False)),
             "engine_sync_fused_rope": with_options(run_engine_sync, fused_rope=True),
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),

@@ -23,6 +23,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -60,12 +61,18 @@ def _cuda_profiler(start: bool) -> None:
     (lib.cuProfilerStart if start else lib.cuProfilerStop)()
 
 
-def profile_rows(lm, rows: int, prompt_tokens: int, steps: int, profile_step: int, overrides: dict) -> dict:
+def profile_rows(lm, rows: int, prompt_tokens: int, steps: int, profile_step: int, overrides: dict,
+                 launch_thread: Optional[bool] = None) -> dict:
+    """`launch_thread`: StepOptions' (None: the engine's choice; off where a step is profiled, whose
+    next decode the launch thread would encode after the step returned, past the profiled range)."""
     from bench_engine import make_engine
     from engine.core.types import SamplingParams
 
     max_tokens = steps + 16
-    engine = make_engine(lm, [prompt_tokens] * rows, max_tokens, max_num_seqs=max(rows, 64), **overrides)
+    if profile_step >= 0:
+        launch_thread = False
+    engine = make_engine(lm, [prompt_tokens] * rows, max_tokens, max_num_seqs=max(rows, 64),
+                         launch_thread=launch_thread, **overrides)
     for i, prompt in enumerate(random_prompts([prompt_tokens] * rows, lm.config["vocab_size"], rows)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     decodes, mixed, prefill_only = [], [], []
@@ -93,7 +100,8 @@ def profile_rows(lm, rows: int, prompt_tokens: int, steps: int, profile_step: in
     wall_s = time.perf_counter() - t0
     steady = decodes[4:]  # past the pipeline's start
     return dict(
-        rows=rows, prompt_tokens=prompt_tokens, wall_s=round(wall_s, 3), num_decode_steps=len(decodes),
+        rows=rows, launch_thread=engine.execution_paths().launch_thread, prompt_tokens=prompt_tokens,
+        wall_s=round(wall_s, 3), num_decode_steps=len(decodes),
         decode=_anatomy(steady), decode_tok_per_s=round(rows / statistics.median([r.duration_s for r in steady]), 1)
         if steady else None,
         prefill_steps=dict(count=len(prefill_only), step=_ms([r.duration_s for r in prefill_only]),
@@ -176,6 +184,9 @@ def main(argv=None) -> dict:
                    help="bracket the engine's step of this index (from 0, in the first --rows value's run) with "
                    "cuProfilerStart/Stop, for ncu --profile-from-start off")
     p.add_argument("--engine-config", default="{}", help="EngineConfig fields as JSON")
+    p.add_argument("--launch-thread", choices=("default", "on", "off", "both"), default="default",
+                   help="pipelined decodes encoded on a thread of their own (StepOptions.launch_thread; "
+                   "default: the engine's choice, on CUDA only); both: off, then on, for each row count")
     p.add_argument("--ncu-csv", help="only summarise this ncu CSV log")
     p.add_argument("--prompt-tokens-in-step", type=int, default=0,
                    help="--ncu-csv: the profiled step's prompt tokens, for its matmuls' TFLOP/s (--model's shape)")
@@ -203,9 +214,11 @@ def main(argv=None) -> dict:
     lm = load_bench_model(args.model, args.dtype)
     overrides = json.loads(args.engine_config)
     runs = []
+    modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.launch_thread]
     for i, rows in enumerate(int(r) for r in args.rows.split(",")):
-        runs.append(profile_rows(lm, rows, args.prompt_tokens, args.steps,
-                                 args.cuda_profile_step if i == 0 else -1, overrides))
+        for launch_thread in modes:
+            runs.append(profile_rows(lm, rows, args.prompt_tokens, args.steps,
+                                     args.cuda_profile_step if i == 0 else -1, overrides, launch_thread))
     result = dict(bench="profile_decode", argv=sys.argv[1:] if argv is None else argv, model=args.model,
                   dtype=lm.dtype, engine_config=overrides, environment=environment(), runs=runs)
     emit(result, args.json, args.out)

@@ -367,6 +367,9 @@ class StepOptions:
     # decode rows ride in a prompt chunk's forward even where it exceeds the configuration's transient
     # bound (the memory grid measures such forwards); the memory limit still applies
     mix_beyond_bound: bool = False
+    # pipelined decodes encoded by a host thread of their own while the engine thread commits the step
+    # before and builds the step after (engine/executor.py `_LaunchThread`); None: on CUDA only
+    launch_thread: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -383,6 +386,7 @@ class ExecutionPaths:
     attention_kernel: str = ""
     num_warmed_chunk_shapes: int = 0  # prompt-chunk shapes whose attention graphs were built at start
     warmup_s: float = 0.0  # the time that took
+    launch_thread: bool = False  # pipelined decodes encoded on a thread of their own (StepOptions.launch_thread)
 
 
 @dataclass(frozen=True)

@@ -420,6 +420,10 @@ class ModelRunner:
         if sampling is not None:
             sampling.start()
         last = len(forward.stages) - 1 if sampling is None else len(forward.stages)
+        if not self.stage_waits and sampling is None:
+            # one call: on a launch thread (engine/executor.py) the GIL is not taken again between stages
+            mx.async_eval(*(a for stage in forward.stages for a in stage))
+            return
         try:
             for i, stage in enumerate(forward.stages):
                 if self.stage_waits and i < last:

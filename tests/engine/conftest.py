@@ -82,10 +82,12 @@ def make_engine(tiny_parts, model_cache_dir):
     """Build an Engine on the shared tiny model with any config overrides."""
     from engine.engine import Engine
 
-    def build(runner_options=None, async_decode: bool = True, overlap_steps=None, **overrides):
+    def build(runner_options=None, async_decode: bool = True, overlap_steps=None, launch_thread=None,
+              **overrides):
         """`runner_options`: a RunnerOptions (the runner's other ways, to compare); `async_decode`:
         False runs decode steps one after another (the engine pipelines them); `overlap_steps`: True
-        leaves a step's last prompt chunk running into the next (None: the engine's choice)."""
+        leaves a step's last prompt chunk running into the next (None: the engine's choice);
+        `launch_thread`: True encodes pipelined decodes on a thread of their own (None: on CUDA only)."""
         from engine.core.types import StepOptions
         from engine.model.runner import RunnerOptions
 
@@ -93,6 +95,7 @@ def make_engine(tiny_parts, model_cache_dir):
         cfg = EngineConfig(model="tiny", cache_dir=model_cache_dir,
                            memory_limit_bytes=overrides.pop("memory_limit_bytes", 4 << 30), **overrides)
         return Engine(model, tokenizer, cfg, model_config, runner_options=runner_options or RunnerOptions(),
-                      step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps))
+                      step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps,
+                                                         launch_thread=launch_thread))
 
     return build

@@ -11,9 +11,11 @@ from engine.async_engine import AsyncEngine
 from engine.core.types import SamplingParams
 
 
-@pytest.fixture
-def async_engine(make_engine):
-    eng = AsyncEngine(make_engine())
+@pytest.fixture(params=[None, True], ids=["engine-thread-launch", "launch-thread"])
+def async_engine(make_engine, request):
+    """An AsyncEngine whose engine (built in this thread, stepped in the engine thread) encodes its
+    pipelined decodes on the engine thread (the CPU's default) or on a launch thread (CUDA's)."""
+    eng = AsyncEngine(make_engine(launch_thread=request.param))
     yield eng
     eng.shutdown()
 
@@ -26,6 +28,8 @@ async def test_stream_matches_sync_generate(async_engine, make_engine):
     expected = make_engine().generate([prompt], sampling)[0]
     assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
     assert "".join(o.new_text for o in outs) == expected.text
+    engine = async_engine.engine
+    assert (engine.executor.num_thread_launches > 0) == engine.execution_paths().launch_thread
 
 
 async def test_concurrent_streams(async_engine):

@@ -45,11 +45,12 @@ def test_decode_of_all_running_rows_is_one_forward(make_engine, async_decode):
 
 def test_pipelined_decode_equals_synchronous_with_stops_and_aborts(make_engine):
     """Rows that stop on EOS / stop tokens (their extra token is dropped), reach max_tokens at
-    different steps, or are aborted mid-pipeline: the same outputs as the synchronous engine."""
+    different steps, or are aborted mid-pipeline: the same outputs as the synchronous engine, with the
+    pipelined decodes encoded on the engine's thread or on a launch thread of their own."""
     prompts = random_prompts([5, 11, 7, 19, 3], 49152, seed=4)
     results = {}
-    for async_decode in (False, True):
-        engine = make_engine(max_num_seqs=5, async_decode=async_decode)
+    for async_decode, launch_thread in ((False, False), (True, False), (True, True)):
+        engine = make_engine(max_num_seqs=5, async_decode=async_decode, launch_thread=launch_thread)
         reference = engine.generate(prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
         params = [SamplingParams(max_tokens=12, stop_token_ids=(reference[4],)),  # stops at its 5th token
                   SamplingParams(max_tokens=3, ignore_eos=True),
@@ -71,9 +72,10 @@ def test_pipelined_decode_equals_synchronous_with_stops_and_aborts(make_engine):
                 out = engine.abort("4")
                 finish["4"] = out.finish_reason if out else None
         assert engine.kv.reserved_bytes == 0 and not engine.runner.rows
-        results[async_decode] = (tokens, finish)
-    assert results[True] == results[False]
-    tokens, finish = results[True]
+        assert (engine.executor.num_thread_launches > 0) == launch_thread
+        results[async_decode, launch_thread] = (tokens, finish)
+    assert results[True, False] == results[False, False] == results[True, True]
+    tokens, finish = results[True, True]
     assert finish["0"] == FinishReason.STOP and tokens["0"] == reference[:5]
     assert len(tokens["1"]) == 3 and len(tokens["2"]) == 9 and len(tokens["3"]) == 12
     assert finish["4"] == FinishReason.ABORT
