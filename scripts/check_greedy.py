@@ -20,19 +20,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, environment, load_bench_model, random_prompts  # noqa: E402
 
 
-def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, paths: dict = None) -> list[list[int]]:
-    """`read_slices` False: every read a gather (no views, no paged decode attention). `paths`: filled with which decode paths the engine took."""
+def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, paths: dict = None,
+                  launch_thread=None) -> list[list[int]]:
+    """`read_slices` False: every read a gather (no views, no paged decode attention). `paths`: filled with which decode paths the engine took.
+    `launch_thread`: StepOptions' (None: the engine's choice)."""
     from bench_engine import make_engine
     from engine.core.types import SamplingParams
 
     # no views, and no paged decode attention (a config choice: the memory model then predicts gathers)
     engine = make_engine(lm, [len(p) for p in prompts], max_tokens, chunk, read_slices=read_slices,
+                         launch_thread=launch_thread,
                          **({} if read_slices else {"execution": {"paged_attention": False}}))
     if paths is not None:  # which code paths the runner built (the engine's read-only summary)
         taken = engine.execution_paths()
         paths.update(paged_attention=taken.paged_attention, decode_loop=taken.decode_loop,
                      compiled_decode=taken.compiled_decode, chunk_loop=taken.chunk_loop,
                      fused_rope=taken.fused_rope, attention_kernel=taken.attention_kernel,
+                     launch_thread=taken.launch_thread,
                      packed_chunks=getattr(engine.memory, "packed", False))
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs]
@@ -59,6 +63,8 @@ def main(argv=None) -> dict:
     paths: dict = {}
     slices = engine_tokens(lm, prompts, args.max_tokens, True, args.chunk, paths)
     gather = engine_tokens(lm, prompts, args.max_tokens, False, args.chunk)
+    # the pipelined decodes encoded by the engine's thread when the default has a launch thread, and by one otherwise
+    other_launch = engine_tokens(lm, prompts, args.max_tokens, True, args.chunk, launch_thread=not paths["launch_thread"])
     ref = [mlx_lm_tokens(lm, p, args.max_tokens) for p in prompts]
 
     def same_prefix(a, b):
@@ -70,6 +76,7 @@ def main(argv=None) -> dict:
     result = dict(check="greedy", model=args.model, dtype=lm.dtype, lengths=[len(p) for p in prompts],
                   max_tokens=args.max_tokens, environment=environment(), engine_decode=paths,
                   slices_equal_gather=[a == b for a, b in zip(slices, gather)],
+                  other_launch_equal=[a == b for a, b in zip(slices, other_launch)],
                   engine_equal_mlx_lm=[a == b for a, b in zip(slices, ref)],
                   engine_mlx_lm_common_prefix=[same_prefix(a, b) for a, b in zip(slices, ref)],
                   engine=slices, engine_gather=gather, mlx_lm=ref)
