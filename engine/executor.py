@@ -180,6 +180,7 @@ class StepExecutor:
         self.num_steps = self.max_predicted_bytes = self.max_measured_bytes = self.last_predicted_bytes = 0
         self._launcher: Optional[_LaunchThread] = None
         self.num_thread_launches = 0  # decodes the launch thread encoded
+        self._prev_encoded_s: Optional[float] = None  # when it returned from the last, from the step's start
         if launch_thread and async_decode:
             self._launcher = _LaunchThread()
             weakref.finalize(self, self._launcher.close)
@@ -454,7 +455,7 @@ class StepExecutor:
             return
         # its record's launch ends when the thread has started: the encode itself overlaps the commit
         # of the step before and the build of the next, and ends within the next step's wait
-        record = [build_s, time.perf_counter() - self._t0, 0.0, None, None, built_s]
+        record = [build_s, time.perf_counter() - self._t0, 0.0, None, None, built_s, self._prev_encoded_s]
         self._timings.append(record)
         forward, runner = decode.forward, self.runner
         self._launcher.submit(lambda: runner.launch(forward))
@@ -464,7 +465,7 @@ class StepExecutor:
     def _join_launch(self) -> None:
         """Wait until the launch thread (if any) has encoded the decode in flight (its error raised)."""
         if self._launcher is not None:
-            self._launcher.join()
+            self._prev_encoded_s = self._launcher.join() - self._t0
 
     def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
         """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are

@@ -157,6 +157,9 @@ class StepTracer:
         spent = {"schedule": record.schedule_s, "build": sum(f.build_duration_s for f in forwards),
                  "launch": sum(f.launched_s - f.launch_s for f in forwards),
                  "wait": sum(f.waited_s - f.wait_s for f in forwards if f.wait_s is not None and f.waited_s is not None)}
+        encoded = [f.prev_encoded_s for f in forwards if f.prev_encoded_s is not None]
+        if encoded:  # a launch thread had encoded the decode this step read back (from the step's start)
+            spent["prev_encoded_at"] = encoded[0]
         spent = {k: v for k, v in spent.items() if v}
         spent["step"] = record.duration_s
         self.steps.append({k: round(v * 1000, 2) for k, v in spent.items()})

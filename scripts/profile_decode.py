@@ -5,6 +5,9 @@ graph, waits for k, launches k+1, then commits k's tokens) the records give, in 
 build of the next forward, the wait for the running one, the launch (MLX encoding the graph into CUDA
 graphs; the device starts on the first batches meanwhile) and the commit (scheduler update, detokenizing,
 outputs). When the wait is near zero the host is the bottleneck: the device idles while the host works.
+With a launch thread (StepOptions.launch_thread, CUDA's default) the launch is only its hand-over: the
+thread encodes the decode while the engine thread commits and builds, and the wait has two parts, for the
+thread to finish encoding (`wait_encode`) and then for the device (`wait_device`).
 
 `--cuda-profile-step K` brackets the K-th decode step with cuProfilerStart/Stop, so that
 `ncu --profile-from-start off` times exactly the kernels of the one forward launched in it (`--ncu-csv`
@@ -50,6 +53,9 @@ def _anatomy(records: list) -> dict:
         parts["wait_running"].append(f.launch_s - f.built_s)
         parts["launch_next"].append(f.launched_s - f.launch_s)
         parts["commit"].append(r.duration_s - f.launched_s)
+        if f.prev_encoded_s is not None:  # a launch thread encoded the running decode: the wait's two parts
+            parts["wait_encode"].append(max(0.0, f.prev_encoded_s - f.built_s))
+            parts["wait_device"].append(f.launch_s - max(f.built_s, f.prev_encoded_s))
     return {k: _ms(v) for k, v in parts.items()}
 
 

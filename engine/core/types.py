@@ -312,7 +312,8 @@ class StepMemory:
 class ForwardTiming:
     """One forward of a step, seconds from the step's start: its graph build started (None: built by an
     earlier step), launch called, launch returned, wait started, wait ended (None where the forward was
-    left running past the step), its graph build ended (None where build_s is)."""
+    left running past the step), its graph build ended (None where build_s is); with a launch thread,
+    when the forward before it had been encoded."""
 
     build_s: Optional[float]
     launch_s: float
@@ -320,6 +321,9 @@ class ForwardTiming:
     wait_s: Optional[float] = None
     waited_s: Optional[float] = None
     built_s: Optional[float] = None
+    # with a launch thread (StepOptions.launch_thread): when it had encoded the decode this step read back
+    # (the forward before this one), seconds from this step's start (negative: before the step began)
+    prev_encoded_s: Optional[float] = None
 
     @property
     def build_duration_s(self) -> float:
