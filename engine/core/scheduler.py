@@ -154,7 +154,8 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefilling]
         prefilling = [r for r in self.running if r.is_prefilling]
         admitted = self._admit(cfg.max_num_batched_tokens - len(decoding) - sum(
-            min(r.num_prompt_tokens - r.num_computed_tokens, cfg.prefill_chunk_size) for r in prefilling))
+            min(r.num_prompt_tokens - r.num_computed_tokens, cfg.prefill_chunk_size) for r in prefilling),
+            busy=bool(decoding or prefilling))
         new_rows = self.kv.place_admitted()  # the pool grows before the forwards: they get what is left
         room = self.free_transient_bytes
         decodes = self._fit_decodes(decoding, room)
@@ -260,14 +261,24 @@ class Scheduler:
         """Whether a plan's predicted transient fits the memory free now (the pipelined decode's next)."""
         return self._fits(plan.predicted_transient_bytes, self.free_transient_bytes)
 
-    def _admit(self, budget: int) -> list[Request]:
+    def _admit(self, budget: int, busy: bool) -> list[Request]:
         """Admit waiting requests, first come first served, while the token budget leaves each a chunk
-        and the KV manager can reserve their KV."""
+        and the KV manager can reserve their KV. Not for a sliver beside other work (`busy`: decode
+        rows or prompt chunks in the step, or a request admitted before it): a first chunk of at least
+        half `prefill_chunk_size` or the prompt's whole rest. A sliver would cost a forward of its own
+        now and leave the prompt's rest to cost another in the next step (the first in the step with
+        the decode rows riding in it) for no earlier first token; the head waits one step instead."""
         admitted = []
-        while budget > 0 and self.waiting and self._try_admit(self.waiting[0]):
-            request = self.waiting.popleft()
-            admitted.append(request)
-            budget -= min(request.num_prompt_tokens - request.num_computed_tokens, self.config.prefill_chunk_size)
+        least = max(1, self.config.prefill_chunk_size // 2)
+        while budget > 0 and self.waiting:
+            head = self.waiting[0]
+            first = min(head.num_prompt_tokens - head.num_computed_tokens, self.config.prefill_chunk_size)
+            if (busy or admitted) and budget < min(least, first):
+                break
+            if not self._try_admit(head):
+                break
+            admitted.append(self.waiting.popleft())
+            budget -= first
         return admitted
 
     def _fit_decodes(self, decoding: list[Request], room: Optional[int]) -> list[str]:

@@ -271,13 +271,38 @@ def ends_on_grid(chunk) -> bool:
 
 
 def test_a_chunk_cut_by_the_budget_ends_on_the_grid():
-    s = make(max_num_seqs=8, budget=700, chunk=512, max_model_len=2048, kv_tokens=8192)
+    s = make(max_num_seqs=8, budget=900, chunk=512, max_model_len=2048, kv_tokens=8192)
     s.add(req("a", 1000))
     s.add(req("b", 1000))
     out = s.schedule()
-    # b gets what a's chunk leaves (188 tokens), back to the grid: 160 (the same shape for every prompt)
-    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("a", 512), ("b", 160)]
-    assert not out.memory_limited and out.step_budget_tokens == 700
+    # b gets what a's chunk leaves (388 tokens), back to the grid: 384 (the same shape for every prompt)
+    assert [(c.request_id, c.num_tokens) for c in out.prefills] == [("a", 512), ("b", 384)]
+    assert not out.memory_limited and out.step_budget_tokens == 900
+
+
+def test_a_new_prompt_does_not_start_with_a_sliver_beside_other_work():
+    """A waiting prompt is admitted only if the budget leaves it half a chunk (or its whole rest) beside
+    the step's other work: 188 tokens after a's chunk is a sliver of b's 512; b starts in the next step.
+    Alone in a step a prompt starts with whatever the budget gives."""
+    s = make(max_num_seqs=8, budget=700, chunk=512, max_model_len=2048, kv_tokens=8192)
+    s.add(req("a", 1000))
+    s.add(req("b", 1000))
+    s.add(req("c", 100))
+    steps = []
+    for _ in range(3):
+        out = s.schedule()
+        steps.append([(c.request_id, c.num_tokens) for c in out.prefills])
+        s.update(out, {})
+    # 188 and then 212 tokens left beside a's chunks: slivers of b's first 512; c waits behind b (FCFS)
+    # until b's whole chunk leaves c room for its whole prompt
+    assert steps == [[("a", 512)], [("a", 488)], [("b", 512), ("c", 100)]]
+    alone = make(max_num_seqs=8, budget=100, chunk=512, max_model_len=2048, kv_tokens=8192)
+    alone.add(req("d", 1000))
+    assert [(c.request_id, c.num_tokens) for c in alone.schedule().prefills] == [("d", 96)]
+    whole = make(max_num_seqs=8, budget=620, chunk=512, max_model_len=2048, kv_tokens=8192)
+    whole.add(req("e", 512))
+    whole.add(req("f", 100))  # its whole prompt fits what e leaves: no sliver
+    assert [(c.request_id, c.num_tokens) for c in whole.schedule().prefills] == [("e", 512), ("f", 100)]
 
 
 def test_a_prompt_cut_by_memory_ends_on_the_grid_and_takes_more_such_chunks_in_its_step():
