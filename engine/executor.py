@@ -90,10 +90,11 @@ class _LaunchThread:
         self._go = threading.Semaphore(0)
         self._started = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
+        self._lock = threading.Lock()  # the job, busy and closed, between submit and close
         self._job: Optional[Callable[[], None]] = None
         self._error: Optional[BaseException] = None
         self._ended_s = 0.0  # perf_counter when the last job returned
-        self._busy = False
+        self._busy = self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlx-decode-launch", daemon=True)
         self._thread.start()
 
@@ -101,48 +102,55 @@ class _LaunchThread:
         while True:
             self._go.acquire()
             job, self._job = self._job, None
-            self._started.release()
-            if job is None:
+            if job is None:  # closed
                 return
+            self._started.release()
             try:
                 job()
             except BaseException as exc:  # raised by `join`, on the engine thread
                 self._error = exc
+            job = None  # its forward and runner are not this thread's to keep while it waits
             self._ended_s = time.perf_counter()
             self._done.release()
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run `job` (an encode) on this thread; returns once it has started. Waiting for the start hands
         this thread the GIL at once: otherwise it would wait for the engine thread's next switch (up to
-        Python's switch interval, 5 ms) while the device idles."""
-        if self._busy:
-            raise RuntimeError("a launch is still running")
-        self._job, self._busy = job, True
-        self._go.release()
+        Python's switch interval, 5 ms) while the device idles. Once closed, runs `job` here."""
+        with self._lock:
+            if self._busy:
+                raise RuntimeError("a launch is still running")
+            if not self._closed:
+                self._job, self._busy = job, True
+                self._go.release()
+        if not self._busy:
+            job()
+            self._ended_s = time.perf_counter()
+            return
         self._started.acquire()
 
     def join(self) -> float:
         """Wait for the running job (if any) to return; re-raise its error. Returns when it returned
-        (perf_counter seconds)."""
+        (perf_counter seconds). The engine thread's alone."""
         if self._busy:
             self._done.acquire()
-            self._busy = False
+            with self._lock:
+                self._busy = False
             error, self._error = self._error, None
             if error is not None:
                 raise error
         return self._ended_s
 
     def close(self) -> None:
-        try:
-            self.join()
-        except BaseException:
-            pass
-        self._go.release()  # no job: the thread ends
-        self._started.acquire()
+        """End the thread (from any thread: the executor's finalizer, or at exit). A job running goes on;
+        the engine thread still joins it, and encodes later ones itself."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._busy:
+                self._go.release()  # no job: the thread ends
+            # busy: the thread finishes the job and then waits for ever (a daemon), its job let go
 
 
 def _measure_start() -> int:

@@ -199,3 +199,47 @@ def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tin
     assert engine.has_unfinished()  # the deferred forward is retired by one more step
     assert engine.step().outputs == () and not engine.has_unfinished()
     assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+
+
+def test_launch_thread_runs_jobs_raises_their_errors_and_runs_them_inline_once_closed():
+    import threading
+
+    from engine.executor import _LaunchThread
+
+    launcher = _LaunchThread()
+    where = []
+    launcher.submit(lambda: where.append(threading.current_thread().name))
+    assert launcher.join() > 0 and where == ["mlx-decode-launch"]
+
+    def fail():
+        raise RuntimeError("encode failed")
+
+    launcher.submit(fail)
+    with pytest.raises(RuntimeError, match="encode failed"):
+        launcher.join()
+    launcher.join()  # nothing running: returns at once
+    launcher.close()
+    launcher._thread.join(timeout=5)
+    assert not launcher._thread.is_alive()
+    launcher.submit(lambda: where.append(threading.current_thread().name))  # closed: on the caller's thread
+    launcher.join()
+    assert where[-1] == threading.current_thread().name
+
+
+def test_a_dropped_engine_ends_its_launch_thread(make_engine):
+    import gc
+    import threading
+
+    def launch_threads():
+        return [t for t in threading.enumerate() if t.name == "mlx-decode-launch"]
+
+    before = set(launch_threads())
+    engine = make_engine(launch_thread=True)
+    engine.generate(random_prompts([6], 49152, seed=5), SamplingParams(max_tokens=4, ignore_eos=True))
+    ours = set(launch_threads()) - before
+    assert engine.executor.num_thread_launches > 0 and len(ours) == 1
+    del engine
+    gc.collect()
+    thread = ours.pop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
