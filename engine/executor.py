@@ -117,9 +117,12 @@ class _LaunchThread:
         """Run `job` (an encode) on this thread; returns once it has started. Waiting for the start hands
         this thread the GIL at once: otherwise it would wait for the engine thread's next switch (up to
         Python's switch interval, 5 ms) while the device idles. Once closed, runs `job` here."""
+        if self._busy:  # a step interrupted (KeyboardInterrupt) before it joined the last one
+            try:
+                self.join()
+            except Exception:
+                pass
         with self._lock:
-            if self._busy:
-                raise RuntimeError("a launch is still running")
             if not self._closed:
                 self._job, self._busy = job, True
                 self._go.release()
@@ -129,16 +132,17 @@ class _LaunchThread:
             return
         self._started.acquire()
 
-    def join(self) -> float:
+    def join(self) -> Optional[float]:
         """Wait for the running job (if any) to return; re-raise its error. Returns when it returned
-        (perf_counter seconds). The engine thread's alone."""
-        if self._busy:
-            self._done.acquire()
-            with self._lock:
-                self._busy = False
-            error, self._error = self._error, None
-            if error is not None:
-                raise error
+        (perf_counter seconds; None: no job was running). The engine thread's alone."""
+        if not self._busy:
+            return None
+        self._done.acquire()
+        with self._lock:
+            self._busy = False
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
         return self._ended_s
 
     def close(self) -> None:
@@ -243,6 +247,12 @@ class StepExecutor:
     def _begin(self) -> None:
         self._t0 = time.perf_counter()
         self._timings = []
+        self._prev_encoded_s = None
+        if self._inflight is None and self._launcher is not None:
+            try:  # nothing should be running: a step interrupted before it joined the last launch
+                self._launcher.join()
+            except Exception:
+                pass
 
     def _forward_timings(self) -> tuple[ForwardTiming, ...]:
         return tuple(ForwardTiming(*t) for t in self._timings)
@@ -473,7 +483,8 @@ class StepExecutor:
     def _join_launch(self) -> None:
         """Wait until the launch thread (if any) has encoded the decode in flight (its error raised)."""
         if self._launcher is not None:
-            self._prev_encoded_s = self._launcher.join() - self._t0
+            ended = self._launcher.join()
+            self._prev_encoded_s = None if ended is None else ended - self._t0
 
     def _next_decode(self, prev: _Inflight) -> Optional[_Inflight]:
         """The decode that follows `prev`, built before `prev`'s tokens are known: its rows that are

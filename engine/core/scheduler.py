@@ -278,7 +278,8 @@ class Scheduler:
             if not self._try_admit(head):
                 break
             admitted.append(self.waiting.popleft())
-            budget -= first
+            # _try_admit may have dropped its prefix hit: its chunk is then from its start
+            budget -= min(head.num_prompt_tokens - head.num_computed_tokens, self.config.prefill_chunk_size)
         return admitted
 
     def _fit_decodes(self, decoding: list[Request], room: Optional[int]) -> list[str]:

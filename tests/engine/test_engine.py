@@ -208,8 +208,12 @@ def test_launch_thread_runs_jobs_raises_their_errors_and_runs_them_inline_once_c
 
     launcher = _LaunchThread()
     where = []
+    assert launcher.join() is None  # nothing ran
     launcher.submit(lambda: where.append(threading.current_thread().name))
     assert launcher.join() > 0 and where == ["mlx-decode-launch"]
+    launcher.submit(lambda: None)
+    launcher.submit(lambda: None)  # the last one never joined (an interrupted step): joined first
+    assert launcher.join() > 0
 
     def fail():
         raise RuntimeError("encode failed")
