@@ -267,9 +267,12 @@ class Scheduler:
         rows or prompt chunks in the step, or a request admitted before it): a first chunk of at least
         half `prefill_chunk_size` or the prompt's whole rest. A sliver would cost a forward of its own
         now and leave the prompt's rest to cost another in the next step (the first in the step with
-        the decode rows riding in it) for no earlier first token; the head waits one step instead."""
+        the decode rows riding in it) for no earlier first token; the head waits one step instead.
+        Never more than the budget leaves beside every other slot decoding (a small budget with many
+        slots would otherwise keep a prompt waiting for as long as they decode)."""
         admitted = []
-        least = max(1, self.config.prefill_chunk_size // 2)
+        cfg = self.config
+        least = max(1, min(cfg.prefill_chunk_size // 2, cfg.max_num_batched_tokens - cfg.max_num_seqs + 1))
         while budget > 0 and self.waiting:
             head = self.waiting[0]
             first = min(head.num_prompt_tokens - head.num_computed_tokens, self.config.prefill_chunk_size)
