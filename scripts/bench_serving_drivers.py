@@ -386,6 +386,8 @@ def backend_runners() -> dict:
             "engine_no_launch_thread": (lambda *a, **k: run_engine_async(*a, **k, launch_thread=False)),
             "engine_sync_fused_rope": with_options(run_engine_sync, fused_rope=True),
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
+            # the decode's q/k norms and RoPE as separate kernels (RunnerOptions.fused_rope off; on CUDA's default)
+            "engine_no_fused_rope": with_options(run_engine_async, fused_rope=False),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,

@@ -57,9 +57,10 @@ class RunnerOptions:
     # span kernel; False rules a variant out (to compare them: both False for the span kernel)
     tiled_attention: bool = True
     mma_attention: bool = True
-    # CUDA: decode's q/k norms and RoPE in one kernel; opt-in: with fewer kernels a layer, more layers' decode
-    # temporaries share MLX's committed batches than the memory model's CUDA set was fitted on
-    fused_rope: bool = False
+    # CUDA: decode's q/k norms and RoPE in one kernel (None: on CUDA). With fewer kernels a layer more of a
+    # decode's layers share MLX's committed batches: the memory model counts them
+    # (engine/core/memory/model.py FUSED_DECODE_LAYERS_FACTOR)
+    fused_rope: Optional[bool] = None
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .fit import ratio_stats, read_keyed
-from .predict import engine_predictions, matmul_workspace, mixed_predictions, model_shape
+from .predict import engine_predictions, fused_decodes, matmul_workspace, mixed_predictions, model_shape
 from .shapes import decode_terms
 
 
@@ -79,13 +79,15 @@ def decode_check(spec: str, backend: str = "cuda") -> dict:
     for v in sorted({p["variant"] for p in pts}):
         sel = [p for p in pts if p["variant"] == v]
         coef, what = coefficients_for(backend, 8 if backend == "cuda" else None, model_shape(data["shapes"][v]))
-        pred = engine_predictions(sel, data["shapes"], coef)
-        alone = engine_predictions(sel, data["shapes"], coefficients_for_backend(backend, 8 if backend == "cuda" else None))
+        fused = fused_decodes(data)
+        pred = engine_predictions(sel, data["shapes"], coef, fused)
+        alone = engine_predictions(sel, data["shapes"], coefficients_for_backend(backend, 8 if backend == "cuda" else None),
+                                   fused)
         out[v] = dict(ratio_stats(pred, [p["measured"] for p in sel]), set=what,
                       backend_set_min=round(min(q / p["measured"] for q, p in zip(alone, sel)), 3),
                       underpredicted=sum(q < p["measured"] for q, p in zip(pred, sel)),
                       measured_mb_by_rows={b: sorted({round(p["measured"] / 1e6, 1) for p in sel if p["B"] == b})
-                                           for b in sorted({p["B"] for p in sel})})
+                                           for b in sorted({p["B"] for p in sel})}, fused_decode=fused)
     return out
 
 

@@ -205,6 +205,7 @@ def decode_grid(lm: LoadedModel, rows: list[int], contexts: list[int], shape: di
                 terms = decode_terms(shape, b, ctx, paged, engine.memory.kv_step)
                 points.append(dict(kind="decode", variant=label, path=path, B=b, n=ctx, c=1, logits=True,
                                    gathers=not paged, paged=paged, pipelined=pipelined,
+                                   fused_decode=engine.memory.fused_decode,
                                    measured=st["measured"], predicted=st["predicted"], step_s=st["step_s"],
                                    whole_step_measured=st["whole_step_measured"], terms=terms))
         meter.result(0, None, [0.0], 0.0)

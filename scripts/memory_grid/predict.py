@@ -32,12 +32,18 @@ def matmul_workspace(sh: dict):
 
 
 def _model_of(sh: dict, coefficients, paged: bool = False, copies_viewed_kv: bool = True,
-              copies_every_view: bool = False):
+              copies_every_view: bool = False, fused_decode: bool = False):
     from engine.core.memory.model import MemoryModel
 
     return MemoryModel(model_shape(sh), coefficients=coefficients, paged_decode=paged, mixed=True,
                        copies_viewed_kv=copies_viewed_kv, copies_every_view=copies_every_view,
-                       matmul_workspace=matmul_workspace(sh))
+                       matmul_workspace=matmul_workspace(sh), fused_decode=fused_decode)
+
+
+def fused_decodes(data: dict) -> bool:
+    """Whether a grid's decodes ran the fused q/k rope kernel, for grids whose points do not say: those
+    recorded while it was opt-in (their run's MLX_SERVE_FUSED_ROPE=1)."""
+    return data.get("environment", {}).get("mlx_env", {}).get("MLX_SERVE_FUSED_ROPE") == "1"
 
 
 def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
@@ -53,14 +59,16 @@ def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optio
     return out
 
 
-def engine_predictions(pts: list[dict], shapes: dict, coefficients) -> list[int]:
+def engine_predictions(pts: list[dict], shapes: dict, coefficients, fused_decode: bool = False) -> list[int]:
     """engine/core/memory/model.py's own prediction of every grid point (max(layers, logits) in decode, int
-    truncation): what the engine will use, so the no-under-prediction check is on this, not the fit."""
+    truncation): what the engine will use, so the no-under-prediction check is on this, not the fit.
+    `fused_decode`: the grid's decodes ran the fused q/k rope kernel (`fused_decodes`), where a point does
+    not say (its `fused_decode`: grids recorded since the kernel became CUDA's default)."""
     out = []
     for p in pts:  # the copy of a viewed row's KV as this engine makes it: not where the point's said it
         # would not (cpu_math's attention); grids from before the copy were CUDA's, where it now does
         m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")), p.get("copies_viewed_kv", True),
-                      bool(p.get("copies_every_view")))
+                      bool(p.get("copies_every_view")), p.get("fused_decode", fused_decode))
         gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
         if p["kind"] == "prefill":
             out.append(m.prefill_chunk_bytes(p["c"], p["n"], bool(p["logits"]), gathers=gathers))

@@ -60,13 +60,23 @@ FLOOR_CHUNK_TOKENS = 64
 # h200_i25_decode.json `packed_prefill`): 4 x 512 and 16 x 512-token packs measured 2.2 and 2.1 such rows
 # above the plain sum; 4 keeps their prediction 1.12 x what they measured.
 PACK_ROWS = 4
+# A decode forward whose layers run the fused q/k rope kernel (RunnerOptions.fused_rope: a layer's q/k norms,
+# RoPE and q/k/v layout in one kernel instead of five) has fewer operations a layer, so MLX's window of
+# committed batches spans more of its layers: its per-layer terms count this many times the set's layers in
+# flight (within the model's layers). The 8B llama's fused decode grid of one H200 lease measured 4 rows at
+# 1,030 keys at 18.1 MB, 0.73 x the shape calibration's prediction (another lease: 9.6 MB at the same point;
+# scripts/data/h200_i25_grid_decode.json, `variants_fused_rope_at_9d3434c` and `fused_rope`); with 2, every
+# recorded fused decode point of the 8B llama, Qwen3-8B and Gemma-3-12B shapes is predicted at >= 1.34 x
+# (tests/unit/test_bench_scripts.py; 2-layer shapes have all their layers in flight already).
+FUSED_DECODE_LAYERS_FACTOR = 2
 
 
 class MemoryModel(ChunkTerms):
     def __init__(self, shape: ModelShape, kv_step: int = 256,
                  coefficients: TransientCoefficients = CPU_COEFFICIENTS, paged_decode: bool = False,
                  mixed: bool = False, copies_viewed_kv: bool = True, copies_every_view: bool = False,
-                 max_packed_tokens: int = 0, matmul_workspace: MatmulWorkspace = MatmulWorkspace()):
+                 max_packed_tokens: int = 0, matmul_workspace: MatmulWorkspace = MatmulWorkspace(),
+                 fused_decode: bool = False):
         """`paged_decode`: one-query forwards read the KV pool in place (the engine's CUDA kernel, blocks
         of `kv_step` tokens) instead of gathering it. `mixed`: the runner can run a step's decode rows in
         the same forward as its first prompt chunk (engine/model/layers/mixed.py); the scheduler has it do so when
@@ -80,7 +90,8 @@ class MemoryModel(ChunkTerms):
         (`packed_bytes`; 0: never); the scheduler packs them where that forward stays within the
         configuration's bound and the free memory. `matmul_workspace`: what the backend's matmuls allocate
         beside their products by rows (engine/core/memory/workspace.py), counted in every layer of a
-        decode and in its head."""
+        decode and in its head. `fused_decode`: decode forwards run the fused q/k rope kernel
+        (FUSED_DECODE_LAYERS_FACTOR)."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:
@@ -97,6 +108,10 @@ class MemoryModel(ChunkTerms):
         self.matmul_workspace = matmul_workspace
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
+        self.fused_decode = fused_decode
+        # those of a decode forward (a mixed forward's decode rows run the unfused layer loop)
+        self.decode_layer_factor = (min(shape.num_layers, FUSED_DECODE_LAYERS_FACTOR * self.layer_factor)
+                                    if fused_decode else self.layer_factor)
 
     @property
     def packed(self) -> bool:
@@ -208,12 +223,12 @@ class MemoryModel(ChunkTerms):
         temporaries per row that samples), apart where the runner waits for the layers before it queues
         the head (`head_apart`); else one stage: the head is launched while the layers still run
         (runner.launch), so the last layer's gathered KV and the logits can be alive together."""
-        s, b, m = self.shape, len(context_lens), self.layer_factor
+        s, b, m = self.shape, len(context_lens), self.decode_layer_factor
         row = m * b * s.hidden_size * s.dtype_bytes
         mlp_rows, unsorted_rows = self._moe_rows()  # a decode's MLP is one stage: both together
         # the matmuls' workspaces: every layer's (a measure, not a fitted count of the layers in flight)
         workspace = s.num_layers * self.matmul_workspace.layer_bytes(b)
-        layers = self.decode_attention_terms(context_lens, gathers) + TransientTerms(
+        layers = self.decode_attention_terms(context_lens, gathers, num_layers=m) + TransientTerms(
             decode_mlp=m * b * s.intermediate_size * s.dtype_bytes, decode_hidden=row,
             family_rows=s.extra_hidden_rows * row, fixed_bytes=(mlp_rows + unsorted_rows) * row + workspace,
             step_overhead_bytes=1)
