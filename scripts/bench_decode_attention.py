@@ -118,7 +118,8 @@ def main(argv=None) -> dict:
                     row["kernels"][name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
                     continue
                 row["kernels"][name] = dict(max_err=round(err, 5), us=round(1e6 * s, 2),
-                                            tb_per_s=round(kv_bytes / s / 1e12, 3))
+                                            tb_per_s=round(kv_bytes / s / 1e12, 3),
+                                            kind=kernel.kind(head_dim, q.dtype, heads // kv_heads))
             results.append(row)
             print(rows, context, {k: (v.get("us"), v.get("max_err", v.get("error"))) for k, v in row["kernels"].items()},
                   flush=True)

@@ -192,6 +192,7 @@ def engine_result(engine, meter: Meter, steps: list[dict], ttft: list[float], pr
     # needs it)
     result["copies_viewed_kv"] = engine.memory.copies_viewed_kv
     result["copies_every_view"] = engine.memory.copies_every_view
+    result["fused_decode"] = engine.memory.fused_decode  # decodes through the fused q/k rope kernel
     result["chunk_loop"] = engine.execution_paths().chunk_loop  # the engine's loops, or mlx-lm's modules
     result["step_ratio_min"] = min(s["predicted"] / s["measured"] for s in steps if s["measured"] > 0)
     result["step_ratio_at_peak"] = peak_step["predicted"] / max(peak_step["measured"], 1)

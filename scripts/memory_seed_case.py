@@ -55,7 +55,9 @@ def main() -> None:
     if args.coefficients:
         fit = json.loads(Path(args.coefficients).read_text().strip().splitlines()[-1])["coefficients"]
         coefficients, source = with_overrides(coefficients, fit), f"{source} with {args.coefficients}"
-    m = MemoryModel(LLAMA3_8B, coefficients=coefficients, paged_decode=args.backend == "cuda")
+    # on CUDA the engine's decodes run the fused q/k rope kernel by default (RunnerOptions.fused_rope)
+    m = MemoryModel(LLAMA3_8B, coefficients=coefficients, paged_decode=args.backend == "cuda",
+                    fused_decode=args.backend == "cuda")
     chunk, budget = cfg.prefill_chunk_size, cfg.resolved_max_num_batched_tokens(args.backend)
     last = PrefillChunkPlan(chunk, args.max_model_len, True)
     worst_chunk = m.prefill_chunk_bytes(last.num_tokens, last.context_len, True, samples=True)

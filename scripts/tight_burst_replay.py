@@ -46,6 +46,9 @@ class ReplaySetting:
     prefill_chunk_size: int = dataclasses.field(default_factory=lambda: _gpu_default("prefill_chunk_size"))
     memory_margin_fraction: float = dataclasses.field(default_factory=lambda: _gpu_default("memory_margin_fraction"))
     prefix_cache_fraction: float = dataclasses.field(default_factory=lambda: _gpu_default("prefix_cache_fraction"))
+    # the decodes through the fused q/k rope kernel (the memory model's FUSED_DECODE_LAYERS_FACTOR): CUDA's
+    # default since 38481f2; the recorded runs this replays ran without it
+    fused_decode: bool = False
 
 
 def build_scheduler(model: str, dtype: str, setting: ReplaySetting):
@@ -63,7 +66,7 @@ def build_scheduler(model: str, dtype: str, setting: ReplaySetting):
     coefficients, _ = coefficients_for("cuda", CUDA_OPS_PER_BUFFER, shape, cpu_math=False,
                                        prefill_chunk_size=setting.prefill_chunk_size)
     memory = MemoryModel(shape, kv_step=KV_BLOCK_TOKENS, coefficients=coefficients, paged_decode=True,
-                         mixed=True, copies_viewed_kv=True)
+                         mixed=True, copies_viewed_kv=True, fused_decode=setting.fused_decode)
     available = setting.headroom_bytes
     max_memory = available - int(setting.memory_margin_fraction * available)
     floor = memory.floor_transient_bytes(setting.prefill_chunk_size, setting.max_model_len)

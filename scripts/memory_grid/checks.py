@@ -79,7 +79,7 @@ def decode_check(spec: str, backend: str = "cuda") -> dict:
     for v in sorted({p["variant"] for p in pts}):
         sel = [p for p in pts if p["variant"] == v]
         coef, what = coefficients_for(backend, 8 if backend == "cuda" else None, model_shape(data["shapes"][v]))
-        fused = fused_decodes(data)
+        fused = fused_decodes(data)  # for points that do not say
         pred = engine_predictions(sel, data["shapes"], coef, fused)
         alone = engine_predictions(sel, data["shapes"], coefficients_for_backend(backend, 8 if backend == "cuda" else None),
                                    fused)
@@ -87,7 +87,8 @@ def decode_check(spec: str, backend: str = "cuda") -> dict:
                       backend_set_min=round(min(q / p["measured"] for q, p in zip(alone, sel)), 3),
                       underpredicted=sum(q < p["measured"] for q, p in zip(pred, sel)),
                       measured_mb_by_rows={b: sorted({round(p["measured"] / 1e6, 1) for p in sel if p["B"] == b})
-                                           for b in sorted({p["B"] for p in sel})}, fused_decode=fused)
+                                           for b in sorted({p["B"] for p in sel})},
+                      fused_decode=sorted({bool(p.get("fused_decode", fused)) for p in sel}))
     return out
 
 
@@ -162,8 +163,10 @@ def merge_grids(prefill_path: str, *decode_paths: str) -> dict:
         missing = {p["variant"] for p in dec["points"]} - set(pre["shapes"])
         if missing:
             raise ValueError(f"variants {sorted(missing)} of {path} are not in {prefill_path}")
+        fused = fused_decodes(dec)  # each decode point says whether its grid's decodes were fused
         points += [p if p["kind"] == "prefill" else
-                   {**p, "terms": decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))}
+                   {"fused_decode": fused, **p,
+                    "terms": decode_terms(dec["shapes"][p["variant"]], p["B"], p["n"], bool(p.get("paged")))}
                    for p in dec["points"] if p["kind"] in ("prefill", "decode")]
     return dict(bench="memory_grid_merged", prefill_from=prefill_path, decode_from=list(decode_paths),
                 model=pre.get("model"), dtype=pre.get("dtype"), environment=dec["environment"],

@@ -67,7 +67,8 @@ def memory_flags(memory) -> dict:
     """The MemoryModel arguments besides the shape and the set that a step's prediction depends on (its
     decode's matmul workspaces as plain lists, where the engine measured any: predict.matmul_workspace)."""
     flags = dict(kv_step=memory.kv_step, paged_decode=memory.paged_decode, mixed=memory.mixed,
-                 copies_viewed_kv=memory.copies_viewed_kv, copies_every_view=memory.copies_every_view)
+                 copies_viewed_kv=memory.copies_viewed_kv, copies_every_view=memory.copies_every_view,
+                 fused_decode=memory.fused_decode)
     if memory.matmul_workspace:
         flags["matmul_workspace"] = {"per_layer": list(memory.matmul_workspace.per_layer),
                                      "head": list(memory.matmul_workspace.head)}

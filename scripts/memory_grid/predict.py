@@ -42,18 +42,24 @@ def _model_of(sh: dict, coefficients, paged: bool = False, copies_viewed_kv: boo
 
 def fused_decodes(data: dict) -> bool:
     """Whether a grid's decodes ran the fused q/k rope kernel, for grids whose points do not say: those
-    recorded while it was opt-in (their run's MLX_SERVE_FUSED_ROPE=1)."""
+    recorded while it was opt-in (their run's MLX_SERVE_FUSED_ROPE=1). A merged grid's environment is its
+    last decode grid's: one merged before its points said (`checks.merge_grids`) reads as unfused, as the
+    fit that made it read every point."""
+    if data.get("bench") == "memory_grid_merged":
+        return False
     return data.get("environment", {}).get("mlx_env", {}).get("MLX_SERVE_FUSED_ROPE") == "1"
 
 
-def mixed_predictions(pts: list[dict], shapes: dict, coefficients) -> list[Optional[int]]:
+def mixed_predictions(pts: list[dict], shapes: dict, coefficients, fused_decode: bool = False) -> list[Optional[int]]:
     """engine/core/memory/model.py's prediction of every mixed grid point; None where the engine would run that
-    step apart (a model no deeper than the set's `mixed_min_layers`, `MemoryModel.mixed`)."""
+    step apart (a model no deeper than the set's `mixed_min_layers`, `MemoryModel.mixed`). `fused_decode`
+    as for `engine_predictions`."""
     from engine.core.memory.model import PrefillChunkPlan
 
     out = []
     for p in pts:
-        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")))
+        m = _model_of(shapes[p["variant"]], coefficients, bool(p.get("paged")),
+                      fused_decode=p.get("fused_decode", fused_decode))
         chunk = PrefillChunkPlan(p["c"], p["n"], bool(p["logits"]), gathers=p.get("gathers", True))
         out.append(m.mixed_bytes(chunk, [p["decode_n"]] * p["B"]) if m.mixed else None)
     return out
@@ -89,7 +95,7 @@ def point_phases(p: dict, shapes: dict, coefficients) -> tuple:
         coefficients = dataclasses.replace(coefficients, decode_paged=1.0)
     # the copy of a viewed row's KV only where the point's engine made it (`fixed_bytes`)
     m = _model_of(shapes[p["variant"]], coefficients, paged, copies_viewed_kv=bool(p.get("copies_viewed_kv")),
-                  copies_every_view=bool(p.get("copies_every_view")))
+                  copies_every_view=bool(p.get("copies_every_view")), fused_decode=bool(p.get("fused_decode")))
     gathers = p.get("gathers", True)  # False: the row was read as a view of the pool, or paged
     if p["kind"] == "prefill":
         return m.chunk_phases(p["c"], p["n"], bool(p["logits"]), gathers=gathers)

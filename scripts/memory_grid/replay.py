@@ -70,8 +70,9 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
     # runs recorded before the engine copied a viewed chunk's KV for its last query say nothing of it
     copies = bool(engine.get("copies_viewed_kv"))
     every = bool(engine.get("copies_every_view"))  # ... nor of cpu_math's copy of every viewed chunk's KV
+    fused = bool(engine.get("fused_decode"))  # ... nor (before 38481f2) of fused decodes: there were none
     reproduced = reproduce_recorded(shape, plans, mixed, carried, [st["predicted"] for st in steps],
-                                    config, paged, on_gpu, copies, every)
+                                    config, paged, on_gpu, copies, every, fused)
     # the engine's set for the shape (a shape calibration where one ships), or `coefficients` (complete
     # but for a family's `family_rows` in older fits: the backend's)
     family = dict(family_rows=coefs.coefficients_for_backend(backend, 8).family_rows)
@@ -79,7 +80,7 @@ def replay_prefill(path: str, backend: str = "cuda", views: bool = False, coeffi
             else coefs.coefficients_for(backend, 8, shape if loops else None,
                                         prefill_chunk_size=config.get("prefill_chunk_size"))[0])
     model = mem.MemoryModel(shape, coefficients=coef, paged_decode=paged, copies_viewed_kv=copies,
-                            copies_every_view=every)
+                            copies_every_view=every, fused_decode=fused)
     own = [model.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)]
     pred, carried = _carry(own, carried), _carried_above(own, carried)
     meas = [st["measured"] for st in steps]
@@ -124,7 +125,8 @@ def replayed_shape(data: dict) -> tuple:
 
 
 def reproduce_recorded(shape, plans: list, mixed: list[bool], carried: list[bool], wanted: list[int], config: dict,
-                       paged: bool, on_gpu: bool, copies: bool = False, every: bool = False) -> Optional[bool]:
+                       paged: bool, on_gpu: bool, copies: bool = False, every: bool = False,
+                       fused: bool = False) -> Optional[bool]:
     """Whether the rebuilt plans give the predictions the run recorded (`wanted`) with the coefficients it
     ran with (`replay_prefill`): True, or None where those are not known; a ValueError where they are
     and the plans do not give them."""
@@ -137,7 +139,7 @@ def reproduce_recorded(shape, plans: list, mixed: list[bool], carried: list[bool
         recorded = coefs.with_overrides(base_coefficients(), config["memory_coefficients"])
     if recorded is not None:
         check = mem.MemoryModel(shape, coefficients=recorded, paged_decode=paged, copies_viewed_kv=copies,
-                                copies_every_view=every)
+                                copies_every_view=every, fused_decode=fused)
         again = _carry([check.step_transient_bytes(pl, mixed=m) for pl, m in zip(plans, mixed)], carried)
         if again != wanted:  # the rebuilt plans are the engine's
             raise ValueError(f"rebuilt plans do not reproduce the recorded predictions: {again}")

@@ -389,3 +389,4 @@ def test_mma_kernel_shared_memory_bounds_its_variants():
     assert mma_attention.supports(128, 4, True, 64, 4) and mma_attention.supports(128, 4, True, 128, 3)
     assert not mma_attention.supports(128, 4, True, 256, 4)  # 278 KB
     assert not mma_attention.supports(128, 4, True, 48, 2)  # 1.5 warps
+    assert not mma_attention.supports(128, 4, True, 64, 1)  # no tile in flight: the kernel refuses it

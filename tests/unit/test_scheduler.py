@@ -305,7 +305,7 @@ def test_a_new_prompt_does_not_start_with_a_sliver_beside_other_work():
     assert [(c.request_id, c.num_tokens) for c in whole.schedule().prefills] == [("e", 512), ("f", 100)]
     # a budget that leaves less than half a chunk beside a full batch of decode rows: the least is what
     # it leaves (300 - 250 + 1 = 51 tokens), else a waiting prompt would wait while the rows decode
-    small = make(max_num_seqs=250, budget=300, chunk=512, max_model_len=2048, kv_tokens=1 << 20)
+    small = make(max_num_seqs=250, budget=300, chunk=256, max_model_len=2048, kv_tokens=1 << 20)
     for i in range(200):
         small.add(req(f"r{i}", 1, max_tokens=50))
     small.update(small.schedule(), {f"r{i}": 7 for i in range(200)})

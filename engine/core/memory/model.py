@@ -109,7 +109,9 @@ class MemoryModel(ChunkTerms):
         # layers whose per-layer intermediates are alive together (1 on CPU)
         self.layer_factor = min(shape.num_layers, coefficients.layers_in_flight)
         self.fused_decode = fused_decode
-        # those of a decode forward (a mixed forward's decode rows run the unfused layer loop)
+        # those of a decode forward; a mixed forward's decode rows run the kernel too, but its prompt chunk's
+        # operations set its layers in flight (`mixed_phases`): only its bound by the rows' decode
+        # (`mixed_bytes`) takes the fused decode's, more than they hold
         self.decode_layer_factor = (min(shape.num_layers, FUSED_DECODE_LAYERS_FACTOR * self.layer_factor)
                                     if fused_decode else self.layer_factor)
 

@@ -206,7 +206,8 @@ def shared_bytes(head_dim: int, threads: int = 0, stages: int = 0) -> int:
     return 2 * stages * (16 * (threads // 32)) * (head_dim + 8) * 2
 
 
-# a multiprocessor's shared memory a block may take (an H100 / H200: 227 KB)
+# a multiprocessor's shared memory a block may take on an H100 / H200 (227 KB; an A100's is 163 KB, so a
+# variant between the two would fail to launch there: the runner's self-check then falls back)
 MAX_SHARED_BYTES = 227 * 1024
 
 
@@ -214,7 +215,7 @@ def supports(head_dim: int, num_rep: int, is_bfloat16: bool, threads: int = 0, s
     """bf16 KV, query groups of up to MAX_GROUP heads, head sizes a multiple of 16 up to MAX_HEAD_DIM
     whose 16-byte row parts divide the block's threads (0: THREADS), its tiles within a multiprocessor's
     shared memory (with the warps' statistics)."""
-    threads = threads or THREADS
+    threads, stages = threads or THREADS, stages or STAGES
     return (is_bfloat16 and 1 <= num_rep <= MAX_GROUP and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and threads % 32 == 0 and threads % (head_dim // 8) == 0
+            and 32 <= threads <= 1024 and threads % 32 == 0 and threads % (head_dim // 8) == 0 and stages >= 2
             and shared_bytes(head_dim, threads, stages) + 1024 <= MAX_SHARED_BYTES)
