@@ -92,3 +92,30 @@ def test_the_cuda_kernel_equals_the_reference():
                     assert a.shape == b.shape and a.dtype == b.dtype
                     assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=2e-2 if dtype != mx.float32
                                        else 1e-4, rtol=2e-2).item()
+
+
+def test_an_engine_whose_decodes_run_the_kernel_predicts_them_with_more_layers_in_flight(monkeypatch, make_engine):
+    """The engine builds its memory model after the runner: where the runner enabled the kernel (on CUDA
+    by default; here the reference stands in), a decode's per-layer terms count FUSED_DECODE_LAYERS_FACTOR
+    times the layers in flight (engine/core/memory/model.py), its prompt chunks as before."""
+    from engine.core.memory.model import FUSED_DECODE_LAYERS_FACTOR
+    from engine.engine import Engine
+
+    plain = make_engine(max_num_seqs=2)
+    assert not plain.memory.fused_decode and plain.execution_paths().fused_rope is False
+    build = Engine._build_runner
+
+    def with_kernel(*args, **kwargs):
+        runner = build(*args, **kwargs)
+        runner.ops.qk_rope = ReferenceKernel(runner.decode_path.ropes)
+        return runner
+
+    monkeypatch.setattr(Engine, "_build_runner", staticmethod(with_kernel))
+    fused = make_engine(max_num_seqs=2)
+    m, p = fused.memory, plain.memory
+    assert m.fused_decode and fused.execution_paths().fused_rope
+    assert m.decode_layer_factor == min(m.shape.num_layers, FUSED_DECODE_LAYERS_FACTOR * m.layer_factor) > p.layer_factor
+    # its layers' stage (the tiny model's logits, a stage of their own on the CPU, outweigh both)
+    layers = [model.decode_phases([40, 40])[0].bytes(model.coefficients) for model in (m, p)]
+    assert layers[0] > layers[1] and m.decode_bytes([40, 40]) >= p.decode_bytes([40, 40])
+    assert m.prefill_chunk_bytes(16, 40, True) == p.prefill_chunk_bytes(16, 40, True)
