@@ -64,9 +64,6 @@ def main(argv=None) -> dict:
     p.add_argument("--tiled-variants", default="", help="tiled kernel variants to time as SPAN:THREADS, "
                    "comma-separated (SPAN 0: the chosen span)")
     p.add_argument("--mma-spans", default="0", help="spans of the tensor-core kernel to time (0: the chosen span)")
-    p.add_argument("--mma-variants", default="", help="tensor-core kernel variants to time as STAGES:THREADS[:SPAN], "
-                   "comma-separated (tiles in shared memory, threads per block, keys per span; SPAN 0 or left "
-                   "out: the chosen span)")
     p.add_argument("--shape", default="32,8,128", help="query heads, KV heads, head size")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeat", type=int, default=40)
@@ -95,10 +92,6 @@ def main(argv=None) -> dict:
         span, threads = (int(x) for x in v.split(":"))
         kernels[f"tiled_v{v}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=span or None,
                                                     span_threads=threads, tiled=True, mma=False)
-    for v in (v for v in args.mma_variants.split(",") if v):
-        stages, threads, span = ([int(x) for x in v.split(":")] + [0])[:3]
-        kernels[f"mma_v{v}"] = CudaPagedAttention(kv_heads, args.block_size, keys_per_span=span or None,
-                                                  mma_threads=threads, mma_stages=stages)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
@@ -118,8 +111,7 @@ def main(argv=None) -> dict:
                     row["kernels"][name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
                     continue
                 row["kernels"][name] = dict(max_err=round(err, 5), us=round(1e6 * s, 2),
-                                            tb_per_s=round(kv_bytes / s / 1e12, 3),
-                                            kind=kernel.kind(head_dim, q.dtype, heads // kv_heads))
+                                            tb_per_s=round(kv_bytes / s / 1e12, 3))
             results.append(row)
             print(rows, context, {k: (v.get("us"), v.get("max_err", v.get("error"))) for k, v in row["kernels"].items()},
                   flush=True)

@@ -296,12 +296,12 @@ def test_cuda_kernel_call_arguments_per_shape():
     attn.num_kv_heads, attn.block_size, attn.keys_per_partial, attn.threads = 8, 256, 64, 128
     attn.spans, attn.keys_per_span, attn.tiled, attn.mma = True, None, True, True
     attn.span_loads, attn.span_threads = split_attention.SPAN_LOADS, split_attention.SPAN_THREADS
-    attn.mma_threads, attn.mma_stages = mma_attention.THREADS, mma_attention.STAGES
     attn._scales, attn._spans, attn._calls = {}, {}, {}
     attn._partial, attn._span_partial = recorder("partial"), recorder("span")
     attn._tiled_partial, attn._combine = recorder("tiled"), recorder("combine")
-    attn._mma_kernels = {(128, False): recorder("mma"), (128, True): recorder("mma_direct")}
-    attn._direct = {attn._span_partial: recorder("span_direct"), attn._tiled_partial: recorder("tiled_direct")}
+    attn._mma_partial = recorder("mma")
+    attn._direct = {attn._span_partial: recorder("span_direct"), attn._tiled_partial: recorder("tiled_direct"),
+                    attn._mma_partial: recorder("mma_direct")}
     threads = mma_attention.THREADS  # bf16, groups of 4, D = 128: the tensor-core kernel
     table, lengths = mx.zeros((64, 3), mx.int32), mx.full((64,), 600, mx.int32)
     k_pool = v_pool = mx.zeros((4, 128), mx.bfloat16)
@@ -316,7 +316,7 @@ def test_cuda_kernel_call_arguments_per_shape():
     name, inputs, template, grid, threadgroup, shapes, dtypes = calls[0]
     assert inputs[3] is table and inputs[4] is lengths and inputs[5].item() == pytest.approx(0.0884)
     assert inputs[6].item() == ch and template == {"T": mx.bfloat16, "D": 128, "NREP": 4, "HKV": 8, "BLOCK": 256,
-                                                   "THREADS": threads, "STAGES": mma_attention.STAGES}
+                                                   "THREADS": threads}
     assert grid == (64 * 8 * threads, 1, 1) and threadgroup == (threads, 1, 1)
     assert shapes == [(64, 32, 1, 128)] and dtypes == [mx.bfloat16]
     attn(mx.zeros((16, 32, 1, 128), mx.bfloat16), k_pool, v_pool, mx.zeros((16, 9), mx.int32),
@@ -362,31 +362,12 @@ def test_direct_kernels_pair_with_their_span_kernels(monkeypatch):
             self.spec = spec
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: Made(**spec))
-    attn = CudaPagedAttention(8, 256, mma_stages=3)
-    mma, mma_direct = attn._mma_kernel(128, direct=False), attn._mma_kernel(128, direct=True)
-    assert attn._mma_kernel(128, direct=False) is mma  # one object per head size
+    attn = CudaPagedAttention(8, 256)
     pairs = ((attn._span_partial, split_attention.SPAN_PARTIAL), (attn._tiled_partial, split_attention.TILED_PARTIAL),
-             (mma, mma_attention.PARTIAL))
-    assert len(attn._direct) == 2
-    attn._direct[mma] = mma_direct
-    # the tensor-core kernel's tiles in dynamic shared memory: 3 stages of 32 keys and values, rows of 136
-    assert mma.spec["shared_memory"] == mma_direct.spec["shared_memory"] == 2 * 3 * 32 * 136 * 2
-    assert mma.spec["name"] != mma_direct.spec["name"]
+             (attn._mma_partial, mma_attention.PARTIAL))
+    assert len(attn._direct) == 3
     for kernel, source in pairs:
         direct = attn._direct[kernel].spec
         assert kernel.spec["source"] == source and direct["source"] == split_attention.direct(source)
         assert direct["header"] == kernel.spec["header"] and direct["output_names"] == ["out"]
         assert direct["input_names"] == kernel.spec["input_names"]
-
-
-def test_mma_kernel_shared_memory_bounds_its_variants():
-    """The tensor-core kernel's tiles (keys and values, each stage) are its dynamic shared memory; a variant
-    whose tiles pass a multiprocessor's shared memory is not served (the tiled kernel takes the shape)."""
-    from engine.model.kernels import mma_attention
-
-    assert mma_attention.shared_bytes(128, 64, 2) == 2 * 2 * 32 * 136 * 2
-    assert mma_attention.shared_bytes(64, 128, 3) == 2 * 3 * 64 * 72 * 2
-    assert mma_attention.supports(128, 4, True, 64, 4) and mma_attention.supports(128, 4, True, 128, 3)
-    assert not mma_attention.supports(128, 4, True, 256, 4)  # 278 KB
-    assert not mma_attention.supports(128, 4, True, 48, 2)  # 1.5 warps
-    assert not mma_attention.supports(128, 4, True, 64, 1)  # no tile in flight: the kernel refuses it

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 from engine.model.kernels import split_attention
 
-THREADS = 64  # 2 warps: tiles of 32 keys
-# Tiles in shared memory: the block computes on one while the next STAGES - 1 are in flight. The tiles
-# are dynamic shared memory (`shared_bytes`; past 48 KB MLX raises the kernel's limit).
-STAGES = 2
+THREADS = 64  # 2 warps: a tile of 32 keys, double-buffered with padded rows, stays within 48 KB
 MAX_GROUP = 8  # query heads of a group: the fragment's rows 0-7 (8-15 stay zero)
 MAX_HEAD_DIM = 128  # the output fragments (D / 8 x 4 floats a lane) within the registers
 # Its spans (split_attention.span_keys): about one block per multiprocessor. A span's keys cost little
@@ -79,14 +76,12 @@ PARTIAL = """
   static_assert(sizeof(T) == 2 && NREP <= 8 && D % 16 == 0 && D <= 128 && THREADS % (D / 8) == 0,
                 "mma attention: mma_attention.supports");
   const float NEG_INF = -__int_as_float(0x7f800000);
-  extern __shared__ __align__(16) unsigned char pa_tiles[];  // STAGES key tiles, then STAGES value tiles
-  T* sk = reinterpret_cast<T*>(pa_tiles);
-  T* sv = sk + STAGES * TK * DP;
+  __shared__ __align__(16) T sk[2][TK * DP];
+  __shared__ __align__(16) T sv[2][TK * DP];
   __shared__ float sm_m[NW][NREP];
   __shared__ float sm_l[NW][NREP];
-  static_assert(STAGES >= 2 && NW * NREP * D * sizeof(float) <= STAGES * TK * DP * sizeof(T),
-                "mma attention: the merge fits the key tiles");
-  float (*sm_acc)[NREP][D] = reinterpret_cast<float (*)[NREP][D]>(sk);
+  static_assert(NW * NREP * D * sizeof(float) <= sizeof(sk), "mma attention: the merge fits the key tiles");
+  float (*sm_acc)[NREP][D] = reinterpret_cast<float (*)[NREP][D]>(&sk[0][0]);
 """ + split_attention.BLOCK_SETUP + """  const int* row_table = table + (size_t)b * NB;
   const int span0 = j * CH;
   const float sc = scale[0];
@@ -107,32 +102,18 @@ PARTIAL = """
   for (int i = 0; i < ND; ++i) { o[i][0] = 0.0f; o[i][1] = 0.0f; o[i][2] = 0.0f; o[i][3] = 0.0f; }
   float m = NEG_INF, l = 0.0f;
   const int NT = (n + TK - 1) / TK;
-  // tiles 0 .. STAGES - 2 in flight before the loop; each step then starts the load of tile t + STAGES - 1
-  // (into the buffer tile t - 1 left: every warp passed the step's last __syncthreads) and waits for
-  // tile t. A group is committed for every tile, loaded or past the span, so the wait's count is fixed.
-  #pragma unroll
-  for (int t = 0; t < STAGES - 1; ++t) {
-    if (t < NT) {
-      pa_load_tile_padded<T, D, TK, DP, THREADS, BLOCK, HKV>(sk + t * TK * DP, sv + t * TK * DP, k_pool, v_pool,
-                                                             row_table, h, span0 + t * TK, span0 + n, tid);
-    } else {
-      asm volatile("cp.async.commit_group;" ::);
-    }
-  }
+  pa_load_tile_padded<T, D, TK, DP, THREADS, BLOCK, HKV>(sk[0], sv[0], k_pool, v_pool, row_table, h, span0,
+                                                         span0 + n, tid);
   for (int t = 0; t < NT; ++t) {
-    const int ahead = t + STAGES - 1;
-    if (ahead < NT) {
-      const int buf = ahead % STAGES;
-      pa_load_tile_padded<T, D, TK, DP, THREADS, BLOCK, HKV>(sk + buf * TK * DP, sv + buf * TK * DP, k_pool,
-                                                             v_pool, row_table, h, span0 + ahead * TK, span0 + n,
-                                                             tid);
+    if (t + 1 < NT) {
+      pa_load_tile_padded<T, D, TK, DP, THREADS, BLOCK, HKV>(sk[(t + 1) & 1], sv[(t + 1) & 1], k_pool, v_pool,
+                                                             row_table, h, span0 + (t + 1) * TK, span0 + n, tid);
+      asm volatile("cp.async.wait_group 1;" ::);
     } else {
-      asm volatile("cp.async.commit_group;" ::);
+      asm volatile("cp.async.wait_group 0;" ::);
     }
-    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
     __syncthreads();
-    const int cur = t % STAGES;
-    const T* tk = sk + cur * TK * DP + warp * 16 * DP;
+    const T* tk = sk[t & 1] + warp * 16 * DP;
     const int k0 = t * TK + warp * 16;  // the warp's first key of the tile, from the span's start
     float s[2][2];  // scores of query head gr: keys k0 + nb * 8 + 2 * tq + e
     #pragma unroll
@@ -173,7 +154,7 @@ PARTIAL = """
     const unsigned pl2 = pa_pack_bf16(p[1][0] - __uint_as_float(pa2 << 16),
                                       p[1][1] - __uint_as_float(pa2 & 0xffff0000u));
     const unsigned short* vr =
-        reinterpret_cast<const unsigned short*>(sv + cur * TK * DP + warp * 16 * DP) + 2 * tq * DP + gr;
+        reinterpret_cast<const unsigned short*>(sv[t & 1] + warp * 16 * DP) + 2 * tq * DP + gr;
     #pragma unroll
     for (int nd = 0; nd < ND; ++nd) {
       o[nd][0] *= cs;
@@ -184,9 +165,8 @@ PARTIAL = """
       pa_mma_bf16(o[nd], pa0, pa2, b0, b1);
       pa_mma_bf16(o[nd], pl0, pl2, b0, b1);
     }
-    __syncthreads();  // every warp is done with this buffer before the next step's load overwrites it
+    __syncthreads();  // every warp is done with this buffer before the load of tile t + 2 overwrites it
   }
-  asm volatile("cp.async.wait_group 0;" ::);  // the empty groups past the span (the merge reuses the tiles)
   // the warps' states for the merge (the key tiles are free: the loop's last __syncthreads)
   if (live) {
     #pragma unroll
@@ -199,23 +179,8 @@ PARTIAL = """
 """ + _MERGE
 
 
-def shared_bytes(head_dim: int, threads: int = 0, stages: int = 0) -> int:
-    """The kernel's dynamic shared memory: `stages` tiles of keys and of values (16 keys a warp, rows
-    padded by 8 elements); 0: THREADS, STAGES."""
-    threads, stages = threads or THREADS, stages or STAGES
-    return 2 * stages * (16 * (threads // 32)) * (head_dim + 8) * 2
-
-
-# a multiprocessor's shared memory a block may take on an H100 / H200 (227 KB; an A100's is 163 KB, so a
-# variant between the two would fail to launch there: the runner's self-check then falls back)
-MAX_SHARED_BYTES = 227 * 1024
-
-
-def supports(head_dim: int, num_rep: int, is_bfloat16: bool, threads: int = 0, stages: int = 0) -> bool:
+def supports(head_dim: int, num_rep: int, is_bfloat16: bool) -> bool:
     """bf16 KV, query groups of up to MAX_GROUP heads, head sizes a multiple of 16 up to MAX_HEAD_DIM
-    whose 16-byte row parts divide the block's threads (0: THREADS), its tiles within a multiprocessor's
-    shared memory (with the warps' statistics)."""
-    threads, stages = threads or THREADS, stages or STAGES
+    whose 16-byte row parts divide the block's threads."""
     return (is_bfloat16 and 1 <= num_rep <= MAX_GROUP and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and 32 <= threads <= 1024 and threads % 32 == 0 and threads % (head_dim // 8) == 0 and stages >= 2
-            and shared_bytes(head_dim, threads, stages) + 1024 <= MAX_SHARED_BYTES)
+            and THREADS % (head_dim // 8) == 0)

@@ -244,8 +244,7 @@ class CudaPagedAttention(PagedAttention):
 
     def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS,
                  spans: bool = True, keys_per_span: Optional[int] = None, span_loads: int = 0,
-                 span_threads: int = 0, tiled: bool = True, mma: bool = True, mma_threads: int = 0,
-                 mma_stages: int = 0):
+                 span_threads: int = 0, tiled: bool = True, mma: bool = True):
         """`keys_per_partial` and `threads`: the short-span kernel's; `spans`: where the head size allows,
         the long-span kernel (engine/model/kernels/split_attention.py) with as many keys per span as
         still fill the device (fewer partials than the memory model's PAGED_PARTIAL_KEYS spans count);
@@ -253,15 +252,11 @@ class CudaPagedAttention(PagedAttention):
         variants, scripts/bench_decode_attention.py; 0 or None: split_attention's); `tiled`: where
         split_attention.tiled_supports allows, the span kernel that stages its keys through shared
         memory (docs/decode.md); `mma`: where mma_attention.supports allows (bf16, groups of up to 8
-        heads, head sizes up to 128), the span kernel on tensor cores instead; `mma_threads` and
-        `mma_stages` its threads per block and tiles in shared memory (timing variants; 0:
-        mma_attention's THREADS and STAGES)."""
+        heads, head sizes up to 128), the span kernel on tensor cores instead."""
         super().__init__(num_kv_heads, block_size)
         self.spans, self.keys_per_span, self.tiled, self.mma = spans, keys_per_span, tiled, mma
         self.span_loads = span_loads or split_attention.SPAN_LOADS
         self.span_threads = span_threads or split_attention.SPAN_THREADS
-        self.mma_threads = mma_threads or mma_attention.THREADS
-        self.mma_stages = mma_stages or mma_attention.STAGES
         if block_size % keys_per_partial or keys_per_partial % (threads // 32):
             raise ValueError(f"keys_per_partial={keys_per_partial} must divide block_size={block_size} "
                              f"and be a multiple of threads / 32 = {threads // 32}")
@@ -280,9 +275,9 @@ class CudaPagedAttention(PagedAttention):
             name="pool_attention_tiled", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
             output_names=["part", "stats"], source=split_attention.TILED_PARTIAL,
             header=_HEADER + split_attention.TILED_HEADER)
-        # the tensor-core kernel's tiles are dynamic shared memory, sized by head size: one kernel object
-        # per (head size, direct), made at its first call
-        self._mma_kernels: dict[tuple, object] = {}
+        self._mma_partial = mx.fast.cuda_kernel(
+            name="pool_attention_mma", input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
+            output_names=["part", "stats"], source=mma_attention.PARTIAL, header=_HEADER + mma_attention.HEADER)
         self._combine = mx.fast.cuda_kernel(
             name="pool_attention_combine", input_names=["part", "stats"], output_names=["out"],
             source=_COMBINE)
@@ -294,36 +289,21 @@ class CudaPagedAttention(PagedAttention):
                         for kernel, name, source, header in (
                             (self._span_partial, "span", split_attention.SPAN_PARTIAL, _HEADER),
                             (self._tiled_partial, "tiled", split_attention.TILED_PARTIAL,
-                             _HEADER + split_attention.TILED_HEADER))}
-
-    def _mma_kernel(self, head_dim: int, direct: bool):
-        """The tensor-core kernel for this head size (its partials, or with `direct` the output)."""
-        key = (head_dim, direct)
-        kernel = self._mma_kernels.get(key)
-        if kernel is None:
-            smem = mma_attention.shared_bytes(head_dim, self.mma_threads, self.mma_stages)
-            name = f"pool_attention_mma{'_direct' if direct else ''}_d{head_dim}_s{smem}"
-            kernel = self._mma_kernels[key] = mx.fast.cuda_kernel(
-                name=name, input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "span"],
-                output_names=["out"] if direct else ["part", "stats"],
-                source=split_attention.direct(mma_attention.PARTIAL) if direct else mma_attention.PARTIAL,
-                header=_HEADER + mma_attention.HEADER, shared_memory=smem)
-        return kernel
+                             _HEADER + split_attention.TILED_HEADER),
+                            (self._mma_partial, "mma", mma_attention.PARTIAL, _HEADER + mma_attention.HEADER))}
 
     def fixed_span(self, keys: int) -> "CudaPagedAttention":
         """The same kernels with `keys` keys per span of the long-span kernels (the self-check runs each
         span `split_attention.span_keys` picks)."""
         return CudaPagedAttention(self.num_kv_heads, self.block_size, self.keys_per_partial, self.threads,
                                   spans=True, keys_per_span=keys, span_loads=self.span_loads,
-                                  span_threads=self.span_threads, tiled=self.tiled, mma=self.mma,
-                                  mma_threads=self.mma_threads, mma_stages=self.mma_stages)
+                                  span_threads=self.span_threads, tiled=self.tiled, mma=self.mma)
 
     def kind(self, head_dim: int, dtype, num_rep: int) -> str:
         """The first kernel a call of this shape runs: "mma" (tensor cores), "tiled", "span" or "short"."""
         if not (self.spans and split_attention.supports(head_dim)):
             return "short"
-        if self.mma and mma_attention.supports(head_dim, num_rep, dtype == mx.bfloat16, self.mma_threads,
-                                               self.mma_stages):
+        if self.mma and mma_attention.supports(head_dim, num_rep, dtype == mx.bfloat16):
             return "mma"
         if self.tiled and split_attention.tiled_supports(head_dim, dtype.size, num_rep, self.span_threads):
             return "tiled"
@@ -362,24 +342,21 @@ class CudaPagedAttention(PagedAttention):
         if span:  # keys per span an input (split_attention's BLOCK_SETUP says why)
             threads, kernel = self.span_threads, self._tiled_partial if tiled else self._span_partial
             if mma:
-                threads, kernel = self.mma_threads, None
+                threads, kernel = mma_attention.THREADS, self._mma_partial
             ch = self.keys_per_span or split_attention.span_keys(
                 B, hkv, num_blocks * self.block_size, blocks_per_sm=mma_attention.BLOCKS_PER_SM if mma else 4)
             np_ = -(-num_blocks * self.block_size // ch)
             if ch not in self._spans:
                 self._spans[ch] = mx.array([ch], mx.int32)
             extra.append(self._spans[ch])
-            template += [("THREADS", threads)] + ([("STAGES", self.mma_stages)] if mma else [] if tiled
-                                                  else [("U", self.span_loads)])
+            template += [("THREADS", threads)] + ([] if tiled or mma else [("U", self.span_loads)])
         else:
             ch, threads, kernel = self.keys_per_partial, self.threads, self._partial
             np_ = num_blocks * (self.block_size // ch)
             template += [("CH", ch), ("THREADS", threads)]
         grid = (B * hkv * np_ * threads, 1, 1)
-        if mma:
-            kernel = self._mma_kernel(d, direct=np_ == 1)
         if span and np_ == 1:
-            return (kernel if mma else self._direct[kernel]), extra, template, grid, threads, [(B, hq, 1, d)], None
+            return self._direct[kernel], extra, template, grid, threads, [(B, hq, 1, d)], None
         combine = dict(template=[("T", dtype), ("D", d), ("NREP", nrep)], grid=(B * hq * d, 1, 1),
                        threadgroup=(d, 1, 1), output_shapes=[(B, hq, 1, d)], output_dtypes=[dtype])
         return (kernel, extra, template, grid, threads,
