@@ -29,8 +29,8 @@ from engine.core.model_config import ConfigShape
 from engine.core.output import TextStream, process_token
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.types import (CompletionOutput, EngineStats, ExecutionPaths, FinishReason, Request,  # noqa: F401
-                               RequestOutput, SamplingParams, SchedulerOutput, StepOptions, StepRecord)
-from engine.executor import StepExecutor, StepRun
+                               RequestOutput, SamplingParams, SchedulerOutput, StepOptions, StepRecord, StepRun)
+from engine.executor import StepExecutor
 from engine.model.families import GPU_LOOP_FAMILIES, family_of
 from engine.model import matmul_workspace
 from engine.model.grammar import GrammarCompiler, GrammarMatcher, check_grammar
@@ -65,7 +65,7 @@ class Engine:
         self.model_name = config.model
         launch_thread = step_options.launch_thread
         launch_thread = backend == "cuda" if launch_thread is None else launch_thread
-        # With a launch thread (engine/executor.py `_LaunchThread`) two threads encode this engine's forwards,
+        # With a launch thread (engine/launch_thread.py) two threads encode this engine's forwards,
         # one at a time: on a stream of MLX's thread-unsafe kind (any thread may encode on it; MLX's usual
         # streams belong to the thread that made them), made before any array or trace of the engine is.
         self._stream = (mx.new_thread_unsafe_stream(mx.default_device())

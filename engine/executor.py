@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -22,26 +21,13 @@ import mlx.core as mx
 from engine.core.memory.model import MemoryModel
 from engine.core.memory.plan import pack_groups
 from engine.core.scheduler import Scheduler
-from engine.core.types import ForwardTiming, NewRow, Request, SchedulerOutput, StepMemory
+from engine.core.types import ForwardTiming, NewRow, Request, SchedulerOutput, StepMemory, StepRun
+from engine.launch_thread import LaunchThread
 from engine.model.runner import ModelRunner
 from engine.model.work import DecodeWork, Forward, PrefillWork, finish
 from engine.model.sampling import RequestSampler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepRun:
-    """What running one plan produced, for the engine to commit."""
-
-    plan: SchedulerOutput
-    sampled: dict = field(default_factory=dict)  # request_id -> sampled token id
-    failed: dict = field(default_factory=dict)  # request_id -> error of its own prompt chunk
-    memory: Optional[StepMemory] = None
-    error: Optional[Exception] = None  # the step failed as a whole: every request of the plan fails
-    next_error: Optional[Exception] = None  # the next pipelined decode failed: its rows fail
-    slice_reads: frozenset = frozenset()
-    forwards: tuple[ForwardTiming, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,89 +60,6 @@ class _Deferred:
     base_bytes: int  # what its step's transient was measured over
 
 
-class _LaunchThread:
-    """The host thread that encodes the pipelined decodes (`StepOptions.launch_thread`).
-
-    MLX's `async_eval` releases the GIL while it encodes a forward, and returns only once the device is
-    within MLX's window of queued batches (10 of `max_ops_per_buffer` operations) of the forward's end
-    (docs/decode.md): on the engine thread the host can do nothing else for most of a decode step, so
-    the commit of the step before and the graph build of the step after ran while the device finished
-    the window and then idled. Here the engine thread commits and builds while this thread encodes.
-    One thread encodes at a time: the engine thread joins this one before it waits for, or encodes,
-    anything else, on a stream of MLX's thread-unsafe kind (one encoder for both threads; the engine
-    makes it its default stream)."""
-
-    def __init__(self):
-        self._go = threading.Semaphore(0)
-        self._started = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._lock = threading.Lock()  # the job, busy and closed, between submit and close
-        self._job: Optional[Callable[[], None]] = None
-        self._error: Optional[BaseException] = None
-        self._ended_s = 0.0  # perf_counter when the last job returned
-        self._busy = self._closed = False
-        self._thread = threading.Thread(target=self._run, name="mlx-decode-launch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._go.acquire()
-            job, self._job = self._job, None
-            if job is None:  # closed
-                return
-            self._started.release()
-            try:
-                job()
-            except BaseException as exc:  # raised by `join`, on the engine thread
-                self._error = exc
-            job = None  # its forward and runner are not this thread's to keep while it waits
-            self._ended_s = time.perf_counter()
-            self._done.release()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` (an encode) on this thread; returns once it has started. Waiting for the start hands
-        this thread the GIL at once: otherwise it would wait for the engine thread's next switch (up to
-        Python's switch interval, 5 ms) while the device idles. Once closed, runs `job` here."""
-        if self._busy:  # a step interrupted (KeyboardInterrupt) before it joined the last one
-            try:
-                self.join()
-            except Exception:
-                pass
-        with self._lock:
-            if not self._closed:
-                self._job, self._busy = job, True
-                self._go.release()
-        if not self._busy:
-            job()
-            self._ended_s = time.perf_counter()
-            return
-        self._started.acquire()
-
-    def join(self) -> Optional[float]:
-        """Wait for the running job (if any) to return; re-raise its error. Returns when it returned
-        (perf_counter seconds; None: no job was running). The engine thread's alone."""
-        if not self._busy:
-            return None
-        self._done.acquire()
-        with self._lock:
-            self._busy = False
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return self._ended_s
-
-    def close(self) -> None:
-        """End the thread (from any thread: the executor's finalizer, or at exit). A job running goes on;
-        the engine thread still joins it, and encodes later ones itself."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if not self._busy:
-                self._go.release()  # no job: the thread ends
-            # busy: the thread finishes the job and then waits for ever (a daemon), its job let go
-
-
 def _measure_start() -> int:
     """Start measuring a transient: MLX's active bytes now, its peak reset. Synchronized first: MLX's
     worker may still be releasing a finished forward's buffers, which would count in this base and hide
@@ -175,7 +78,7 @@ class StepExecutor:
                  launch_thread: bool = False):
         """`make_sampler`: a new row's sampler (the engine's gives it its grammar's matcher); else one
         from the request's sampling params and `seed`. `launch_thread`: pipelined decodes are encoded
-        on a thread of their own (`_LaunchThread`; the caller runs the engine on a stream any thread
+        on a thread of their own (`LaunchThread`; the caller runs the engine on a stream any thread
         may encode)."""
         self.runner = runner
         self.make_sampler = make_sampler or (lambda r: RequestSampler(r.sampling, seed, r.prompt_token_ids))
@@ -190,11 +93,11 @@ class StepExecutor:
         self._t0 = time.perf_counter()  # the step's start, for its forwards' timings
         self._timings: list[list] = []  # per forward: ForwardTiming's fields, seconds
         self.num_steps = self.max_predicted_bytes = self.max_measured_bytes = self.last_predicted_bytes = 0
-        self._launcher: Optional[_LaunchThread] = None
+        self._launcher: Optional[LaunchThread] = None
         self.num_thread_launches = 0  # decodes the launch thread encoded
         self._prev_encoded_s: Optional[float] = None  # when it returned from the last, from the step's start
         if launch_thread and async_decode:
-            self._launcher = _LaunchThread()
+            self._launcher = LaunchThread()
             weakref.finalize(self, self._launcher.close)
 
     @property
@@ -248,11 +151,8 @@ class StepExecutor:
         self._t0 = time.perf_counter()
         self._timings = []
         self._prev_encoded_s = None
-        if self._inflight is None and self._launcher is not None:
-            try:  # nothing should be running: a step interrupted before it joined the last launch
-                self._launcher.join()
-            except Exception:
-                pass
+        if self._inflight is None and self._launcher is not None:  # nothing should be running
+            self._launcher.settle()
 
     def _forward_timings(self) -> tuple[ForwardTiming, ...]:
         return tuple(ForwardTiming(*t) for t in self._timings)

@@ -33,35 +33,14 @@ behind it (no starvation).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
-from engine.core.chunk_grid import DEFAULT_CHUNK_GRANULE, aligned_chunk, padded_ends
+from engine.core.chunk_grid import aligned_chunk, padded_ends
 from engine.core.kv_manager import KVManager
+from engine.core.scheduler_config import SchedulerConfig  # noqa: F401 (the scheduler's API)
 from engine.core.memory.model import MemoryModel, PrefillChunkPlan, StepPlan, pack_groups
 from engine.core.types import (FinishReason, Request, RequestStatus, ScheduledChunk, SchedulerOutput,
                                processed)
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    prefill_chunk_size: int
-    max_model_len: int
-    mix_beyond_bound: bool = False  # StepOptions.mix_beyond_bound
-    # Memory for the KV pool and one step's transient (memory limit - weights - margin); None: steps
-    # are not sized to free memory (the transient bound alone).
-    max_memory_bytes: Optional[int] = None
-    # A prompt's last chunk computes up to the grid past the prompt's end (chunk_grid.py;
-    # ExecutionConfig.pad_last_chunk), within the chunk size, the step's budget, the row's blocks,
-    # max_model_len and the free memory.
-    pad_last_chunk: bool = False
-    # The power of two cut and padded chunks end on (chunk_grid.py; ExecutionConfig.chunk_granule).
-    chunk_granule: int = DEFAULT_CHUNK_GRANULE
-    # Packs take the chunks of prompts longer than one chunk too (ExecutionConfig.pack_long_prompts);
-    # else only chunks that are a whole prompt (after its cached prefix).
-    pack_long_prompts: bool = False
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, memory: MemoryModel, kv: KVManager, view_reads: bool = False):
@@ -270,20 +249,20 @@ class Scheduler:
         the decode rows riding in it) for no earlier first token; the head waits one step instead.
         Never more than the budget leaves beside every other slot decoding (a small budget with many
         slots would otherwise keep a prompt waiting for as long as they decode)."""
-        admitted = []
-        cfg = self.config
+        admitted, cfg = [], self.config
         least = max(1, min(cfg.prefill_chunk_size // 2, cfg.max_num_batched_tokens - cfg.max_num_seqs + 1))
         while budget > 0 and self.waiting:
             head = self.waiting[0]
-            first = min(head.num_prompt_tokens - head.num_computed_tokens, self.config.prefill_chunk_size)
-            if (busy or admitted) and budget < min(least, first):
+            if (busy or admitted) and budget < min(least, self._first_chunk(head)):
                 break
             if not self._try_admit(head):
                 break
             admitted.append(self.waiting.popleft())
-            # _try_admit may have dropped its prefix hit: its chunk is then from its start
-            budget -= min(head.num_prompt_tokens - head.num_computed_tokens, self.config.prefill_chunk_size)
+            budget -= self._first_chunk(head)  # after _try_admit, which may have dropped its prefix hit
         return admitted
+
+    def _first_chunk(self, request: Request) -> int:
+        return min(request.num_prompt_tokens - request.num_computed_tokens, self.config.prefill_chunk_size)
 
     def _fit_decodes(self, decoding: list[Request], room: Optional[int]) -> list[str]:
         """The decode rows of this step: all of them when their forward fits `room`, else the most that

@@ -372,7 +372,7 @@ class StepOptions:
     # bound (the memory grid measures such forwards); the memory limit still applies
     mix_beyond_bound: bool = False
     # pipelined decodes encoded by a host thread of their own while the engine thread commits the step
-    # before and builds the step after (engine/executor.py `_LaunchThread`); None: on CUDA only
+    # before and builds the step after (engine/launch_thread.py); None: on CUDA only
     launch_thread: Optional[bool] = None
 
 
@@ -423,3 +423,17 @@ class EngineStats:
     # memory a step's transient may use now: limit - weights - margin - KV pool (None: no limit)
     free_transient_bytes: Optional[int] = None
     planned_transient_bytes: int = 0  # the last step's predicted transient
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What running one plan produced, for the engine to commit."""
+
+    plan: SchedulerOutput
+    sampled: dict = field(default_factory=dict)  # request_id -> sampled token id
+    failed: dict = field(default_factory=dict)  # request_id -> error of its own prompt chunk
+    memory: Optional[StepMemory] = None
+    error: Optional[Exception] = None  # the step failed as a whole: every request of the plan fails
+    next_error: Optional[Exception] = None  # the next pipelined decode failed: its rows fail
+    slice_reads: frozenset = frozenset()
+    forwards: tuple[ForwardTiming, ...] = ()

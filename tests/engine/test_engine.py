@@ -204,9 +204,9 @@ def test_overlapped_steps_keep_tokens_memory_records_and_aborts(make_engine, tin
 def test_launch_thread_runs_jobs_raises_their_errors_and_runs_them_inline_once_closed():
     import threading
 
-    from engine.executor import _LaunchThread
+    from engine.launch_thread import LaunchThread
 
-    launcher = _LaunchThread()
+    launcher = LaunchThread()
     where = []
     assert launcher.join() is None  # nothing ran
     launcher.submit(lambda: where.append(threading.current_thread().name))
