@@ -146,7 +146,8 @@ class Engine:
                            read_slices=options.read_slices, max_rows=config.max_num_seqs,
                            max_forward_tokens=config.prefill_chunk_size, stage_waits=backend == "cpu",
                            tiled_attention=options.tiled_attention, mma_attention=options.mma_attention,
-                           fused_rope=backend == "cuda" and options.fused_rope is not False, backend=backend)
+                           fused_rope=backend == "cuda" and options.fused_rope is not False, backend=backend,
+                           fused_residual=backend == "cuda" and options.fused_residual is not False)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str, workspace: MatmulWorkspace) -> MemoryModel:
@@ -177,7 +178,8 @@ class Engine:
                            copies_viewed_kv=runner.chunk_path is not None and not runner.ops.cpu_math,
                            copies_every_view=pool.copy_views,
                            max_packed_tokens=config.execution.max_packed_tokens if runner.chunk_path is not None else 0,
-                           matmul_workspace=workspace, fused_decode=runner.ops.qk_rope is not None)
+                           matmul_workspace=workspace,
+                           fused_decode=runner.ops.qk_rope is not None or runner.ops.residual_matmul)
 
     def _kv_budget(self, config: EngineConfig, weights_bytes: int) -> tuple[int, int]:
         """(the memory KV and a step may use together, the KV budget). KV is reserved against what is
@@ -401,6 +403,7 @@ class Engine:
                               compiled_decode=decode is not None and decode.compiled is not None,
                               chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
                               fused_rope=runner.ops.qk_rope is not None,
+                              fused_residual=runner.ops.residual_matmul,
                               attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
                               launch_thread=self._stream is not None)

@@ -388,6 +388,8 @@ def backend_runners() -> dict:
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
             # the decode's q/k norms and RoPE as separate kernels (RunnerOptions.fused_rope off; on CUDA's default)
             "engine_no_fused_rope": with_options(run_engine_async, fused_rope=False),
+            # the decode's residual adds as kernels of their own (RunnerOptions.fused_residual off; on CUDA's default)
+            "engine_no_fused_residual": with_options(run_engine_async, fused_residual=False),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,

@@ -35,7 +35,8 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
         taken = engine.execution_paths()
         paths.update(paged_attention=taken.paged_attention, decode_loop=taken.decode_loop,
                      compiled_decode=taken.compiled_decode, chunk_loop=taken.chunk_loop,
-                     fused_rope=taken.fused_rope, attention_kernel=taken.attention_kernel,
+                     fused_rope=taken.fused_rope, fused_residual=taken.fused_residual,
+                     attention_kernel=taken.attention_kernel,
                      launch_thread=taken.launch_thread,
                      packed_chunks=getattr(engine.memory, "packed", False))
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

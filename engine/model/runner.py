@@ -61,6 +61,9 @@ class RunnerOptions:
     # decode's layers share MLX's committed batches: the memory model counts them
     # (engine/core/memory/model.py FUSED_DECODE_LAYERS_FACTOR)
     fused_rope: Optional[bool] = None
+    # CUDA: decode's o and down products added to the residual stream inside their matmuls (one kernel
+    # where the add is another; None: on CUDA); counted by the memory model as the fused rope is
+    fused_residual: Optional[bool] = None
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False
@@ -72,7 +75,7 @@ class ModelRunner:
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
                  stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False,
-                 backend: str = "cpu", mma_attention: bool = True):
+                 backend: str = "cpu", mma_attention: bool = True, fused_residual: bool = False):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -84,7 +87,8 @@ class ModelRunner:
         decode gathers. `mma_attention`, `tiled_attention`: that kernel's tensor-core, else tiled variant
         where it applies (else the span one); a variant failing its self-check falls back to the next.
         `fused_rope`: the decode loop's q/k norms, RoPE and q/k/v layout in one CUDA kernel
-        (engine/model/kernels/qk_rope.py) where it passes its self-check.
+        (engine/model/kernels/qk_rope.py) where it passes its self-check. `fused_residual`: that loop adds
+        o's and down's products to the residual stream inside their matmuls (decode_path.residual_matmul).
         `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
         (engine/model/layers/fused.py), for models they run; mlx-lm's modules running the same model
         object compute the original layers.
@@ -121,6 +125,7 @@ class ModelRunner:
             why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype)
             if why is not None:
                 logger.warning("fused q/k rope kernel not used (%s)", why)
+        self.ops.residual_matmul = fused_residual and self.decode_path is not None
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step

@@ -157,3 +157,69 @@ def test_compiled_layers_trace_each_layer_structure_once(random_llama):
         row.offset = 5
         outs.append(path.forward(mx.array([[7]]), ForwardView(runner.pool, [row], 1)))
     assert mx.array_equal(outs[0], outs[1]).item()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_residual_matmul_gives_mlx_lm_greedy_tokens(make_engine, tiny_parts, reference_greedy, run_to_completion,
+                                                    compiled):
+    """ReferenceOps.residual_matmul (RunnerOptions.fused_residual, CUDA's default): o's and down's products
+    added to the residual stream inside their matmuls (mx.addmm), no separate residual add in any decode
+    layer; the logits of every batched decode within float32 rounding of the plain loop's, and mlx-lm's
+    greedy tokens, with the layers compiled and not."""
+    def run(fused: bool):
+        engine = make_engine(prefill_chunk_size=64, max_num_seqs=4, prefix_cache_fraction=0.0)
+        runner = engine.runner
+        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+        ops = CountingOps()
+        ops.residual_matmul = fused
+        runner.use_decode_path(ops, compiled=compiled)
+        prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=5)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True))
+        captured = []
+        head = runner._head
+        runner._head = lambda h: captured.append(head(h)) or captured[-1]
+        tokens = run_to_completion(engine)
+        return prompts, tokens, [c for c in captured if c.shape[0] > 1], ops.calls["add_rms_norm"]
+
+    prompts, tokens, logits, adds = run(True)
+    _, plain_tokens, plain_logits, plain_adds = run(False)
+    assert adds == 0 and plain_adds > 0
+    assert tokens == plain_tokens and len(logits) == len(plain_logits) > 0
+    for a, b in zip(logits, plain_logits):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 10)
+
+
+def test_residual_matmul_keeps_the_plain_add_where_the_block_needs_it(random_llama):
+    """A clipped residual add (gemma3_text in float16) or a biased o keeps the block's own add."""
+    from engine.model.layers import bound
+    from engine.model.layers.decode_path import _plain_add
+
+    model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256, num_hidden_layers=2)
+    layer = bound.BoundModel(model).layers[0]
+    assert _plain_add(layer, layer.o)
+    assert not _plain_add(layer, bound.Projection.of(layer.o.weight_t, mx.zeros((64,))))
+    layer.add = lambda x, y: x + y
+    assert not _plain_add(layer, layer.o)
+
+
+def test_an_engine_with_the_residual_matmul_predicts_fused_decodes(make_engine, monkeypatch):
+    """Fewer operations a decode layer: an engine whose runner adds the residual inside the matmuls builds
+    its memory model with the fused decode's layers in flight, as with the fused q/k rope kernel."""
+    from engine.engine import Engine
+
+    plain = make_engine(max_num_seqs=2)
+    assert not plain.memory.fused_decode and plain.execution_paths().fused_residual is False
+    build = Engine._build_runner
+
+    def with_residual_matmul(*args, **kwargs):
+        runner = build(*args, **kwargs)
+        runner.ops.residual_matmul = True
+        return runner
+
+    monkeypatch.setattr(Engine, "_build_runner", staticmethod(with_residual_matmul))
+    fused = make_engine(max_num_seqs=2)
+    assert fused.memory.fused_decode and fused.execution_paths().fused_residual
+    assert fused.memory.decode_layer_factor > plain.memory.decode_layer_factor

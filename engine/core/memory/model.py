@@ -60,10 +60,10 @@ FLOOR_CHUNK_TOKENS = 64
 # h200_i25_decode.json `packed_prefill`): 4 x 512 and 16 x 512-token packs measured 2.2 and 2.1 such rows
 # above the plain sum; 4 keeps their prediction 1.12 x what they measured.
 PACK_ROWS = 4
-# A decode forward whose layers run the fused q/k rope kernel (RunnerOptions.fused_rope: a layer's q/k norms,
-# RoPE and q/k/v layout in one kernel instead of five) has fewer operations a layer, so MLX's window of
-# committed batches spans more of its layers: its per-layer terms count this many times the set's layers in
-# flight (within the model's layers). The 8B llama's fused decode grid of one H200 lease measured 4 rows at
+# A decode forward with fewer operations a layer (RunnerOptions.fused_rope: a layer's q/k norms, RoPE and
+# q/k/v layout in one kernel instead of five; RunnerOptions.fused_residual: the two residual adds inside
+# their matmuls) has MLX's window of committed batches span more of its layers: its per-layer terms count
+# this many times the set's layers in flight (within the model's layers). The 8B llama's fused decode grid of one H200 lease measured 4 rows at
 # 1,030 keys at 18.1 MB, 0.73 x the shape calibration's prediction (another lease: 9.6 MB at the same point;
 # scripts/data/h200_i25_grid_decode.json, `variants_fused_rope_at_9d3434c` and `fused_rope`); with 2, every
 # recorded fused decode point of the 8B llama, Qwen3-8B and Gemma-3-12B shapes is predicted at >= 1.34 x
@@ -90,8 +90,8 @@ class MemoryModel(ChunkTerms):
         (`packed_bytes`; 0: never); the scheduler packs them where that forward stays within the
         configuration's bound and the free memory. `matmul_workspace`: what the backend's matmuls allocate
         beside their products by rows (engine/core/memory/workspace.py), counted in every layer of a
-        decode and in its head. `fused_decode`: decode forwards run the fused q/k rope kernel
-        (FUSED_DECODE_LAYERS_FACTOR)."""
+        decode and in its head. `fused_decode`: decode forwards run fewer operations a layer (the fused
+        q/k rope kernel, the residual matmul: FUSED_DECODE_LAYERS_FACTOR)."""
         if kv_step < 1:
             raise ValueError(f"kv_step={kv_step} must be >= 1")
         if coefficients.layers_in_flight < 1:

@@ -104,11 +104,16 @@ def mlp(layer, y: mx.array, swiglu: Callable, fused: bool = False, stages: Optio
     mlx-lm's or engine/model/layers/cpu_math.py's."""
     if layer.moe is not None:
         return moe_mlp(layer.moe, y, swiglu, stages)
-    act = gate_activation(layer.spec.activation, swiglu)
     if fused and layer.gate_up is not None:
-        product = layer.gate_up(y)
-        return layer.down(act(product[..., :layer.up_start], product[..., layer.up_start:]))
+        return layer.down(mlp_hidden(layer, y, swiglu))
+    act = gate_activation(layer.spec.activation, swiglu)
     return layer.down(act(layer.gate(y), layer.up(y)))
+
+
+def mlp_hidden(layer, y: mx.array, swiglu: Callable) -> mx.array:
+    """A dense MLP's hidden activations (down's input) from its fused gate/up product of y."""
+    product = layer.gate_up(y)
+    return gate_activation(layer.spec.activation, swiglu)(product[..., :layer.up_start], product[..., layer.up_start:])
 
 
 def after_attention(layer, h: mx.array, r: mx.array, add_rms_norm: Callable) -> tuple:

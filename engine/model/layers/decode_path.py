@@ -102,10 +102,21 @@ class DecodePath:
     def block_end(self, layer, h: mx.array, out: mx.array, next_norm: tuple) -> tuple:
         """A layer after its attention (out [B, H, 1, d]): o, the residual add and the MLP's input norm,
         the MLP, the add and the next norm (`next_norm`: its (weight, eps)) -> (h, the next norm's
-        output). `layer`: a BoundLayer (or one rebuilt from a compiled trace's inputs)."""
+        output). `layer`: a BoundLayer (or one rebuilt from a compiled trace's inputs). Where the ops ask
+        for it (`ReferenceOps.residual_matmul`), o's and down's products are added to the residual stream
+        inside their matmuls (`residual_matmul`)."""
         B = h.shape[0]
         add_norm = self.ops.add_rms_norm
-        h, y = block.after_attention(layer, h, layer.o(out.reshape(B, 1, self.heads * self.head_dim)), add_norm)
+        out = out.reshape(B, 1, self.heads * self.head_dim)
+        fuse = self.ops.residual_matmul
+        if fuse and layer.attn_out_norm is None and _plain_add(layer, layer.o):
+            h = residual_matmul(h, out, layer.o)
+            y = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
+        else:
+            h, y = block.after_attention(layer, h, layer.o(out), add_norm)
+        if fuse and layer.mlp_out_norm is None and layer.gate_up is not None and _plain_add(layer, layer.down):
+            h = residual_matmul(h, block.mlp_hidden(layer, y, self.ops.swiglu), layer.down)
+            return h, mx.fast.rms_norm(h, *next_norm)
         return block.after_mlp(layer, h, self.mlp(layer, y), next_norm, add_norm)
 
     def mlp(self, layer: bound.BoundLayer, y: mx.array, stages: Optional[list] = None) -> mx.array:
@@ -117,6 +128,19 @@ class DecodePath:
         if i + 1 < len(self.layers):
             return self.layers[i + 1].in_w, self.layers[i + 1].in_eps
         return self.bound.final_norm
+
+
+def residual_matmul(h: mx.array, x: mx.array, proj: bound.Projection) -> mx.array:
+    """h + x @ W^T as one matmul (`mx.addmm`: cuBLASLt adds h to the product before rounding it, one kernel
+    where `h + proj(x)` takes two). h [B, 1, D], x [B, 1, K] -> [B, 1, D]."""
+    B = h.shape[0]
+    return mx.addmm(h.reshape(B, -1), x.reshape(B, -1), proj.weight_t).reshape(h.shape)
+
+
+def _plain_add(layer: bound.BoundLayer, proj: bound.Projection) -> bool:
+    """Whether the layer adds `proj`'s product to its residual stream plainly (no clip) and `proj` has no
+    bias: what `residual_matmul` computes."""
+    return layer.add is mx.add and proj.bias is None
 
 
 def qk_norms(layer: bound.BoundLayer) -> Optional[tuple]:

@@ -44,6 +44,9 @@ class ReferenceOps:
         self.cpu_math = cpu_math
         # the CUDA kernel for rope_qkv (engine/model/kernels/qk_rope.py), where the runner enabled it
         self.qk_rope = None
+        # the decode loop adds o's and down's products to the residual stream inside their matmuls
+        # (decode_path.residual_matmul), where the runner enabled it
+        self.residual_matmul = False
 
     def attention(self, queries, keys, values, scale: float, mask=None, stages: Optional[list] = None,
                   softcap: Optional[float] = None) -> mx.array:
