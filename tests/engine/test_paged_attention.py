@@ -314,8 +314,8 @@ def test_cuda_kernel_call_arguments_per_shape():
     assert ch >= 3 * 256
     assert len(attn._calls) == 1 and [c[0] for c in calls] == ["mma_direct"] * 3
     name, inputs, template, grid, threadgroup, shapes, dtypes = calls[0]
-    assert inputs[3] is table and inputs[4] is lengths and inputs[5].item() == pytest.approx(0.0884)
-    assert inputs[6].item() == ch and template == {"T": mx.bfloat16, "D": 128, "NREP": 4, "HKV": 8, "BLOCK": 256,
+    assert inputs[3] is table and inputs[4] is lengths and inputs[5][0].item() == pytest.approx(0.0884)
+    assert inputs[6][0].item() == ch and template == {"T": mx.bfloat16, "D": 128, "NREP": 4, "HKV": 8, "BLOCK": 256,
                                                    "THREADS": threads}
     assert grid == (64 * 8 * threads, 1, 1) and threadgroup == (threads, 1, 1)
     assert shapes == [(64, 32, 1, 128)] and dtypes == [mx.bfloat16]
@@ -324,7 +324,7 @@ def test_cuda_kernel_call_arguments_per_shape():
     ch16 = split_attention.span_keys(16, 8, 9 * 256, blocks_per_sm=mma_attention.BLOCKS_PER_SM)
     spans = -(-9 * 256 // ch16)
     assert spans > 1 and len(attn._calls) == 2 and [c[0] for c in calls[-2:]] == ["mma", "combine"]
-    assert calls[-2][1][6].item() == ch16 and calls[-2][3] == (16 * 8 * spans * threads, 1, 1)
+    assert calls[-2][1][6][0].item() == ch16 and calls[-2][3] == (16 * 8 * spans * threads, 1, 1)
     assert calls[-2][5] == [(16, 8, spans, 4, 128), (16, 8, spans, 4, 2)] and calls[-2][6] == [mx.float32] * 2
     assert calls[-1][3] == (16 * 32 * 128, 1, 1) and calls[-1][5] == [(16, 32, 1, 128)]
     # float16 KV (no bf16 tensor-core path here): the tiled kernel, 128 threads a block

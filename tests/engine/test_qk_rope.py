@@ -119,3 +119,15 @@ def test_an_engine_whose_decodes_run_the_kernel_predicts_them_with_more_layers_i
     layers = [model.decode_phases([40, 40])[0].bytes(model.coefficients) for model in (m, p)]
     assert layers[0] > layers[1] and m.decode_bytes([40, 40]) >= p.decode_bytes([40, 40])
     assert m.prefill_chunk_bytes(16, 40, True) == p.prefill_chunk_bytes(16, 40, True)
+
+
+def test_device_constants_are_padded_past_the_scalar_pool():
+    """Kernels' constant inputs (engine/model/kernels/constants.py): their values first, padded with zeros
+    to more than the 8 bytes MLX's CUDA allocator keeps in managed memory the device reads in place."""
+    from engine.model.kernels.constants import SCALAR_POOL_BYTES, device_constant
+
+    for values, dtype in (([0.125], mx.float32), ([1.0, 13.2877], mx.float32), ([512], mx.int32),
+                          ([0], mx.bfloat16), (list(range(7)), mx.int32)):
+        a = device_constant(values, dtype)
+        assert a.dtype == dtype and a.nbytes > SCALAR_POOL_BYTES and a.ndim == 1
+        assert a[:len(values)].tolist() == mx.array(values, dtype).tolist() and not a[len(values):].any().item()

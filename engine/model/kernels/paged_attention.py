@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from engine.core.memory.model import PAGED_PARTIAL_KEYS
 from engine.model.kernels import mma_attention, split_attention
+from engine.model.kernels.constants import device_constant
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +334,7 @@ class CudaPagedAttention(PagedAttention):
         lengths, template, grid, threads, output shapes, the combine's arguments but its inputs); where a
         span kernel covers each row in one span, that kernel's direct variant alone (combine None)."""
         if scale not in self._scales:
-            self._scales[scale] = mx.array([scale], mx.float32)
+            self._scales[scale] = device_constant([scale], mx.float32)
         extra = [self._scales[scale]]
         hkv, nrep = self.num_kv_heads, hq // self.num_kv_heads
         kind = self.kind(d, dtype, nrep)
@@ -347,7 +348,7 @@ class CudaPagedAttention(PagedAttention):
                 B, hkv, num_blocks * self.block_size, blocks_per_sm=mma_attention.BLOCKS_PER_SM if mma else 4)
             np_ = -(-num_blocks * self.block_size // ch)
             if ch not in self._spans:
-                self._spans[ch] = mx.array([ch], mx.int32)
+                self._spans[ch] = device_constant([ch], mx.int32)
             extra.append(self._spans[ch])
             template += [("THREADS", threads)] + ([] if tiled or mma else [("U", self.span_loads)])
         else:

@@ -19,6 +19,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.model.kernels.constants import device_constant
+
 # grid: B * (H + 2 HKV) blocks of D / 2 threads; inputs: qkv [B, (H + 2 HKV) D], offsets [B],
 # q_norm and k_norm [D] and their eps [2] (unread without NORM), rope [2] (scale, log2 of the base;
 # FREQS: rope holds the scale and freqs the D / 2 frequencies, as Llama3RoPE passes them to mx.fast.rope)
@@ -101,10 +103,12 @@ class CudaQKRope:
             output_names=["q", "k", "v"], source=SOURCE)
         self._params = {}
         for rope in ropes:
-            freqs = rope.freqs.astype(mx.float32) if rope.freqs is not None else mx.zeros((1,), mx.float32)
-            self._params[rope] = (mx.array([rope.scale, rope.log2_base], mx.float32), freqs)  # by identity
-        self._eps = {pair: mx.array(pair, mx.float32) for pair in set(norm_eps) | {(0.0, 0.0)}}
-        self._unread = {t: mx.zeros((1,), t) for t in (mx.float16, mx.bfloat16, mx.float32)}
+            freqs = device_constant(rope.freqs.astype(mx.float32).tolist() if rope.freqs is not None else [0.0],
+                                    mx.float32)
+            self._params[rope] = (device_constant([rope.scale, rope.log2_base], mx.float32), freqs)  # by identity
+        # every block reads these: in device memory (engine/model/kernels/constants.py says why)
+        self._eps = {pair: device_constant(list(pair), mx.float32) for pair in set(norm_eps) | {(0.0, 0.0)}}
+        self._unread = {t: device_constant([0], t) for t in (mx.float16, mx.bfloat16, mx.float32)}
         mx.eval(list(self._params.values()), list(self._eps.values()), list(self._unread.values()))
 
     def handles(self, rope) -> bool:
@@ -122,7 +126,7 @@ class CudaQKRope:
         else:
             (q_norm, q_eps), (k_norm, k_eps) = norms
             pair = (float(q_eps), float(k_eps))
-            eps = self._eps[pair] if pair in self._eps else mx.array(pair, mx.float32)
+            eps = self._eps[pair] if pair in self._eps else device_constant(list(pair), mx.float32)
         nh = heads + 2 * kv_heads
         q, k, v = self._kernel(
             inputs=[qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs],
