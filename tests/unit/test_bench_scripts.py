@@ -220,10 +220,11 @@ def test_the_llama_calibration_covers_both_fits_and_todays_decode_grid():
 
 
 def test_fused_decodes_count_twice_the_layers_in_flight_and_cover_every_recorded_grid():
-    """A decode through the fused q/k rope kernel has fewer operations a layer, so more of its layers share
-    MLX's window: the memory model counts FUSED_DECODE_LAYERS_FACTOR times the layers in flight for its
-    per-layer terms (within the model's layers; prompt chunks unchanged). Every fused decode point of the
-    H200 grids (the 8B llama in two leases with three 2-layer shapes, Qwen3-8B, Gemma-3-12B twice) is then
+    """A decode through the fused q/k rope kernel (and the residual matmul) has fewer operations a layer, so
+    more of its layers share MLX's window: the memory model counts FUSED_DECODE_LAYERS_FACTOR times the
+    layers in flight for its per-layer terms (within the model's layers; prompt chunks unchanged). Every
+    fused decode point of the H200 grids (the 8B llama in two leases with three 2-layer shapes, and in a
+    third with the residual matmul too; Qwen3-8B, Gemma-3-12B twice) is then
     predicted from above, the 8B's, Qwen3's and Gemma's at >= 1.3 x; the 8B's later lease was under its
     calibration without it (0.73 x at 4 rows of 1,030 keys: what the factor is for)."""
     import dataclasses
@@ -236,6 +237,7 @@ def test_fused_decodes_count_twice_the_layers_in_flight_and_cover_every_recorded
 
     data = Path(__file__).resolve().parents[2] / "scripts/data"
     for spec in ("h200_i25_grid_decode.json:fused_rope", "h200_i25_grid_decode.json:variants_fused_rope_at_9d3434c",
+                 "h200_i25_grid_decode.json:fused_residual_s28",
                  "h200_i21_decode_families.json:qwen3-8b_fused_rope", "h200_i21_decode_families.json:gemma3-12b_fused_rope",
                  "h200_i21_decode_families.json:gemma3-12b_fused_rope_again_at_0eaa832"):
         for variant, check in decode_check(f"{data}/{spec}").items():

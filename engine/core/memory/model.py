@@ -63,11 +63,13 @@ PACK_ROWS = 4
 # A decode forward with fewer operations a layer (RunnerOptions.fused_rope: a layer's q/k norms, RoPE and
 # q/k/v layout in one kernel instead of five; RunnerOptions.fused_residual: the two residual adds inside
 # their matmuls) has MLX's window of committed batches span more of its layers: its per-layer terms count
-# this many times the set's layers in flight (within the model's layers). The 8B llama's fused decode grid of one H200 lease measured 4 rows at
-# 1,030 keys at 18.1 MB, 0.73 x the shape calibration's prediction (another lease: 9.6 MB at the same point;
-# scripts/data/h200_i25_grid_decode.json, `variants_fused_rope_at_9d3434c` and `fused_rope`); with 2, every
-# recorded fused decode point of the 8B llama, Qwen3-8B and Gemma-3-12B shapes is predicted at >= 1.34 x
-# (tests/unit/test_bench_scripts.py; 2-layer shapes have all their layers in flight already).
+# this many times the set's layers in flight (within the model's layers). The 8B llama's fused-rope decode
+# grid of one H200 lease measured 4 rows at 1,030 keys at 18.1 MB, 0.73 x the shape calibration's
+# prediction (another lease: 9.6 MB at the same point; scripts/data/h200_i25_grid_decode.json,
+# `variants_fused_rope_at_9d3434c` and `fused_rope`); with 2, every recorded fused decode point of the 8B
+# llama, Qwen3-8B and Gemma-3-12B shapes is predicted at >= 1.34 x, the 8B's with the residual matmul too
+# (`fused_residual_s28`) at >= 1.63 x (tests/unit/test_bench_scripts.py; 2-layer shapes have all their
+# layers in flight already).
 FUSED_DECODE_LAYERS_FACTOR = 2
 
 
