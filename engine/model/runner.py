@@ -26,7 +26,7 @@ import mlx.nn as nn
 from engine.model.layers.bound import BoundModel, language_model
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
-from engine.model.layers.decode_path import DecodePath
+from engine.model.layers.decode_path import DecodePath, fuses_attention_residual, fuses_mlp_residual
 from engine.model.layers.ops import ReferenceOps
 from engine.model.layers.decode_path import unsupported as decode_unsupported
 from engine.model.families import model_layout
@@ -125,7 +125,10 @@ class ModelRunner:
             why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype)
             if why is not None:
                 logger.warning("fused q/k rope kernel not used (%s)", why)
-        self.ops.residual_matmul = fused_residual and self.decode_path is not None
+        # only where some decode layer takes it (not Gemma 2/3's normed branches): the memory model and
+        # ExecutionPaths read it; set before the first decode, whose compiled traces read it when built
+        self.ops.residual_matmul = fused_residual and self.decode_path is not None and any(
+            fuses_attention_residual(layer) or fuses_mlp_residual(layer) for layer in self.decode_path.layers)
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step

@@ -164,45 +164,108 @@ def test_residual_matmul_gives_mlx_lm_greedy_tokens(make_engine, tiny_parts, ref
                                                     compiled):
     """ReferenceOps.residual_matmul (RunnerOptions.fused_residual, CUDA's default): o's and down's products
     added to the residual stream inside their matmuls (mx.addmm), no separate residual add in any decode
-    layer; the logits of every batched decode within float32 rounding of the plain loop's, and mlx-lm's
-    greedy tokens, with the layers compiled and not."""
+    layer of several rows (one row keeps the plain matmul and add); the logits of every batched decode
+    within float32 rounding of the plain loop's, and mlx-lm's greedy tokens, with the layers compiled (the
+    trace built with it) and not."""
     def run(fused: bool):
         engine = make_engine(prefill_chunk_size=64, max_num_seqs=4, prefix_cache_fraction=0.0)
         runner = engine.runner
         runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
-        ops = CountingOps()
+        ops = ReferenceOps() if compiled else CountingOps()  # CompiledLayers takes ReferenceOps itself only
         ops.residual_matmul = fused
         runner.use_decode_path(ops, compiled=compiled)
+        assert (runner.decode_path.compiled is not None) == compiled
         prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=5)
         for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True))
+            engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
         captured = []
         head = runner._head
         runner._head = lambda h: captured.append(head(h)) or captured[-1]
         tokens = run_to_completion(engine)
-        return prompts, tokens, [c for c in captured if c.shape[0] > 1], ops.calls["add_rms_norm"]
+        return prompts, tokens, [c for c in captured if c.shape[0] > 1], getattr(ops, "calls", {}).get("add_rms_norm")
 
     prompts, tokens, logits, adds = run(True)
     _, plain_tokens, plain_logits, plain_adds = run(False)
-    assert adds == 0 and plain_adds > 0
-    assert tokens == plain_tokens and len(logits) == len(plain_logits) > 0
+    if not compiled:
+        assert adds == 0 and plain_adds > 0
+    assert tokens == plain_tokens and {c.shape[0] for c in logits} == {2, 3} and len(logits) == len(plain_logits)
     for a, b in zip(logits, plain_logits):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
     for i, prompt in enumerate(prompts):
-        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, 10)
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, [10, 4, 10][i])
+
+
+def test_residual_matmul_builds_one_matmul_per_branch():
+    """The residual matmul's graph: the layer's block end over 2 rows has one AddMM per branch and no
+    residual add, and its output is the plain block end's within float32 rounding; over one row it keeps
+    the plain matmul and add (MLX's one-row gemv)."""
+    from engine.model.layers import bound
+    from engine.model.layers.fused import fuse_projections
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    fuse_projections(model)
+    ops, plain = ReferenceOps(), ReferenceOps()
+    ops.residual_matmul = True
+    fused_path, plain_path = DecodePath(model, ops), DecodePath(model, plain)
+    layer = fused_path.layers[0]
+    for rows, addmms in ((2, 2), (1, 0)):
+        h = mx.random.normal((rows, 1, 64), key=mx.random.key(1))
+        out = mx.random.normal((rows, 4, 1, 16), key=mx.random.key(2))
+        mx.eval(h, out)
+        got = fused_path.block_end(layer, h, out, fused_path.next_norm(0))
+        want = plain_path.block_end(layer, h, out, plain_path.next_norm(0))
+        # (on the CPU an RMSNorm's graph has an Add of its own, its eps)
+        assert _count_primitives(got[0], "AddMM") == addmms and _count_primitives(want[0], "AddMM") == 0
+        assert _count_primitives(want[0], "Add") - _count_primitives(got[0], "Add") == addmms
+        for a, b in zip(got, want):
+            assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item()
+
+
+def _count_primitives(out: mx.array, name: str) -> int:
+    """How many operations named `name` the (unevaluated) graph of `out` holds (MLX's DOT export)."""
+    import io
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    return dot.getvalue().count(f'[label ="{name}"')
 
 
 def test_residual_matmul_keeps_the_plain_add_where_the_block_needs_it(random_llama):
-    """A clipped residual add (gemma3_text in float16) or a biased o keeps the block's own add."""
+    """A clipped residual add (gemma3_text in float16), a biased projection, Gemma's normed branches or a
+    sparse MLP keep the block's own add; a runner asked for the residual matmul takes it only where some
+    decode layer does (not Gemma 3's, every branch normed)."""
+    import copy
+
+    from mlx_lm.models import gemma3_text
+
     from engine.model.layers import bound
-    from engine.model.layers.decode_path import _plain_add
+    from engine.model.layers.decode_path import _plain_add, fuses_attention_residual, fuses_mlp_residual
+    from engine.model.runner import ModelRunner
+    from tests.engine.family_checkpoints import family_config
 
     model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256, num_hidden_layers=2)
-    layer = bound.BoundModel(model).layers[0]
-    assert _plain_add(layer, layer.o)
+    runner = ModelRunner(model, block_size=4, fused_residual=True)  # fuses q/k/v and gate/up
+    assert runner.ops.residual_matmul and not ModelRunner(model, block_size=4).ops.residual_matmul
+    layer = runner.decode_path.layers[0]
+    assert fuses_attention_residual(layer) and fuses_mlp_residual(layer) and _plain_add(layer, layer.o)
     assert not _plain_add(layer, bound.Projection.of(layer.o.weight_t, mx.zeros((64,))))
-    layer.add = lambda x, y: x + y
-    assert not _plain_add(layer, layer.o)
+    clipped = copy.copy(layer)
+    clipped.add = lambda x, y: x + y
+    assert not fuses_attention_residual(clipped) and not fuses_mlp_residual(clipped)
+    sandwich = copy.copy(layer)
+    sandwich.attn_out_norm = sandwich.mlp_out_norm = (layer.post_w, layer.post_eps)
+    assert not fuses_attention_residual(sandwich) and not fuses_mlp_residual(sandwich)
+    sparse = copy.copy(layer)
+    sparse.moe = object()
+    assert fuses_attention_residual(sparse) and not fuses_mlp_residual(sparse)
+    gemma = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(family_config("gemma3_text")))
+    mx.eval(gemma.parameters())
+    gemma_runner = ModelRunner(gemma, block_size=4, fused_residual=True)
+    assert gemma_runner.decode_path is not None and not gemma_runner.ops.residual_matmul
 
 
 def test_an_engine_with_the_residual_matmul_predicts_fused_decodes(make_engine, monkeypatch):

@@ -68,7 +68,7 @@ PACK_ROWS = 4
 # prediction (another lease: 9.6 MB at the same point; scripts/data/h200_i25_grid_decode.json,
 # `variants_fused_rope_at_9d3434c` and `fused_rope`); with 2, every recorded fused decode point of the 8B
 # llama, Qwen3-8B and Gemma-3-12B shapes is predicted at >= 1.34 x, the 8B's with the residual matmul too
-# (`fused_residual_s28`) at >= 1.63 x (tests/unit/test_bench_scripts.py; 2-layer shapes have all their
+# (`fused_residual_s28`) at >= 1.62 x (tests/unit/test_bench_scripts.py; 2-layer shapes have all their
 # layers in flight already).
 FUSED_DECODE_LAYERS_FACTOR = 2
 

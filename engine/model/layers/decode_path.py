@@ -108,13 +108,14 @@ class DecodePath:
         B = h.shape[0]
         add_norm = self.ops.add_rms_norm
         out = out.reshape(B, 1, self.heads * self.head_dim)
-        fuse = self.ops.residual_matmul
-        if fuse and layer.attn_out_norm is None and _plain_add(layer, layer.o):
+        # one row keeps MLX's gemv (addmm takes cuBLASLt); a compiled trace is per batch size
+        fuse = self.ops.residual_matmul and B > 1
+        if fuse and fuses_attention_residual(layer):
             h = residual_matmul(h, out, layer.o)
             y = mx.fast.rms_norm(h, layer.post_w, layer.post_eps)
         else:
             h, y = block.after_attention(layer, h, layer.o(out), add_norm)
-        if fuse and layer.mlp_out_norm is None and layer.gate_up is not None and _plain_add(layer, layer.down):
+        if fuse and fuses_mlp_residual(layer):
             h = residual_matmul(h, block.mlp_hidden(layer, y, self.ops.swiglu), layer.down)
             return h, mx.fast.rms_norm(h, *next_norm)
         return block.after_mlp(layer, h, self.mlp(layer, y), next_norm, add_norm)
@@ -141,6 +142,19 @@ def _plain_add(layer: bound.BoundLayer, proj: bound.Projection) -> bool:
     """Whether the layer adds `proj`'s product to its residual stream plainly (no clip) and `proj` has no
     bias: what `residual_matmul` computes."""
     return layer.add is mx.add and proj.bias is None
+
+
+def fuses_attention_residual(layer: bound.BoundLayer) -> bool:
+    """Whether `residual_matmul` serves the layer's attention branch: o's product added as it is (no
+    Gemma output norm), plainly."""
+    return layer.attn_out_norm is None and _plain_add(layer, layer.o)
+
+
+def fuses_mlp_residual(layer: bound.BoundLayer) -> bool:
+    """Whether it serves the MLP branch: a dense MLP from the fused gate/up product, down's product added
+    as it is, plainly."""
+    return layer.mlp_out_norm is None and layer.moe is None and layer.gate_up is not None \
+        and _plain_add(layer, layer.down)
 
 
 def qk_norms(layer: bound.BoundLayer) -> Optional[tuple]:

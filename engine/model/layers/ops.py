@@ -45,7 +45,8 @@ class ReferenceOps:
         # the CUDA kernel for rope_qkv (engine/model/kernels/qk_rope.py), where the runner enabled it
         self.qk_rope = None
         # the decode loop adds o's and down's products to the residual stream inside their matmuls
-        # (decode_path.residual_matmul), where the runner enabled it
+        # (decode_path.residual_matmul), where the runner enabled it (before the first decode: compiled
+        # layers read it when they trace)
         self.residual_matmul = False
 
     def attention(self, queries, keys, values, scale: float, mask=None, stages: Optional[list] = None,
