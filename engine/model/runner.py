@@ -26,9 +26,9 @@ import mlx.nn as nn
 from engine.model.layers.bound import BoundModel, language_model
 from engine.model.layers.bound import unsupported as loops_unsupported
 from engine.model.layers.chunk_path import ChunkPath
-from engine.model.layers.decode_path import DecodePath, fuses_attention_residual, fuses_mlp_residual
-from engine.model.layers.ops import ReferenceOps
+from engine.model.layers.decode_path import DecodePath, takes_residual_matmul
 from engine.model.layers.decode_path import unsupported as decode_unsupported
+from engine.model.layers.ops import ReferenceOps
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, attention_copies_views, slice_start, sliding_window
@@ -61,8 +61,7 @@ class RunnerOptions:
     # decode's layers share MLX's committed batches: the memory model counts them
     # (engine/core/memory/model.py FUSED_DECODE_LAYERS_FACTOR)
     fused_rope: Optional[bool] = None
-    # CUDA: decode's o and down products added to the residual stream inside their matmuls (one kernel
-    # where the add is another; None: on CUDA); counted by the memory model as the fused rope is
+    # CUDA: decode's o and down products added to the residual inside their matmuls (None: on CUDA)
     fused_residual: Optional[bool] = None
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
@@ -125,10 +124,7 @@ class ModelRunner:
             why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype)
             if why is not None:
                 logger.warning("fused q/k rope kernel not used (%s)", why)
-        # only where some decode layer takes it (not Gemma 2/3's normed branches): the memory model and
-        # ExecutionPaths read it; set before the first decode, whose compiled traces read it when built
-        self.ops.residual_matmul = fused_residual and self.decode_path is not None and any(
-            fuses_attention_residual(layer) or fuses_mlp_residual(layer) for layer in self.decode_path.layers)
+        self.ops.residual_matmul = fused_residual and takes_residual_matmul(self.decode_path)
         self.rows: dict[str, Row] = {}
         self.samplers: dict[str, RequestSampler] = {}
         self.num_forward_calls = 0  # counted so tests can check decode is one forward per step

@@ -157,6 +157,14 @@ def fuses_mlp_residual(layer: bound.BoundLayer) -> bool:
         and _plain_add(layer, layer.down)
 
 
+def takes_residual_matmul(path: Optional[DecodePath]) -> bool:
+    """Whether some layer of the decode loop takes `residual_matmul` (not Gemma 2/3's, every branch
+    normed): where the runner enables it, for the memory model and ExecutionPaths to read. Set before
+    the first decode: compiled layers read it when they trace."""
+    return path is not None and any(fuses_attention_residual(layer) or fuses_mlp_residual(layer)
+                                    for layer in path.layers)
+
+
 def qk_norms(layer: bound.BoundLayer) -> Optional[tuple]:
     """The layer's query and key head norms for `ReferenceOps.rope_qkv` (None: it has none)."""
     return None if layer.q_norm is None else (layer.q_norm, layer.k_norm)
