@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -29,6 +28,7 @@ from engine.model.layers.chunk_path import ChunkPath
 from engine.model.layers.decode_path import DecodePath, takes_residual_matmul
 from engine.model.layers.decode_path import unsupported as decode_unsupported
 from engine.model.layers.ops import ReferenceOps
+from engine.model.runner_options import RunnerOptions  # noqa: F401 (the runner's API)
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
 from engine.model.kv_pool import ForwardView, KVPool, Row, attention_copies_views, slice_start, sliding_window
@@ -39,33 +39,6 @@ from engine.model.sampling import DeferredSampling, RequestSampler, sample_rows
 from engine.model.work import DecodeWork, Forward, PrefillWork, stage_list
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunnerOptions:
-    """Which of the runner's ways of building forwards the engine asks for (where the model and the
-    backend take them). The defaults are what measured best and what the engine runs; tests and
-    benchmarks pass others to compare (ModelRunner's arguments of the same names)."""
-
-    fuse_projections: bool = True
-    layer_loops: bool = True
-    mixed_batches: bool = True
-    compiled_decode: bool = True  # on MLX's CUDA backend only
-    cpu_math: bool = True  # on MLX's CPU backend only
-    read_slices: bool = True  # False: every prompt chunk gathers its KV (to measure what views save)
-    # the paged kernel's first pass: on tensor cores where it applies (mma_attention), else tiled, else the
-    # span kernel; False rules a variant out (to compare them: both False for the span kernel)
-    tiled_attention: bool = True
-    mma_attention: bool = True
-    # CUDA: decode's q/k norms and RoPE in one kernel (None: on CUDA). With fewer kernels a layer more of a
-    # decode's layers share MLX's committed batches: the memory model counts them
-    # (engine/core/memory/model.py FUSED_DECODE_LAYERS_FACTOR)
-    fused_rope: Optional[bool] = None
-    # CUDA: decode's o and down products added to the residual inside their matmuls (None: on CUDA)
-    fused_residual: Optional[bool] = None
-    # on a GPU, also the loops of families not yet validated there (engine/model/families.py
-    # GPU_LOOP_FAMILIES): for the runs that validate them
-    gpu_unvalidated_loops: bool = False
 
 
 class ModelRunner:

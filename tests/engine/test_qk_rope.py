@@ -131,3 +131,6 @@ def test_device_constants_are_padded_past_the_scalar_pool():
         a = device_constant(values, dtype)
         assert a.dtype == dtype and a.nbytes > SCALAR_POOL_BYTES and a.ndim == 1
         assert a[:len(values)].tolist() == mx.array(values, dtype).tolist() and not a[len(values):].any().item()
+    freqs = mx.arange(64, dtype=mx.float16) / 7  # an array (Llama3RoPE's frequencies): copied, cast, padded
+    a = device_constant(freqs, mx.float32)
+    assert a.shape == (65,) and a.dtype == mx.float32 and mx.array_equal(a[:64], freqs.astype(mx.float32)).item()

@@ -17,10 +17,10 @@ import mlx.core as mx
 SCALAR_POOL_BYTES = 8
 
 
-def device_constant(values: list, dtype) -> mx.array:
-    """`values` (a list of numbers) as a 1-D array of `dtype` written by a device operation (a
-    concatenation, which never reuses its inputs' memory) and padded with zeros past SCALAR_POOL_BYTES.
-    Lazy: it is evaluated with the first graph that reads it, or by the caller."""
-    host = mx.array(values, dtype).reshape(-1)
+def device_constant(values, dtype) -> mx.array:
+    """`values` (a list of numbers, or an array) as a 1-D array of `dtype` written by a device operation
+    (a concatenation, which never reuses its inputs' memory) and padded with zeros past SCALAR_POOL_BYTES
+    (at least one). Lazy: it is evaluated with the first graph that reads it, or by the caller."""
+    host = (values.astype(dtype) if isinstance(values, mx.array) else mx.array(values, dtype)).reshape(-1)
     pad = max(1, SCALAR_POOL_BYTES // host.itemsize + 1 - host.size)
     return mx.concatenate([host, mx.zeros((pad,), dtype)])

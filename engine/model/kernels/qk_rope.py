@@ -103,10 +103,8 @@ class CudaQKRope:
             output_names=["q", "k", "v"], source=SOURCE)
         self._params = {}
         for rope in ropes:
-            # Llama3RoPE's frequencies (D / 2 floats, made on the device) padded too: their own array
-            # stays the model's
-            freqs = device_constant([0.0], mx.float32) if rope.freqs is None else mx.concatenate(
-                [rope.freqs.astype(mx.float32), mx.zeros((1,), mx.float32)])
+            # Llama3RoPE's D / 2 frequencies (a copy: the model's array stays its own)
+            freqs = device_constant([0.0] if rope.freqs is None else rope.freqs, mx.float32)
             self._params[rope] = (device_constant([rope.scale, rope.log2_base], mx.float32), freqs)  # by identity
         # every block reads these: in device memory (engine/model/kernels/constants.py says why)
         self._eps = {pair: device_constant(list(pair), mx.float32) for pair in set(norm_eps) | {(0.0, 0.0)}}
