@@ -147,7 +147,8 @@ class Engine:
                            max_forward_tokens=config.prefill_chunk_size, stage_waits=backend == "cpu",
                            tiled_attention=options.tiled_attention, mma_attention=options.mma_attention,
                            fused_rope=backend == "cuda" and options.fused_rope is not False, backend=backend,
-                           fused_residual=backend == "cuda" and options.fused_residual is not False)
+                           fused_residual=backend == "cuda" and options.fused_residual is not False,
+                           pack_step_inputs=backend == "cuda" and options.pack_step_inputs is not False)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str, workspace: MatmulWorkspace) -> MemoryModel:
@@ -404,6 +405,7 @@ class Engine:
                               chunk_loop=runner.chunk_path is not None, mixed_batches=runner.mixed is not None,
                               fused_rope=runner.ops.qk_rope is not None,
                               fused_residual=runner.ops.residual_matmul,
+                              pack_step_inputs=runner.pool.pack_step_inputs and runner.paged_attention,
                               attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
                               launch_thread=self._stream is not None)

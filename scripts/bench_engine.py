@@ -53,14 +53,17 @@ GPU_UNVALIDATED_LOOPS_ENV = "MLX_SERVE_GPU_UNVALIDATED_LOOPS"
 FUSED_ROPE_ENV = "MLX_SERVE_FUSED_ROPE"
 # RunnerOptions.fused_residual (engine/model/layers/decode_path.py residual_matmul): =1 on, =0 off
 FUSED_RESIDUAL_ENV = "MLX_SERVE_FUSED_RESIDUAL"
+# RunnerOptions.pack_step_inputs (engine/model/kv_pool.py step_inputs): =1 on, =0 off
+PACK_STEP_INPUTS_ENV = "MLX_SERVE_PACK_STEP_INPUTS"
 # RunnerOptions.mma_attention (engine/model/kernels/mma_attention.py): =0 the tiled kernel instead
 MMA_ATTENTION_ENV = "MLX_SERVE_MMA_ATTENTION"
 
 
 def runner_options(**fields):
     """RunnerOptions with `fields`, and the not yet GPU-validated families' loops, the fused q/k rope
-    kernel, the residual matmul and the tensor-core attention kernel as the environment asks
-    (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV, FUSED_RESIDUAL_ENV, MMA_ATTENTION_ENV)."""
+    kernel, the residual matmul, the packed step inputs and the tensor-core attention kernel as the
+    environment asks (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV, FUSED_RESIDUAL_ENV, PACK_STEP_INPUTS_ENV,
+    MMA_ATTENTION_ENV)."""
     from engine.model.runner import RunnerOptions
 
     env = dict(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1")
@@ -68,6 +71,8 @@ def runner_options(**fields):
         env["fused_rope"] = os.environ[FUSED_ROPE_ENV] == "1"
     if os.environ.get(FUSED_RESIDUAL_ENV) in ("0", "1"):
         env["fused_residual"] = os.environ[FUSED_RESIDUAL_ENV] == "1"
+    if os.environ.get(PACK_STEP_INPUTS_ENV) in ("0", "1"):
+        env["pack_step_inputs"] = os.environ[PACK_STEP_INPUTS_ENV] == "1"
     if os.environ.get(MMA_ATTENTION_ENV) in ("0", "1"):
         env["mma_attention"] = os.environ[MMA_ATTENTION_ENV] == "1"
     return RunnerOptions(**{**env, **fields})

@@ -390,6 +390,8 @@ def backend_runners() -> dict:
             "engine_no_fused_rope": with_options(run_engine_async, fused_rope=False),
             # the decode's residual adds as kernels of their own (RunnerOptions.fused_residual off; on CUDA's default)
             "engine_no_fused_residual": with_options(run_engine_async, fused_residual=False),
+            # a paged decode's host-made inputs as arrays of their own (RunnerOptions.pack_step_inputs off)
+            "engine_unpacked_step_inputs": with_options(run_engine_async, pack_step_inputs=False),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,

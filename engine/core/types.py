@@ -387,6 +387,7 @@ class ExecutionPaths:
     mixed_batches: bool  # decode rows can ride in a prompt chunk's forward
     fused_rope: bool = False  # decode's q/k norms and RoPE in one CUDA kernel (RunnerOptions.fused_rope)
     fused_residual: bool = False  # decode's residual adds inside o's and down's matmuls (RunnerOptions.fused_residual)
+    pack_step_inputs: bool = False  # a paged decode's host-made inputs as views of one array (RunnerOptions.pack_step_inputs)
     # the paged kernel's first pass (CudaPagedAttention.kind: "mma", "tiled", "span", "short"); "" without it
     attention_kernel: str = ""
     num_warmed_chunk_shapes: int = 0  # prompt-chunk shapes whose attention graphs were built at start

@@ -162,6 +162,8 @@ class KVPool:
         self.ring_layers = frozenset(i for i, w in enumerate(self.layer_windows) if w is not None and self.ring_rows)
         # One-query forwards' attention straight from the pool (engine/model/kernels/paged_attention.py); None: they gather
         self.paged = None
+        # a paged decode's host-made inputs as views of one array (`step_inputs`; ModelRunner sets it)
+        self.pack_step_inputs = False
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -276,38 +278,53 @@ class ForwardView:
             write = np.array([row.slot(row.offset) for row in rows], np.int64)[:, None]  # [B, 1]
         else:
             write = np.stack([row.slots(row.offset, n) for row, n in zip(rows, lengths)])  # [B, T]
-        self._write = mx.array(pool.rows(write).transpose(1, 0, 2).reshape(-1), mx.int32)  # [B*H_kv*T]
-        self._write_ring: Optional[mx.array] = None  # the same positions in the rows' rings
+        write_rows = pool.rows(write).transpose(1, 0, 2).reshape(-1)  # [B*H_kv*T]
+        ring_rows = None  # the same positions in the rows' rings
         if pool.ring_layers:
             ring_rows = np.stack([pool.ring_pool_rows(row.ring, np.arange(row.offset, n))
-                                  for row, n in zip(rows, lengths)], axis=1)  # [H_kv, B, T]
-            self._write_ring = mx.array(ring_rows.transpose(1, 0, 2).reshape(-1), mx.int32)
+                                  for row, n in zip(rows, lengths)], axis=1).transpose(1, 0, 2).reshape(-1)
         for row in rows:
             row._pending = num_new
         self._slice: Optional[tuple[int, int]] = None  # slots [s0, s0 + n) of the one row, when consecutive
         self._read: Optional[mx.array] = None
         self._paged: Optional[tuple[mx.array, mx.array]] = None  # (block table, lengths) of a paged read
+        # a paged decode's per-row RoPE offsets [B], with its other inputs made on the host (`step_inputs`)
+        self.offsets: Optional[mx.array] = None
         if pool.paged is not None and num_new == 1:
             num_blocks = -(-max(lengths) // pool.block_size)
             # past a row's blocks: block 0, unread
             table = [row.blocks[:num_blocks] + [0] * (num_blocks - len(row.blocks)) for row in rows]
-            self._paged = (mx.array(table, mx.int32), mx.array(lengths, mx.int32))
-        elif (start := slice_start(pool, rows, num_new, read_slices)) is not None:
-            self._slice = (start, start + lengths[0])
+            parts = [write_rows, ring_rows, np.array(table, np.int32), np.array(lengths, np.int32),
+                     np.array([r.offset for r in rows], np.int32)]
+            made = step_inputs(parts) if pool.pack_step_inputs else [
+                None if p is None else mx.array(p, mx.int32) for p in parts]
+            self._write, self._write_ring, table_array, lengths_array, self.offsets = made
+            self._paged = (table_array, lengths_array)
         else:
-            read = np.zeros((len(rows), max(lengths)), np.int64)  # padded positions read slot 0, masked
-            for b, (row, n) in enumerate(zip(rows, lengths)):
-                read[b, :n] = row.slots(0, n)
-            self._read = mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)  # [B, H_kv, L_max]
-        # per-row RoPE offsets ([B]) and, for a gathered batch, a [B, 1, 1, L_max] mask, True where a row
-        # has a real key (one row needs none; the paged kernel reads each row's own length)
-        self.offset = rows[0].offset if len(rows) == 1 else mx.array([r.offset for r in rows])
+            self._write = mx.array(write_rows, mx.int32)
+            self._write_ring = None if ring_rows is None else mx.array(ring_rows, mx.int32)
+            if (start := slice_start(pool, rows, num_new, read_slices)) is not None:
+                self._slice = (start, start + lengths[0])
+            else:
+                self._read = _read_index(pool, rows, lengths)
+        # per-row RoPE offsets ([B]; one row's an int) and, for a gathered batch, a [B, 1, 1, L_max] mask,
+        # True where a row has a real key (one row needs none; the paged kernel reads each row's own length)
+        if len(rows) == 1:
+            self.offset = rows[0].offset
+        else:
+            self.offset = self.offsets if self.offsets is not None else mx.array([r.offset for r in rows])
         self.mask = None
         if len(rows) > 1 and self._read is not None:
             self.mask = padding_mask(lengths)
         # a paged forward's sliding layers gather their window (the kernel reads a row's blocks from its
         # first key; a ring layer's KV is not in the blocks at all)
         self._windowed = None if pool.window is None else window_reads(self, num_new)
+
+    def rope_offsets(self) -> mx.array:
+        """The rows' RoPE offsets as an int32 array [B] (a paged decode's from `step_inputs`)."""
+        if self.offsets is not None:
+            return self.offsets
+        return (self.offset if isinstance(self.offset, mx.array) else mx.array([self.offset])).astype(mx.int32)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
         """The attention mask of this forward's `n` queries per row over the keys `read` returns (mlx-lm's
@@ -432,3 +449,26 @@ def _scatter(pool: KVPool, layer: int, index: mx.array, keys: mx.array, values: 
     """keys/values [B, H_kv, T, D] into rows `index` ([B*H_kv*T], in that order) of the layer's pool arrays."""
     for pool_arrays, new in ((pool.keys, keys), (pool.values, values)):
         pool_arrays[layer][index] = new.reshape(-1, new.shape[-1])  # [B*H_kv*T, D]
+
+
+def _read_index(pool: KVPool, rows: list[Row], lengths: list[int]) -> mx.array:
+    """Pool rows a gathered forward reads, [B, H_kv, L_max] (padded positions read slot 0, masked)."""
+    read = np.zeros((len(rows), max(lengths)), np.int64)
+    for b, (row, n) in enumerate(zip(rows, lengths)):
+        read[b, :n] = row.slots(0, n)
+    return mx.array(pool.rows(read).transpose(1, 0, 2), mx.int32)
+
+
+def step_inputs(parts: Sequence[Optional[np.ndarray]]) -> list[Optional[mx.array]]:
+    """Integer inputs a step makes on the host, as int32 views of one array (None stays None).
+
+    MLX's CUDA backend keeps an array made on the host in managed memory, and the first kernel to read
+    it on the device takes a page fault and the page's move; one array a step instead of one per input
+    is one such fault instead of several (KVPool.pack_step_inputs)."""
+    sizes = [0 if p is None else p.size for p in parts]
+    whole = mx.array(np.concatenate([p.reshape(-1) for p in parts if p is not None]).astype(np.int32))
+    out, start = [], 0
+    for p, n in zip(parts, sizes):
+        out.append(None if p is None else whole[start:start + n].reshape(p.shape))
+        start += n
+    return out

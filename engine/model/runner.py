@@ -47,7 +47,8 @@ class ModelRunner:
                  layer_loops: bool = True, compiled_decode: bool = True, cpu_math: bool = False,
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
                  stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False,
-                 backend: str = "cpu", mma_attention: bool = True, fused_residual: bool = False):
+                 backend: str = "cpu", mma_attention: bool = True, fused_residual: bool = False,
+                 pack_step_inputs: bool = False):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -61,6 +62,7 @@ class ModelRunner:
         `fused_rope`: the decode loop's q/k norms, RoPE and q/k/v layout in one CUDA kernel
         (engine/model/kernels/qk_rope.py) where it passes its self-check. `fused_residual`: that loop adds
         o's and down's products to the residual stream inside their matmuls (decode_path.residual_matmul).
+        `pack_step_inputs`: a paged decode's host-made inputs are views of one array (KVPool.pack_step_inputs).
         `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
         (engine/model/layers/fused.py), for models they run; mlx-lm's modules running the same model
         object compute the original layers.
@@ -89,6 +91,7 @@ class ModelRunner:
                            grouped_masks=lay.grouped_masks, layer_windows=lay.layer_windows, ring_rows=rings,
                            ring_tokens=window - 1 + max_forward_tokens if rings else 0)
         self.pool.copy_views = attention_copies_views(backend, lay.head_dim, lay.kv_dtype, lay.family)
+        self.pool.pack_step_inputs = pack_step_inputs
         self._build_loops(fuse, mixed, layer_loops, compiled_decode, cpu_math)
         if paged_attention:  # only the engine's layer loops read it (a sliding layer its window, gathered)
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,

@@ -29,6 +29,9 @@ class RunnerOptions:
     fused_rope: Optional[bool] = None
     # CUDA: decode's o and down products added to the residual inside their matmuls (None: on CUDA)
     fused_residual: Optional[bool] = None
+    # CUDA: a paged decode's host-made inputs (KV write slots, block table, lengths, RoPE offsets) as views
+    # of one array, one managed-memory page fault a step instead of one each (kv_pool.step_inputs; None: on CUDA)
+    pack_step_inputs: Optional[bool] = None
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False

@@ -101,7 +101,8 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
     tokens are mlx-lm's; `compiled-paged`: decode's compiled layer traces over the paged attention path
     (MLX's reference in the CUDA kernel's place; Gemma 2's soft-capped logits refuse the kernel, Gemma
     3's sliding layers gather their window; Qwen3-MoE's experts are not compiled); `-packed`: and several
-    rows' prompt chunks in one forward (the engine's way on CUDA; ChunkPath.forward_packed)."""
+    rows' prompt chunks in one forward, and a decode's host-made inputs as views of one array (the engine's
+    ways on CUDA; ChunkPath.forward_packed, KVPool.pack_step_inputs)."""
     from engine.model.kernels.paged_attention import ReferenceAttention
 
     packed = decode.endswith("-packed")
@@ -118,6 +119,7 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
             runner.use_paged_attention(kernel)
         runner.use_decode_path(runner.ops, compiled=True)
         assert (runner.decode_path.compiled is None) == (family == "qwen3_moe")
+        runner.pool.pack_step_inputs = packed
     calls = {"mixed": 0}
     real = runner.mixed_forward
 

@@ -33,14 +33,16 @@ def random_prompts(lengths, vocab, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("async_decode", [False, True])
+@pytest.mark.parametrize("async_decode,packed", [(False, False), (True, False), (True, True)])
 def test_paged_decode_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, run_to_completion,
-                                          async_decode):
+                                          async_decode, packed):
     """Rows of different lengths (one across a 256-token block boundary, one in non-consecutive
-    blocks), decoded together through the block table: mlx-lm's greedy tokens."""
+    blocks), decoded together through the block table: mlx-lm's greedy tokens; `packed`: the decode's
+    host-made inputs as views of one array (KVPool.pack_step_inputs, CUDA's default)."""
     engine = make_engine(prefill_chunk_size=128, max_num_seqs=4, prefix_cache_fraction=0.0,
                          async_decode=async_decode)
     runner = engine.runner
+    runner.pool.pack_step_inputs = packed
     impl = CountingReference(runner.pool.num_kv_heads, runner.pool.block_size)
     runner.use_paged_attention(impl)
     blocks = engine.kv.allocator  # the KV manager's: blocks held here are the engine's
@@ -123,9 +125,11 @@ def test_unsupported_shapes_are_named():
     assert "shared memory" in unsupported(64, 1, 128, 256, mx.bfloat16)
 
 
-def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
+@pytest.mark.parametrize("packed", [False, True])
+def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts, packed):
     """Two rows of different lengths, one in scattered 4-token blocks, decoded in one paged forward
-    for several steps (crossing block boundaries): each row's logits equal mlx-lm's for it alone."""
+    for several steps (crossing block boundaries): each row's logits equal mlx-lm's for it alone, the
+    step's host-made inputs as arrays of their own or `packed` as views of one (`step_inputs`)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -134,7 +138,7 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
-    runner = ModelRunner(model, block_size=4)
+    runner = ModelRunner(model, block_size=4, pack_step_inputs=packed)
     blocks = BlockAllocator(4, 32)  # the KV manager's part, here by hand
     impl = CountingReference(runner.pool.num_kv_heads, 4)
     runner.use_paged_attention(impl)
@@ -159,6 +163,7 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts):
         tokens = [100 + step, 200 + step]
         view = ForwardView(runner.pool, rows, 1)
         assert view.reads_paged and view.mask is None
+        assert view.rope_offsets().tolist() == [13 + step, 6 + step]
         got = runner._head(runner._decode_forward(mx.array(tokens)[:, None], view))  # [2, 1, V]
         view.advance()
         for b, cache in enumerate(caches):
@@ -371,3 +376,18 @@ def test_direct_kernels_pair_with_their_span_kernels(monkeypatch):
         assert kernel.spec["source"] == source and direct["source"] == split_attention.direct(source)
         assert direct["header"] == kernel.spec["header"] and direct["output_names"] == ["out"]
         assert direct["input_names"] == kernel.spec["input_names"]
+
+
+def test_step_inputs_are_views_of_one_array_with_each_inputs_values():
+    """kv_pool.step_inputs: each part's values and shape, int32, None kept in its place."""
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.model.kv_pool import step_inputs
+
+    parts = [np.arange(6, dtype=np.int64), None, np.array([[3, 4, 5], [6, 7, 8]]), np.array([9], np.int32)]
+    made = step_inputs(parts)
+    assert made[1] is None
+    for got, want in zip(made, parts):
+        if want is not None:
+            assert got.dtype == mx.int32 and got.shape == want.shape and got.tolist() == want.tolist()

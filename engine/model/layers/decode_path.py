@@ -76,8 +76,7 @@ class DecodePath:
     def forward(self, tokens: mx.array, view) -> mx.array:
         """tokens [B, 1] -> the final-normed hidden states [B, 1, D]; `view` a ForwardView
         (engine/model/kv_pool.py) whose KV it writes and reads (in place when paged, else gathered)."""
-        offsets = view.offset if isinstance(view.offset, mx.array) else mx.array([view.offset])
-        offsets = offsets.astype(mx.int32)
+        offsets = view.rope_offsets()
         h = self.bound.embed(tokens)  # [B, 1, D]
         if self.compiled is not None:
             return self.compiled.forward(h, offsets, view)

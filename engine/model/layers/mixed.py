@@ -52,8 +52,7 @@ class MixedForward:
         path = self.path
         ops = path.ops
         T = tokens.shape[0] - len(decode_view.rows)
-        offsets = decode_view.offset if isinstance(decode_view.offset, mx.array) else mx.array([decode_view.offset])
-        offsets = offsets.astype(mx.int32)
+        offsets = decode_view.rope_offsets()
         layers = path.layers  # engine/model/layers/bound.py: every projection bound once
         h = path.bound.embed(tokens[None])  # [1, T + B, D]
         y = mx.fast.rms_norm(h, layers[0].in_w, layers[0].in_eps)
