@@ -21,13 +21,15 @@ MAX_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 # On MLX's CUDA backend: what the shipped CUDA coefficient set for bounded batches was fitted under.
 CUDA_MAX_OPS_PER_BUFFER = 8
 # The step token budget when EngineConfig.max_num_batched_tokens is None: on a GPU a larger step halves the
-# mean TTFT of many prompts arriving together (docs/benchmarks.md); on the CPU a step's forwards run one
-# core-bound chunk after another, and a larger budget only delays the decode rows riding in it.
-GPU_MAX_NUM_BATCHED_TOKENS = 8192
+# mean TTFT of many prompts arriving together (docs/benchmarks.md); on CUDA a burst's prompts then run in
+# fewer steps of prompts (with PACKED_TOKENS_CUDA, one pack a step), which every decoding row waits through
+# (docs/decode.md "Serving"); on the CPU a step's forwards run one core-bound chunk after another, and a
+# larger budget only delays the decode rows riding in it.
+CUDA_MAX_NUM_BATCHED_TOKENS = 16384
+GPU_MAX_NUM_BATCHED_TOKENS = 8192  # Metal
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 # ExecutionConfig.max_packed_tokens when None, on MLX's CUDA backend (docs/decode.md)
-PACKED_TOKENS_CUDA = 8192
-GPU_BACKENDS = ("cuda", "metal")
+PACKED_TOKENS_CUDA = 16384
 
 
 class ExecutionConfig(BaseModel):
@@ -91,7 +93,8 @@ class ExecutionConfig(BaseModel):
         description="The most prompt tokens one forward may compute of several rows' chunks packed together "
         "(one chunk per row; 0: one forward per chunk). Packed, the matmuls run over all their tokens at "
         "once: on an H200 an 8B llama served 64 / 128 streams of 512-token prompts 1.11 / 1.16 x as fast with "
-        "8192 (docs/decode.md). A pack holds its chunks' temporaries together: the memory model predicts it, "
+        "8192 as unpacked, and with 16384 (and a step budget of as many tokens) its 32 prompts a step cut the time "
+        "decoding rows wait through steps of prompts (docs/decode.md). A pack holds its chunks' temporaries together: the memory model predicts it, "
         "and the scheduler packs only within the configuration's transient bound and the free memory (a burst "
         "of short prompts peaks with the pack: 16 x 512 tokens on an 8B, 5.4 GB against 0.34 GB a chunk). Only "
         "prompts whose uncached rest fits one chunk pack (pack_long_prompts), so a burst of long prompts "
@@ -172,7 +175,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: Optional[int] = Field(
         None, ge=1, le=1 << 20,
         description="Token budget of one engine step, decode tokens included (a step gets less when the "
-        "memory its KV leaves free is short). None: 8192 on a GPU (MLX's CUDA or Metal backend), 2048 on "
+        "memory its KV leaves free is short). None: 16384 on MLX's CUDA backend, 8192 on Metal, 2048 on "
         "the CPU, raised to max_num_seqs or prefill_chunk_size where either is larger; the engine "
         "resolves it for its device (Engine.config holds the value it runs with).",
     )
@@ -230,7 +233,8 @@ class EngineConfig(BaseModel):
         else the backend's default raised to what max_num_seqs and prefill_chunk_size need."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        default = GPU_MAX_NUM_BATCHED_TOKENS if backend in GPU_BACKENDS else CPU_MAX_NUM_BATCHED_TOKENS
+        default = {"cuda": CUDA_MAX_NUM_BATCHED_TOKENS, "metal": GPU_MAX_NUM_BATCHED_TOKENS}.get(
+            backend, CPU_MAX_NUM_BATCHED_TOKENS)
         return max(default, self.max_num_seqs, self.prefill_chunk_size)
 
     def for_backend(self, backend: str) -> "EngineConfig":

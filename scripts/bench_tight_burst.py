@@ -241,7 +241,7 @@ def parse_args(argv=None):
                    help="--replay: the weights' bytes (recorded by a GPU run; the headroom is above them)")
     p.add_argument("--budgets", default="",
                    help="max_num_batched_tokens values to run each headroom with (comma-separated; default: "
-                        "the engine's)")
+                        "the engine's; --replay: the first)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured warm-up first: the engine's own (engine/warmup.py, what a replica runs at "
                         "start), then a small burst (kernels compile on their first use)")

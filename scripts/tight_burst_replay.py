@@ -124,11 +124,13 @@ def replay(args, prompts: list[list[int]], new_tokens: list[int], headrooms: lis
     weights = weights_bytes or RANDOM_SHAPES[args.model].get("weights_bytes") or 0
     granules = [int(g) for g in args.granules.split(",")]
     pads = [p == "on" for p in (args.pad_last_chunk if args.pad_last_chunk != "auto" else "off").split(",")]
+    # the step budget of `--budgets` (its first), else the engine's CUDA default
+    budget = {"max_num_batched_tokens": int(args.budgets.split(",")[0])} if args.budgets else {}
     variants = {}
     for granule in granules:
         for pad in pads:
             def setting(headroom: int) -> ReplaySetting:
-                return ReplaySetting(headroom, weights, args.max_num_seqs, args.max_model_len, pad, granule)
+                return ReplaySetting(headroom, weights, args.max_num_seqs, args.max_model_len, pad, granule, **budget)
             seen: set = set()
             small = [p[: max(8, len(p) // 8)] for p in prompts[:6]]
             replay_run(args.model, args.dtype, setting(max(headrooms)), small,

@@ -567,7 +567,7 @@ def test_tiled_attention_takes_only_shapes_its_shared_memory_and_rounds_allow():
 def test_the_tight_burst_replay_reproduces_the_h200_runs_chunk_shapes():
     """bench_tight_burst.py --replay (the Scheduler alone, the 8B's CUDA memory model) gives the padded
     H200 burst at 3 GB step for step as the engine ran it (h200_i24_tight_burst.json, its steps, forwards,
-    chunk shapes and padded chunks), so its counts for other granules stand for what the engine would do."""
+    chunk shapes and padded chunks; its step budget then, 8192), so its counts for other granules stand for what the engine would do."""
     import bench_tight_burst
 
     data = Path(__file__).resolve().parents[2] / "scripts/data/h200_i24_tight_burst.json"
@@ -575,7 +575,7 @@ def test_the_tight_burst_replay_reproduces_the_h200_runs_chunk_shapes():
     run = recorded["engine"]["3000000000"]
     result = bench_tight_burst.main([
         "--replay", "--model", "llama-8b", "--dtype", "bfloat16", "--headroom-gb", "3", "--max-num-seqs", "64",
-        "--max-model-len", "8448", "--granules", "128", "--pad-last-chunk", "on",
+        "--max-model-len", "8448", "--granules", "128", "--pad-last-chunk", "on", "--budgets", "8192",
         "--weights-bytes", str(recorded["weights_bytes"])])
     got = result["variants"]["granule_128_pad_on"]["3000000000"]
     for key in ("num_steps", "num_memory_limited_steps", "num_forwards", "num_chunks", "num_chunk_shapes",

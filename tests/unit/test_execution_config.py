@@ -59,7 +59,7 @@ def test_export_sets_the_environment_and_warns_when_it_replaces_another_value(mo
     assert "MLX_MAX_OPS_PER_BUFFER=20" in caplog.text and "max_ops_per_buffer=8" in caplog.text
 
 
-@pytest.mark.parametrize("backend, budget", [("cuda", 8192), ("metal", 8192), ("cpu", 2048)])
+@pytest.mark.parametrize("backend, budget", [("cuda", 16384), ("metal", 8192), ("cpu", 2048)])
 def test_step_budget_defaults_per_device_and_an_explicit_value_wins(backend, budget):
     cfg = EngineConfig()
     assert cfg.max_num_batched_tokens is None  # unresolved until an engine knows its device
@@ -72,7 +72,7 @@ def test_step_budget_defaults_per_device_and_an_explicit_value_wins(backend, bud
     assert explicit.resolved_max_num_batched_tokens(backend) == 1024
     assert explicit.for_backend(backend) is explicit
     # the packing bound too: resolved into the configuration the engine runs with, an explicit one kept
-    assert resolved.execution.max_packed_tokens == (8192 if backend == "cuda" else 0)
+    assert resolved.execution.max_packed_tokens == (16384 if backend == "cuda" else 0)
     assert cfg.execution.max_packed_tokens is None
     assert EngineConfig(max_num_batched_tokens=1024).for_backend(backend).max_num_batched_tokens == 1024
 
@@ -101,7 +101,7 @@ def test_chunk_granule_is_a_power_of_two():
 
 def test_default_step_budget_rises_to_what_the_other_fields_need():
     assert EngineConfig(max_num_seqs=4096).resolved_max_num_batched_tokens("cpu") == 4096
-    assert EngineConfig(prefill_chunk_size=16384).resolved_max_num_batched_tokens("cuda") == 16384
+    assert EngineConfig(prefill_chunk_size=32768).resolved_max_num_batched_tokens("cuda") == 32768
     # an explicit budget still has to hold them (the error names both values)
     with pytest.raises(ValueError, match="max_num_seqs=4096.*max_num_batched_tokens=2048"):
         EngineConfig(max_num_seqs=4096, max_num_batched_tokens=2048)
@@ -152,7 +152,7 @@ def test_prompt_packing_is_on_for_cuda_only_and_an_explicit_value_wins():
 
     default = ExecutionConfig()
     assert default.max_packed_tokens is None and not default.pack_long_prompts
-    assert default.resolved_max_packed_tokens("cuda") == PACKED_TOKENS_CUDA == 8192
+    assert default.resolved_max_packed_tokens("cuda") == PACKED_TOKENS_CUDA == 16384
     assert default.resolved_max_packed_tokens("cpu") == 0 == default.resolved_max_packed_tokens("metal")
     assert ExecutionConfig(max_packed_tokens=0).resolved_max_packed_tokens("cuda") == 0
     assert ExecutionConfig(max_packed_tokens=2048).resolved_max_packed_tokens("cpu") == 2048
