@@ -148,7 +148,8 @@ class Engine:
                            tiled_attention=options.tiled_attention, mma_attention=options.mma_attention,
                            fused_rope=backend == "cuda" and options.fused_rope is not False, backend=backend,
                            fused_residual=backend == "cuda" and options.fused_residual is not False,
-                           pack_step_inputs=backend == "cuda" and options.pack_step_inputs is not False)
+                           pack_step_inputs=backend == "cuda" and options.pack_step_inputs is not False,
+                           rope_writes_kv=backend == "cuda" and options.rope_writes_kv is not False)
 
     def _build_memory_model(self, config: EngineConfig, model_config: dict, weights_bytes: int,
                             backend: str, workspace: MatmulWorkspace) -> MemoryModel:
@@ -406,6 +407,7 @@ class Engine:
                               fused_rope=runner.ops.qk_rope is not None,
                               fused_residual=runner.ops.residual_matmul,
                               pack_step_inputs=runner.pool.pack_step_inputs and runner.paged_attention,
+                              rope_writes_kv=runner.ops.rope_writes_kv and runner.paged_attention,
                               attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
                               launch_thread=self._stream is not None)

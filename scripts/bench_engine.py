@@ -55,6 +55,8 @@ FUSED_ROPE_ENV = "MLX_SERVE_FUSED_ROPE"
 FUSED_RESIDUAL_ENV = "MLX_SERVE_FUSED_RESIDUAL"
 # RunnerOptions.pack_step_inputs (engine/model/kv_pool.py step_inputs): =1 on, =0 off
 PACK_STEP_INPUTS_ENV = "MLX_SERVE_PACK_STEP_INPUTS"
+# RunnerOptions.rope_writes_kv (engine/model/kernels/qk_rope.py rope_into_pool): =1 on, =0 off
+ROPE_WRITES_KV_ENV = "MLX_SERVE_ROPE_WRITES_KV"
 # RunnerOptions.mma_attention (engine/model/kernels/mma_attention.py): =0 the tiled kernel instead
 MMA_ATTENTION_ENV = "MLX_SERVE_MMA_ATTENTION"
 
@@ -63,7 +65,7 @@ def runner_options(**fields):
     """RunnerOptions with `fields`, and the not yet GPU-validated families' loops, the fused q/k rope
     kernel, the residual matmul, the packed step inputs and the tensor-core attention kernel as the
     environment asks (GPU_UNVALIDATED_LOOPS_ENV, FUSED_ROPE_ENV, FUSED_RESIDUAL_ENV, PACK_STEP_INPUTS_ENV,
-    MMA_ATTENTION_ENV)."""
+    ROPE_WRITES_KV_ENV, MMA_ATTENTION_ENV)."""
     from engine.model.runner import RunnerOptions
 
     env = dict(gpu_unvalidated_loops=os.environ.get(GPU_UNVALIDATED_LOOPS_ENV) == "1")
@@ -71,6 +73,8 @@ def runner_options(**fields):
         env["fused_rope"] = os.environ[FUSED_ROPE_ENV] == "1"
     if os.environ.get(FUSED_RESIDUAL_ENV) in ("0", "1"):
         env["fused_residual"] = os.environ[FUSED_RESIDUAL_ENV] == "1"
+    if os.environ.get(ROPE_WRITES_KV_ENV) in ("0", "1"):
+        env["rope_writes_kv"] = os.environ[ROPE_WRITES_KV_ENV] == "1"
     if os.environ.get(PACK_STEP_INPUTS_ENV) in ("0", "1"):
         env["pack_step_inputs"] = os.environ[PACK_STEP_INPUTS_ENV] == "1"
     if os.environ.get(MMA_ATTENTION_ENV) in ("0", "1"):

@@ -392,6 +392,8 @@ def backend_runners() -> dict:
             "engine_no_fused_residual": with_options(run_engine_async, fused_residual=False),
             # a paged decode's host-made inputs as arrays of their own (RunnerOptions.pack_step_inputs off)
             "engine_unpacked_step_inputs": with_options(run_engine_async, pack_step_inputs=False),
+            # a paged decode's KV scattered into the pool (RunnerOptions.rope_writes_kv off; on CUDA's default)
+            "engine_scatter_kv": with_options(run_engine_async, rope_writes_kv=False),
             "engine_sync_uncompiled": with_options(run_engine_sync, compiled_decode=False),
             "engine_uncompiled": with_options(run_engine_async, compiled_decode=False),
             "engine_sync_thread": run_engine_sync_thread, "engine_sync_asyncio": run_engine_sync_asyncio,

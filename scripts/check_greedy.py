@@ -36,7 +36,7 @@ def engine_tokens(lm, prompts, max_tokens: int, read_slices: bool, chunk: int, p
         paths.update(paged_attention=taken.paged_attention, decode_loop=taken.decode_loop,
                      compiled_decode=taken.compiled_decode, chunk_loop=taken.chunk_loop,
                      fused_rope=taken.fused_rope, fused_residual=taken.fused_residual,
-                     pack_step_inputs=taken.pack_step_inputs,
+                     pack_step_inputs=taken.pack_step_inputs, rope_writes_kv=taken.rope_writes_kv,
                      attention_kernel=taken.attention_kernel,
                      launch_thread=taken.launch_thread,
                      packed_chunks=getattr(engine.memory, "packed", False))

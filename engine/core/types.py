@@ -388,6 +388,7 @@ class ExecutionPaths:
     fused_rope: bool = False  # decode's q/k norms and RoPE in one CUDA kernel (RunnerOptions.fused_rope)
     fused_residual: bool = False  # decode's residual adds inside o's and down's matmuls (RunnerOptions.fused_residual)
     pack_step_inputs: bool = False  # a paged decode's host-made inputs as views of one array (RunnerOptions.pack_step_inputs)
+    rope_writes_kv: bool = False  # a paged decode's KV written into the pool by the rope kernel (RunnerOptions.rope_writes_kv)
     # the paged kernel's first pass (CudaPagedAttention.kind: "mma", "tiled", "span", "short"); "" without it
     attention_kernel: str = ""
     num_warmed_chunk_shapes: int = 0  # prompt-chunk shapes whose attention graphs were built at start

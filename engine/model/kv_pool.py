@@ -320,6 +320,17 @@ class ForwardView:
         # first key; a ring layer's KV is not in the blocks at all)
         self._windowed = None if pool.window is None else window_reads(self, num_new)
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether a kernel may write this forward's keys and values into the pool in place
+        (decode_path.DecodePath.rope_into_pool): a paged decode without sliding-window layers."""
+        return self._paged is not None and self.pool.window is None
+
+    @property
+    def write_rows(self) -> mx.array:
+        """The pool rows this forward's keys and values go to, [B * H_kv * T] (row b's head h, then T)."""
+        return self._write
+
     def rope_offsets(self) -> mx.array:
         """The rows' RoPE offsets as an int32 array [B] (a paged decode's from `step_inputs`)."""
         if self.offsets is not None:

@@ -48,7 +48,7 @@ class ModelRunner:
                  read_slices: bool = True, max_rows: int = 0, max_forward_tokens: int = 0,
                  stage_waits: bool = False, tiled_attention: bool = True, fused_rope: bool = False,
                  backend: str = "cpu", mma_attention: bool = True, fused_residual: bool = False,
-                 pack_step_inputs: bool = False):
+                 pack_step_inputs: bool = False, rope_writes_kv: bool = False):
         """`block_size`: token slots per KV pool block; `read_slices`: prompt chunks of a row in
         consecutive blocks read its KV as a view of the pool (engine/model/kv_pool.py), else gather.
         `max_rows`, `max_forward_tokens`: the most rows running at once and tokens of one row in one
@@ -63,6 +63,8 @@ class ModelRunner:
         (engine/model/kernels/qk_rope.py) where it passes its self-check. `fused_residual`: that loop adds
         o's and down's products to the residual stream inside their matmuls (decode_path.residual_matmul).
         `pack_step_inputs`: a paged decode's host-made inputs are views of one array (KVPool.pack_step_inputs).
+        `rope_writes_kv`: with `fused_rope`, that kernel writes a paged decode's keys and values into the pool
+        (decode_path.DecodePath.rope_into_pool) where it passes its self-check.
         `fuse`: the engine's layer loops compute q/k/v and gate/up as one matmul each
         (engine/model/layers/fused.py), for models they run; mlx-lm's modules running the same model
         object compute the original layers.
@@ -97,7 +99,7 @@ class ModelRunner:
             self._enable_paged_kernel(lay.num_heads, lay.num_kv_heads, lay.head_dim, block_size, lay.kv_dtype,
                                       tiled_attention, mma_attention)
         if fused_rope and self.decode_path is not None:
-            why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype)
+            why = qk_rope.enable(self.ops, self.decode_path, lay.kv_dtype, into_pool=rope_writes_kv)
             if why is not None:
                 logger.warning("fused q/k rope kernel not used (%s)", why)
         self.ops.residual_matmul = fused_residual and takes_residual_matmul(self.decode_path)

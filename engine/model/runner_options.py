@@ -32,6 +32,9 @@ class RunnerOptions:
     # CUDA: a paged decode's host-made inputs (KV write slots, block table, lengths, RoPE offsets) as views
     # of one array, one managed-memory page fault a step instead of one each (kv_pool.step_inputs; None: on CUDA)
     pack_step_inputs: Optional[bool] = None
+    # CUDA, with fused_rope: a paged decode's keys and values written into the pool by the rope kernel, in
+    # place, instead of two scatters a layer (qk_rope.CudaQKRope.rope_into_pool; None: on CUDA)
+    rope_writes_kv: Optional[bool] = None
     # on a GPU, also the loops of families not yet validated there (engine/model/families.py
     # GPU_LOOP_FAMILIES): for the runs that validate them
     gpu_unvalidated_loops: bool = False

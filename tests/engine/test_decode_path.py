@@ -286,3 +286,61 @@ def test_an_engine_with_the_residual_matmul_predicts_fused_decodes(make_engine, 
     fused = make_engine(max_num_seqs=2)
     assert fused.memory.fused_decode and fused.execution_paths().fused_residual
     assert fused.memory.decode_layer_factor > plain.memory.decode_layer_factor
+
+
+class PoolWritingRope:
+    """A stand-in for qk_rope.CudaQKRope on the CPU: the reference rotation, and `rope_into_pool` writing
+    k and v into the pool's arrays at the given rows (a scatter into the same array objects, where the CUDA
+    kernel writes their buffers) and returning q; counts its calls."""
+
+    def __init__(self):
+        self.reference = ReferenceOps()
+        self.into_pool = 0
+
+    def handles(self, rope) -> bool:
+        return True
+
+    def __call__(self, *args):
+        return self.reference.rope_qkv(*args)
+
+    def rope_into_pool(self, qkv, offsets, rope, heads, kv_heads, norms, k_pool, v_pool, rows):
+        q, k, v = self.reference.rope_qkv(qkv, offsets, rope, heads, kv_heads, norms)
+        d = k.shape[-1]
+        k_pool[rows] = k.reshape(-1, d)
+        v_pool[rows] = v.reshape(-1, d)
+        self.into_pool += 1
+        return q
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rope_writing_the_pool_gives_the_scattering_loops_logits(make_engine, tiny_parts, reference_greedy,
+                                                                  run_to_completion, compiled):
+    """ReferenceOps.rope_writes_kv (RunnerOptions.rope_writes_kv, CUDA's default): a paged decode's keys and
+    values go into the pool from the rope kernel (`DecodePath.rope_write`; here a stand-in), the compiled
+    traces ending at the q/k/v product; every batched decode's logits equal the scattering loop's bitwise,
+    and the greedy tokens are mlx-lm's, compiled and not."""
+    def run(into_pool: bool):
+        engine = make_engine(prefill_chunk_size=64, max_num_seqs=4, prefix_cache_fraction=0.0)
+        runner = engine.runner
+        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+        ops = ReferenceOps()
+        ops.qk_rope, ops.rope_writes_kv = PoolWritingRope(), into_pool
+        runner.use_decode_path(ops, compiled=compiled)
+        prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=13)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
+        captured = []
+        head = runner._head
+        runner._head = lambda h: captured.append(head(h)) or captured[-1]
+        tokens = run_to_completion(engine)
+        return prompts, tokens, [c for c in captured if c.shape[0] > 1], ops.qk_rope.into_pool
+
+    prompts, tokens, logits, writes = run(True)
+    _, plain_tokens, plain_logits, plain_writes = run(False)
+    layers = len(tiny_parts[0].model.layers)
+    assert plain_writes == 0 and writes >= 5 * layers and writes % layers == 0  # (mixed steps scatter)
+    assert tokens == plain_tokens and {c.shape[0] for c in logits} == {2, 3} and len(logits) == len(plain_logits)
+    for a, b in zip(logits, plain_logits):
+        assert mx.array_equal(a, b).item()
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, [10, 4, 10][i])

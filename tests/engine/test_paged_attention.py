@@ -250,7 +250,7 @@ def test_engine_on_a_paged_backend_sizes_its_budget_with_the_paged_decode_term(m
     assert not gathering.runner.paged_attention and not gathering.memory.paged_decode
     assert gathering.execution_paths().attention_kernel == ""
     # on CUDA whole short prompts pack by default (ExecutionConfig.max_packed_tokens), resolved in its config
-    assert paged.memory.max_packed_tokens == 8192 == paged.config.execution.max_packed_tokens
+    assert paged.memory.max_packed_tokens == 16384 == paged.config.execution.max_packed_tokens
     assert paged.memory.coefficients.decode_paged is not None  # the ops-8 CUDA set
     assert paged.memory.decode_bytes([2048] * 16) < gathering.memory.decode_bytes([2048] * 16) / 4
     forwards = [e.memory.transient_bound_bytes(16, 16, 2048) for e in (paged, gathering)]

@@ -15,15 +15,29 @@ kernel (RunnerOptions.fused_rope), which falls back to the reference where it fa
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import mlx.core as mx
 
 from engine.model.kernels.constants import device_constant
 
+logger = logging.getLogger(__name__)
+
 # grid: B * (H + 2 HKV) blocks of D / 2 threads; inputs: qkv [B, (H + 2 HKV) D], offsets [B],
 # q_norm and k_norm [D] and their eps [2] (unread without NORM), rope [2] (scale, log2 of the base;
-# FREQS: rope holds the scale and freqs the D / 2 frequencies, as Llama3RoPE passes them to mx.fast.rope)
+# FREQS: rope holds the scale and freqs the D / 2 frequencies, as Llama3RoPE passes them to mx.fast.rope).
+# K_ROW / V_ROW: where a row's key / value head goes: the outputs k and v [B, HKV, D] (LAYOUT_ROWS), or
+# (POOL_ROWS) the KV pool's arrays [slots * HKV, D] in place, at rows[b * HKV + h] (the rows the decode's
+# KV write scatters to, engine/model/kv_pool.py ForwardView)
+LAYOUT_ROWS = """
+#define K_ROW(b, h) (k + ((size_t)(b) * HKV + (h)) * D)
+#define V_ROW(b, h) (v + ((size_t)(b) * HKV + (h)) * D)
+"""
+POOL_ROWS = """
+#define K_ROW(b, h) (const_cast<T*>(k_pool) + (size_t)rows[(b) * HKV + (h)] * D)
+#define V_ROW(b, h) (const_cast<T*>(v_pool) + (size_t)rows[(b) * HKV + (h)] * D)
+"""
 SOURCE = """
   constexpr int NH = H + 2 * HKV;
   constexpr int HALF = D / 2;
@@ -34,7 +48,7 @@ SOURCE = """
   const int hd = g % NH;
   const T* x = qkv + (size_t)g * D;
   if (hd >= H + HKV) {  // v: its layout only
-    T* o = v + ((size_t)b * HKV + (hd - H - HKV)) * D;
+    T* o = V_ROW(b, hd - H - HKV);
     o[tid] = x[tid];
     o[tid + HALF] = x[tid + HALF];
     return;
@@ -70,7 +84,7 @@ SOURCE = """
   const float st = sin(theta);
   const float x1 = static_cast<float>(a);
   const float x2 = static_cast<float>(c);
-  T* o = is_q ? q + ((size_t)b * H + hd) * D : k + ((size_t)b * HKV + (hd - H)) * D;
+  T* o = is_q ? q + ((size_t)b * H + hd) * D : K_ROW(b, hd - H);
   o[tid] = static_cast<T>(x1 * ct - x2 * st);
   o[tid + HALF] = static_cast<T>(x1 * st + x2 * ct);
 """
@@ -98,9 +112,12 @@ class CudaQKRope:
     def __init__(self, ropes: list, norm_eps: tuple = ()):
         """`ropes`: the RopeSpecs it rotates with; `norm_eps`: the (q, k) eps pairs of the layers' head
         norms. Their arrays are made here, once, outside any compiled trace."""
-        self._kernel = mx.fast.cuda_kernel(
-            name="qk_rope", input_names=["qkv", "offsets", "q_norm", "k_norm", "eps", "rope", "freqs"],
-            output_names=["q", "k", "v"], source=SOURCE)
+        names = ["qkv", "offsets", "q_norm", "k_norm", "eps", "rope", "freqs"]
+        self._kernel = mx.fast.cuda_kernel(name="qk_rope", input_names=names, output_names=["q", "k", "v"],
+                                           source=LAYOUT_ROWS + SOURCE)
+        # the same, writing k and v into the KV pool in place (`rope_into_pool`)
+        self._pool_kernel = mx.fast.cuda_kernel(name="qk_rope_pool", input_names=names + ["k_pool", "v_pool", "rows"],
+                                                output_names=["q"], source=POOL_ROWS + SOURCE)
         self._params = {}
         for rope in ropes:
             # Llama3RoPE's D / 2 frequencies (a copy: the model's array stays its own)
@@ -119,6 +136,38 @@ class CudaQKRope:
         """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d]; `norms` as
         `ReferenceOps.rope_qkv`'s ((weight, eps) of the q heads' RMSNorm, the k heads'), or None."""
         B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
+        nh = heads + 2 * kv_heads
+        q, k, v = self._kernel(
+            inputs=self._inputs(qkv, offsets, rope, norms), template=self._template(rope, heads, kv_heads, norms, dtype),
+            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
+            output_shapes=[(B, heads, 1, d), (B, kv_heads, 1, d), (B, kv_heads, 1, d)],
+            output_dtypes=[dtype, dtype, dtype])
+        return q, k, v
+
+    def rope_into_pool(self, qkv: mx.array, offsets: mx.array, rope, heads: int, kv_heads: int,
+                       norms: Optional[tuple], k_pool: mx.array, v_pool: mx.array, rows: mx.array) -> mx.array:
+        """As `__call__`, but k and v go into the pool arrays k_pool and v_pool [slots * H_kv, d] in place,
+        at rows `rows` [B * H_kv] (row b * H_kv + h: row b's head h), instead of being returned: -> q.
+
+        MLX does not know the pool changed: what reads it must depend on q (the paged attention takes q),
+        and nothing may hold the pool arrays as a graph's input expecting their old contents. Such a
+        write needs no donated buffer, so it does not wait for forwards still reading the pool."""
+        B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
+        nh = heads + 2 * kv_heads
+        (q,) = self._pool_kernel(
+            inputs=self._inputs(qkv, offsets, rope, norms) + [k_pool, v_pool, rows.astype(mx.int32)],
+            template=self._template(rope, heads, kv_heads, norms, dtype),
+            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
+            output_shapes=[(B, heads, 1, d)], output_dtypes=[dtype])
+        return q
+
+    @staticmethod
+    def _template(rope, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> list:
+        return [("T", dtype), ("D", rope.head_dim), ("H", heads), ("HKV", kv_heads), ("NORM", norms is not None),
+                ("FREQS", rope.freqs is not None)]
+
+    def _inputs(self, qkv: mx.array, offsets: mx.array, rope, norms: Optional[tuple]) -> list:
+        B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
         params, freqs = self._params[rope]
         if norms is None:
             q_norm = k_norm = self._unread[dtype]
@@ -127,15 +176,8 @@ class CudaQKRope:
             (q_norm, q_eps), (k_norm, k_eps) = norms
             pair = (float(q_eps), float(k_eps))
             eps = self._eps[pair] if pair in self._eps else device_constant(list(pair), mx.float32)
-        nh = heads + 2 * kv_heads
-        q, k, v = self._kernel(
-            inputs=[qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs],
-            template=[("T", dtype), ("D", d), ("H", heads), ("HKV", kv_heads), ("NORM", norms is not None),
-                      ("FREQS", rope.freqs is not None)],
-            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
-            output_shapes=[(B, heads, 1, d), (B, kv_heads, 1, d), (B, kv_heads, 1, d)],
-            output_dtypes=[dtype, dtype, dtype])
-        return q, k, v
+        nh = qkv.shape[-1] // d
+        return [qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs]
 
 
 def self_check(kernel, reference, ropes: list, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> None:
@@ -155,9 +197,36 @@ def self_check(kernel, reference, ropes: list, heads: int, kv_heads: int, norms:
                 raise RuntimeError(f"fused q/k rope kernel: {name} differs from the reference by {err}")
 
 
-def enable(ops, decode_path, dtype) -> Optional[str]:
+def self_check_pool(kernel, reference, rope, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> None:
+    """`rope_into_pool` against `reference`: q as returned, k and v in the pool's rows (in place: read back
+    after the call), the other rows untouched; raise if it fails or differs."""
+    d, B = rope.head_dim, 3
+    qkv = mx.random.normal((B, 1, (heads + 2 * kv_heads) * d), key=mx.random.key(8)).astype(dtype)
+    offsets = mx.array([0, 7, 3000], mx.int32)
+    slots = [5, 1, 9]  # rows b * H_kv + h of the pool: slot * H_kv + h
+    rows = mx.array([s * kv_heads + h for s in slots for h in range(kv_heads)], mx.int32)
+    k_pool, v_pool = mx.zeros((12 * kv_heads, d), dtype), mx.zeros((12 * kv_heads, d), dtype)
+    mx.eval(k_pool, v_pool)
+    q = kernel.rope_into_pool(qkv, offsets, rope, heads, kv_heads, norms, k_pool, v_pool, rows)
+    mx.eval(q)
+    want_q, want_k, want_v = reference(qkv, offsets, rope, heads, kv_heads, norms)
+    tolerance = 1e-4 if dtype == mx.float32 else 5e-2
+    unwritten = mx.array([r for r in range(12 * kv_heads) if r not in set(rows.tolist())])
+    for name, got, want in (("q", q, want_q), ("k", k_pool[rows], want_k.reshape(B * kv_heads, d)),
+                            ("v", v_pool[rows], want_v.reshape(B * kv_heads, d))):
+        want = want.astype(mx.float32)
+        err = mx.abs(got.astype(mx.float32) - want).max().item()
+        if not err <= tolerance * max(1.0, mx.abs(want).max().item()):
+            raise RuntimeError(f"fused q/k rope kernel into the pool: {name} differs from the reference by {err}")
+    if mx.abs(k_pool[unwritten]).max().item() or mx.abs(v_pool[unwritten]).max().item():
+        raise RuntimeError("fused q/k rope kernel into the pool: wrote rows it was not given")
+
+
+def enable(ops, decode_path, dtype, into_pool: bool = False) -> Optional[str]:
     """Give `ops` (the layer loops' ReferenceOps) the kernel for `decode_path`'s layers if every layer's
-    rotation allows it and it passes `self_check` here; returns why not (None: enabled)."""
+    rotation allows it and it passes `self_check` here; returns why not (None: enabled). `into_pool`: and
+    let a paged decode write its keys and values into the pool with it (`rope_into_pool`,
+    `ops.rope_writes_kv`) if that passes `self_check_pool` (else it scatters them, logged)."""
     from engine.model.layers.decode_path import qk_norms
     from engine.model.layers.ops import ReferenceOps
 
@@ -176,4 +245,12 @@ def enable(ops, decode_path, dtype) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - any failure means: do without it
         return f"{type(exc).__name__}: {exc}"
     ops.qk_rope = kernel
+    if into_pool:
+        try:
+            self_check_pool(kernel, ReferenceOps().rope_qkv, distinct[0], decode_path.heads, decode_path.kv_heads,
+                            qk_norms(decode_path.layers[0]), dtype)
+            ops.rope_writes_kv = True
+        except Exception as exc:  # noqa: BLE001 - the decode scatters its KV instead
+            logger.warning("decode KV written by scatter, not by the fused q/k rope kernel (%s: %s)",
+                           type(exc).__name__, exc)
     return None

@@ -82,11 +82,35 @@ class DecodePath:
             return self.compiled.forward(h, offsets, view)
         first = self.layers[0]
         y = mx.fast.rms_norm(h, first.in_w, first.in_eps)
+        into_pool = self.rope_into_pool(view)
         for i, layer in enumerate(self.layers):
-            q, k, v = self.qkv_rope(layer, y, offsets, self.ropes[i])
-            out = self.attend(view, i, q, k, v, layer.scale, layer.softcap)
+            if into_pool:
+                out = self.attend_written(view, i, self.rope_write(view, i, layer.qkv(y), offsets))
+            else:
+                q, k, v = self.qkv_rope(layer, y, offsets, self.ropes[i])
+                out = self.attend(view, i, q, k, v, layer.scale, layer.softcap)
             h, y = self.block_end(layer, h, out, self.next_norm(i))
         return y
+
+    def rope_into_pool(self, view) -> bool:
+        """Whether this forward's keys and values go into the pool from the fused q/k rope kernel (in
+        place, `rope_write`) instead of a scatter: where the runner enabled it (`ops.rope_writes_kv`), for
+        a paged decode without sliding windows (`ForwardView.writes_in_place`)."""
+        return (self.ops.rope_writes_kv and self.ops.qk_rope is not None and view.writes_in_place
+                and all(self.ops.qk_rope.handles(r) for r in self.ropes))
+
+    def rope_write(self, view, i: int, qkv: mx.array, offsets: mx.array) -> mx.array:
+        """Layer i's q/k head norms and RoPE of its q/k/v product qkv [B, 1, (H + 2 H_kv) d], k and v
+        written into the pool's rows in place -> q [B, H, 1, d] (qk_rope.CudaQKRope.rope_into_pool)."""
+        return self.ops.qk_rope.rope_into_pool(qkv, offsets, self.ropes[i], self.heads, self.kv_heads,
+                                               qk_norms(self.layers[i]), view.pool.keys[i], view.pool.values[i],
+                                               view.write_rows)
+
+    def attend_written(self, view, i: int, q: mx.array) -> mx.array:
+        """Attention of layer i over the pool that `rope_write` wrote (it reads after the write: it takes
+        the kernel's q) -> [B, H, 1, d]."""
+        layer = self.layers[i]
+        return self.ops.attend(view, i, q, layer.scale, softcap=layer.softcap)
 
     def qkv_rope(self, layer, y: mx.array, offsets: mx.array, rope: RopeSpec) -> tuple:
         """The layer's q, k, v of its normed input y [B, 1, D], its q/k head norms and RoPE applied."""
@@ -189,8 +213,11 @@ class CompiledLayers:
         self._qkv = [_qkv_arrays(layer) for layer in layers]
         self._end = [_end_arrays(layer) for layer in layers]
         self._first = mx.compile(self._first_fn)
+        self._first_product = mx.compile(self._first_product_fn)
         self._traces: dict = {}  # structure -> its compiled function
+        self._product_traces: dict = {}  # structure -> the same ending at the next layer's q/k/v product
         self._steps = []  # per layer: its compiled block end (and the next layer's q/k/v)
+        self._product_steps = []  # the same ending at the next layer's q/k/v product (`DecodePath.rope_write`)
         for i, layer in enumerate(layers):
             nxt = i + 1 < len(layers)
             key = (_end_key(layer), path.next_norm(i)[1]) + ((_qkv_key(layers[i + 1], path.ropes[i + 1]),)
@@ -198,11 +225,27 @@ class CompiledLayers:
             fn = self._middle_fn(layer, layers[i + 1], path.ropes[i + 1]) if nxt else self._last_fn(layer)
             if key not in self._traces:
                 self._traces[key] = mx.compile(fn)
+                if nxt:
+                    self._product_traces[key] = mx.compile(self._middle_product_fn(layer, layers[i + 1]))
             self._steps.append(self._traces[key])
+            self._product_steps.append(self._product_traces.get(key))
 
     def _first_fn(self, h, offsets, in_w, *ws):
         path, layer = self.path, self.path.layers[0]
         return path.qkv_rope(_with_qkv(layer, ws), mx.fast.rms_norm(h, in_w, layer.in_eps), offsets, path.ropes[0])
+
+    def _first_product_fn(self, h, in_w, *ws):
+        layer = self.path.layers[0]
+        return _with_qkv(layer, ws).qkv(mx.fast.rms_norm(h, in_w, layer.in_eps))
+
+    def _middle_product_fn(self, layer, nxt):
+        path, num_end = self.path, len(_end_arrays(layer))
+
+        def middle(h, out, next_w, *ws):
+            h, y = path.block_end(_with_end(layer, ws[:num_end]), h, out, (next_w, nxt.in_eps))
+            return h, _with_qkv(nxt, ws[num_end:]).qkv(y)
+
+        return middle
 
     def _middle_fn(self, layer, nxt, rope):
         path, num_end = self.path, len(_end_arrays(layer))
@@ -233,8 +276,16 @@ class CompiledLayers:
         """h [B, 1, D] (the embedded tokens), offsets [B] -> the final-normed hidden states; `view` as
         `DecodePath.forward`'s."""
         layers, path = self.path.layers, self.path
-        q, k, v = self._first(h, offsets, layers[0].in_w, *self._qkv[0])
         last = len(layers) - 1
+        if path.rope_into_pool(view):  # the traces end at the q/k/v product; the rope kernel writes the pool
+            qkv = self._first_product(h, layers[0].in_w, *self._qkv[0])
+            for i, layer in enumerate(layers):
+                out = path.attend_written(view, i, path.rope_write(view, i, qkv, offsets))
+                next_w = path.next_norm(i)[0]
+                if i == last:
+                    return self._steps[i](h, out, next_w, *self._end[i])
+                h, qkv = self._product_steps[i](h, out, next_w, *self._end[i], *self._qkv[i + 1])
+        q, k, v = self._first(h, offsets, layers[0].in_w, *self._qkv[0])
         for i, layer in enumerate(layers):
             out = path.attend(view, i, q, k, v, layer.scale, layer.softcap)  # [B, H, 1, d]
             next_w = path.next_norm(i)[0]

@@ -48,6 +48,9 @@ class ReferenceOps:
         # (decode_path.residual_matmul), where the runner enabled it (before the first decode: compiled
         # layers read it when they trace)
         self.residual_matmul = False
+        # a paged decode's keys and values go into the pool from qk_rope's kernel (`rope_into_pool`), not a
+        # scatter, where the runner enabled it
+        self.rope_writes_kv = False
 
     def attention(self, queries, keys, values, scale: float, mask=None, stages: Optional[list] = None,
                   softcap: Optional[float] = None) -> mx.array:
