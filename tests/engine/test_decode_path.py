@@ -14,6 +14,7 @@ from engine.model.layers.decode_path import DecodePath, unsupported
 from engine.model.layers.ops import ReferenceOps
 from engine.model.kernels.paged_attention import ReferenceAttention
 from engine.core.types import SamplingParams
+from tests.engine.stand_ins import PoolWritingRope
 
 
 class CountingOps(ReferenceOps):
@@ -286,30 +287,6 @@ def test_an_engine_with_the_residual_matmul_predicts_fused_decodes(make_engine, 
     fused = make_engine(max_num_seqs=2)
     assert fused.memory.fused_decode and fused.execution_paths().fused_residual
     assert fused.memory.decode_layer_factor > plain.memory.decode_layer_factor
-
-
-class PoolWritingRope:
-    """A stand-in for qk_rope.CudaQKRope on the CPU: the reference rotation, and `rope_into_pool` writing
-    k and v into the pool's arrays at the given rows (a scatter into the same array objects, where the CUDA
-    kernel writes their buffers) and returning q; counts its calls."""
-
-    def __init__(self):
-        self.reference = ReferenceOps()
-        self.into_pool = 0
-
-    def handles(self, rope) -> bool:
-        return True
-
-    def __call__(self, *args):
-        return self.reference.rope_qkv(*args)
-
-    def rope_into_pool(self, qkv, offsets, rope, heads, kv_heads, norms, k_pool, v_pool, rows):
-        q, k, v = self.reference.rope_qkv(qkv, offsets, rope, heads, kv_heads, norms)
-        d = k.shape[-1]
-        k_pool[rows] = k.reshape(-1, d)
-        v_pool[rows] = v.reshape(-1, d)
-        self.into_pool += 1
-        return q
 
 
 @pytest.mark.parametrize("compiled", [False, True])

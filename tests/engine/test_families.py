@@ -18,6 +18,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.types import SamplingParams
 from tests.engine.conftest import reference_greedy_ids
+from tests.engine.stand_ins import PoolWritingRope
 from tests.engine.family_checkpoints import FAMILY_CONFIGS, build_checkpoint, read_config
 
 PROMPT_LENGTHS = (40, 23, 57)  # chunks of 16: 3, 2 and 4 chunks; 57 + 10 tokens pass gemma3's window
@@ -101,8 +102,9 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
     tokens are mlx-lm's; `compiled-paged`: decode's compiled layer traces over the paged attention path
     (MLX's reference in the CUDA kernel's place; Gemma 2's soft-capped logits refuse the kernel, Gemma
     3's sliding layers gather their window; Qwen3-MoE's experts are not compiled); `-packed`: and several
-    rows' prompt chunks in one forward, and a decode's host-made inputs as views of one array (the engine's
-    ways on CUDA; ChunkPath.forward_packed, KVPool.pack_step_inputs)."""
+    rows' prompt chunks in one forward, a decode's host-made inputs as views of one array and its KV written
+    by the rope kernel (a stand-in: tests/engine/stand_ins.py) (the engine's ways on CUDA;
+    ChunkPath.forward_packed, KVPool.pack_step_inputs, DecodePath.rope_into_pool)."""
     from engine.model.kernels.paged_attention import ReferenceAttention
 
     packed = decode.endswith("-packed")
@@ -120,6 +122,8 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
         runner.use_decode_path(runner.ops, compiled=True)
         assert (runner.decode_path.compiled is None) == (family == "qwen3_moe")
         runner.pool.pack_step_inputs = packed
+        if packed:  # the KV written by the rope kernel (a stand-in here) where the decode is paged
+            runner.ops.qk_rope, runner.ops.rope_writes_kv = PoolWritingRope(), True
     calls = {"mixed": 0}
     real = runner.mixed_forward
 
@@ -140,6 +144,8 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
     assert _serve(engine, prompts) == want
     assert calls["mixed"] >= 1
     assert (calls.get("packed", 0) >= 1) == packed
+    if packed:  # not where attention is soft-capped (no paged decode) or sliding windows gather
+        assert (runner.ops.qk_rope.into_pool > 0) == (family not in ("gemma2", "gemma3_text", "gemma3"))
 
 
 def test_shapes_read_from_the_model(checkpoints):
