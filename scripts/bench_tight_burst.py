@@ -88,6 +88,8 @@ def step_summary(steps: list[dict], seen_shapes: Optional[set]) -> dict:
         max_predicted_bytes=max((s["predicted"] for s in steps), default=0),
         max_measured_bytes=max((s["measured"] for s in steps), default=0),
         num_underpredicted_steps=sum(s["measured"] > s["predicted"] for s in steps),
+        # each such step's whole record (and its index), kept without --steps: what ran over its prediction
+        underpredicted_steps=[dict(index=i, **s) for i, s in enumerate(steps) if s["measured"] > s["predicted"]],
         num_steps_predicted_over_free=sum(s["free_transient_bytes"] is not None
                                           and s["predicted"] > s["free_transient_bytes"] for s in steps),
         step_ratio_min=ratios[0] if ratios else None,

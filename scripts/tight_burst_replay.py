@@ -106,7 +106,8 @@ def replay_run(model: str, dtype: str, setting: ReplaySetting, prompts: list[lis
             if request.num_output_tokens >= request.sampling.max_tokens:
                 scheduler.finish(request.request_id, FinishReason.LENGTH, request.num_computed_tokens)
     summary = step_summary(steps, seen_shapes)
-    for key in ("max_measured_bytes", "num_underpredicted_steps", "step_ratio_min", "step_ratio_median"):
+    for key in ("max_measured_bytes", "num_underpredicted_steps", "underpredicted_steps", "step_ratio_min",
+                "step_ratio_median"):
         summary.pop(key)
     return dict(headroom_bytes=setting.headroom_bytes, kv_budget_bytes=scheduler.kv.kv_budget_bytes,
                 kv_share_of_headroom=scheduler.kv.kv_budget_bytes / setting.headroom_bytes,

@@ -8,7 +8,7 @@ Takes plain data from the scheduler (which rows compute which tokens) and return
 Both only build their graph and return it as a `Forward`; `launch` starts it and `Forward.finish`
 waits for it. Forwards never overlap on the device (`finish` says why); the engine builds the next one
 while the current one runs (engine/executor.py).
-Both read and write the KV pool through a `ForwardView` (engine/model/kv_pool.py): per layer a constant number of
+Both read and write the KV pool through a `ForwardView` (engine/model/forward_view.py): per layer a constant number of
 operations whatever the number of rows. The runner allocates nothing: each row's blocks, and how many
 blocks the pool must hold, come from the KV manager through the plan (engine/core/kv_manager.py).
 """
@@ -31,7 +31,8 @@ from engine.model.layers.ops import ReferenceOps
 from engine.model.runner_options import RunnerOptions  # noqa: F401 (the runner's API)
 from engine.model.families import model_layout
 from engine.model.layers.fused import fuse_projections
-from engine.model.kv_pool import ForwardView, KVPool, Row, attention_copies_views, slice_start, sliding_window
+from engine.model.forward_view import ForwardView
+from engine.model.kv_pool import KVPool, Row, attention_copies_views, slice_start, sliding_window
 from engine.model.layers.mixed import MixedForward
 from engine.model.kernels import qk_rope
 from engine.model.kernels.paged_attention import PagedAttention, first_passing, unsupported

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.model.kernels.paged_attention import ReferenceAttention
 from engine.model.layers.ops import ReferenceOps
 
 
@@ -27,3 +28,10 @@ class PoolWritingRope:
         v_pool[rows] = v.reshape(-1, d)
         self.into_pool += 1
         return q
+
+
+class OrderedReferenceAttention(ReferenceAttention):
+    """ReferenceAttention marked as reading the pool only after the queries (as the CUDA kernels do): true
+    beside PoolWritingRope, whose scatter the gather depends on; never beside the CUDA rope kernel."""
+
+    reads_pool_after_queries = True

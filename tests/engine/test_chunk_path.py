@@ -21,7 +21,7 @@ def random_prompt(length, seed):
 def run_chunks(runner, row, chunks, read_slices, sample_last):
     """Run the row's chunks through `runner.prefill`'s path (the chunk loop, or mlx-lm's modules if the
     runner has none); the last one samples if `sample_last`. Returns its final hidden state [1, 1, D]."""
-    from engine.model.kv_pool import ForwardView
+    from engine.model.forward_view import ForwardView
 
     hidden = None
     for i, chunk in enumerate(chunks):
@@ -168,7 +168,8 @@ def test_warm_attention_runs_the_attention_of_each_shape_as_a_chunk_forward_call
     """The start's warm-up (ModelRunner.warm_chunk_shapes, on CUDA) calls the chunk loop's attention once
     per grid shape with what a chunk forward of that shape passes it: same shapes, dtypes and mask."""
     from engine.core.chunk_grid import grid_shapes
-    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import Row
     from engine.model.runner import ModelRunner
 
     runner = ModelRunner(tiny_parts[0], block_size=16, max_forward_tokens=32)

@@ -14,7 +14,7 @@ from engine.model.layers.decode_path import DecodePath, unsupported
 from engine.model.layers.ops import ReferenceOps
 from engine.model.kernels.paged_attention import ReferenceAttention
 from engine.core.types import SamplingParams
-from tests.engine.stand_ins import PoolWritingRope
+from tests.engine.stand_ins import OrderedReferenceAttention, PoolWritingRope
 
 
 class CountingOps(ReferenceOps):
@@ -136,7 +136,8 @@ def test_compiled_layers_trace_each_layer_structure_once(random_llama):
     """Layers of one structure share a compiled trace; a layer whose norm epsilon differs (a structure of
     its own) gets its own, and the decode's hidden states stay those of the Python-built loop."""
     from engine.model.layers.bound import BoundModel
-    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import Row
     from engine.model.runner import ModelRunner
 
     model, _ = random_llama(hidden_size=64, intermediate_size=128, vocab_size=256, num_hidden_layers=4)
@@ -299,7 +300,7 @@ def test_rope_writing_the_pool_gives_the_scattering_loops_logits(make_engine, ti
     def run(into_pool: bool):
         engine = make_engine(prefill_chunk_size=64, max_num_seqs=4, prefix_cache_fraction=0.0)
         runner = engine.runner
-        runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
+        runner.use_paged_attention(OrderedReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
         ops = ReferenceOps()
         ops.qk_rope, ops.rope_writes_kv = PoolWritingRope(), into_pool
         runner.use_decode_path(ops, compiled=compiled)
@@ -321,3 +322,22 @@ def test_rope_writing_the_pool_gives_the_scattering_loops_logits(make_engine, ti
         assert mx.array_equal(a, b).item()
     for i, prompt in enumerate(prompts):
         assert tokens[str(i)] == reference_greedy(tiny_parts[0], prompt, [10, 4, 10][i])
+
+
+def test_rope_writes_the_pool_only_where_the_attention_reads_after_the_queries(make_engine):
+    """An attention that reads the pool with MLX operations (ReferenceAttention's gather) has no order
+    after a kernel writing the pool in place: the decode then scatters its KV."""
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import Row
+
+    engine = make_engine(prefill_chunk_size=64, max_num_seqs=4, prefix_cache_fraction=0.0)
+    runner = engine.runner
+    ops = ReferenceOps()
+    ops.qk_rope, ops.rope_writes_kv = PoolWritingRope(), True
+    runner.use_decode_path(ops)
+    runner.grow_pool(2)
+    row = Row([0], runner.pool.block_size, runner.pool.block_bytes)
+    row.offset = 3
+    for attention, writes in ((ReferenceAttention, False), (OrderedReferenceAttention, True)):
+        runner.use_paged_attention(attention(runner.pool.num_kv_heads, runner.pool.block_size))
+        assert runner.decode_path.rope_into_pool(ForwardView(runner.pool, [row], 1)) == writes

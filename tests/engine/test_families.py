@@ -18,7 +18,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.types import SamplingParams
 from tests.engine.conftest import reference_greedy_ids
-from tests.engine.stand_ins import PoolWritingRope
+from tests.engine.stand_ins import OrderedReferenceAttention, PoolWritingRope
 from tests.engine.family_checkpoints import FAMILY_CONFIGS, build_checkpoint, read_config
 
 PROMPT_LENGTHS = (40, 23, 57)  # chunks of 16: 3, 2 and 4 chunks; 57 + 10 tokens pass gemma3's window
@@ -122,8 +122,10 @@ def test_layer_loops_serve_every_float_family(checkpoints, family, decode):
         runner.use_decode_path(runner.ops, compiled=True)
         assert (runner.decode_path.compiled is None) == (family == "qwen3_moe")
         runner.pool.pack_step_inputs = packed
-        if packed:  # the KV written by the rope kernel (a stand-in here) where the decode is paged
+        if packed:  # the KV written by the rope kernel (stand-ins here) where the decode is paged
             runner.ops.qk_rope, runner.ops.rope_writes_kv = PoolWritingRope(), True
+            if family != "gemma2":
+                runner.use_paged_attention(OrderedReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
     calls = {"mixed": 0}
     real = runner.mixed_forward
 

@@ -71,7 +71,7 @@ def test_decode_graph_does_not_grow_with_the_batch(make_engine):
 
 def forward_logits(runner, row, chunks, read_slices):
     """Each chunk's logits [1, T, V] through a ForwardView of the row, and whether it read a slice."""
-    from engine.model.kv_pool import ForwardView
+    from engine.model.forward_view import ForwardView
 
     logits, slices = [], []
     for chunk in chunks:
@@ -216,7 +216,8 @@ def test_sliding_layers_read_only_their_window(read_slices):
     mask names; a global layer reads the whole row."""
     import numpy as np
 
-    from engine.model.kv_pool import ForwardView, KVPool, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import KVPool, Row
 
     pool = KVPool(2, 1, 4, mx.float32, 16, read_slices=read_slices, layer_windows=(8, None))
     pool.grow(8)
@@ -247,7 +248,8 @@ def test_sliding_layers_read_only_their_window(read_slices):
 def test_sliding_layers_in_rings_read_their_window_from_the_row_s_ring():
     """With rings (window 8, rings of 12 slots): position p of ring r is row r * 12 + p % 12 of the
     sliding layer's arrays, which stay their fixed size; writes and window reads go there."""
-    from engine.model.kv_pool import ForwardView, KVPool, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import KVPool, Row
 
     pool = KVPool(2, 1, 4, mx.float32, 16, layer_windows=(8, None), ring_rows=2, ring_tokens=12)
     pool.grow(4)
@@ -300,7 +302,8 @@ def test_pool_is_token_major_and_growth_keeps_every_slot():
     every row; a consecutive row read as a view and as a gather gives the keys written."""
     import numpy as np
 
-    from engine.model.kv_pool import ForwardView, KVPool, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import KVPool, Row
 
     pool = KVPool(1, 2, 4, mx.float32, 16)
     pool.grow(2)

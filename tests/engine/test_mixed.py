@@ -208,7 +208,8 @@ def test_mixed_forward_logits_equal_mlx_lm(tiny_parts, sample):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import Row
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]

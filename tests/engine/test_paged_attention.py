@@ -104,7 +104,8 @@ def test_a_paged_view_refuses_mlx_lm_modules(tiny_parts):
     mlx-lm's cache protocol it would attend over the new keys alone, so it raises instead."""
     import mlx.core as mx
 
-    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import Row
     from engine.model.runner import ModelRunner
 
     runner = ModelRunner(tiny_parts[0], block_size=4)
@@ -134,7 +135,8 @@ def test_batched_paged_decode_logits_equal_mlx_lm_per_row(tiny_parts, packed):
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.core.blocks import BlockAllocator
-    from engine.model.kv_pool import ForwardView, Row
+    from engine.model.forward_view import ForwardView
+    from engine.model.kv_pool import Row
     from engine.model.runner import ModelRunner
 
     model = tiny_parts[0]
@@ -379,11 +381,11 @@ def test_direct_kernels_pair_with_their_span_kernels(monkeypatch):
 
 
 def test_step_inputs_are_views_of_one_array_with_each_inputs_values():
-    """kv_pool.step_inputs: each part's values and shape, int32, None kept in its place."""
+    """forward_view.step_inputs: each part's values and shape, int32, None kept in its place."""
     import mlx.core as mx
     import numpy as np
 
-    from engine.model.kv_pool import step_inputs
+    from engine.model.forward_view import step_inputs
 
     parts = [np.arange(6, dtype=np.int64), None, np.array([[3, 4, 5], [6, 7, 8]]), np.array([9], np.int32)]
     made = step_inputs(parts)

@@ -19,7 +19,7 @@ the long-span one of that module instead: spans of up to 1024 keys with 16-byte 
 softmax per warp, as many keys per span as still give the device about four blocks per multiprocessor.
 
 The engine's own layer loops (engine/model/layers/decode_path.py, mixed.py, chunk_path.py) call the
-kernel explicitly, through their `ForwardView` (engine/model/kv_pool.py), for their one-query
+kernel explicitly, through their `ForwardView` (engine/model/forward_view.py), for their one-query
 forwards; forwards through mlx-lm's modules gather (the runner enables the kernel only where its loops
 run the model). `ReferenceAttention` computes the same thing with MLX operations (gather, mask, MLX
 attention): the CPU tests run the engine's paged path with it, scripts/bench_decode_attention.py checks
@@ -216,6 +216,12 @@ class PagedAttention:
     [B] int32 (keys per row, each >= 1: a decode row holds at least its own key; NB = ceil(max(lengths) /
     block_size)), scale) -> [B, H, 1, D]`."""
 
+    # Whether every read of the pool is inside a kernel that takes the queries, so it runs after whatever
+    # produced them: a pool written in place by the kernel that makes the queries
+    # (decode_path.DecodePath.rope_into_pool) may be read only so. MLX operations reading the pool
+    # (ReferenceAttention's gather) have no such order.
+    reads_pool_after_queries = False
+
     def __init__(self, num_kv_heads: int, block_size: int):
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -242,6 +248,8 @@ class ReferenceAttention(PagedAttention):
 
 class CudaPagedAttention(PagedAttention):
     """The two CUDA kernels (module docstring)."""
+
+    reads_pool_after_queries = True  # the kernels take the queries and read the pool themselves
 
     def __init__(self, num_kv_heads: int, block_size: int, keys_per_partial: int = _CH, threads: int = _THREADS,
                  spans: bool = True, keys_per_span: Optional[int] = None, span_loads: int = 0,

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # FREQS: rope holds the scale and freqs the D / 2 frequencies, as Llama3RoPE passes them to mx.fast.rope).
 # K_ROW / V_ROW: where a row's key / value head goes: the outputs k and v [B, HKV, D] (LAYOUT_ROWS), or
 # (POOL_ROWS) the KV pool's arrays [slots * HKV, D] in place, at rows[b * HKV + h] (the rows the decode's
-# KV write scatters to, engine/model/kv_pool.py ForwardView)
+# KV write scatters to, engine/model/forward_view.py ForwardView)
 LAYOUT_ROWS = """
 #define K_ROW(b, h) (k + ((size_t)(b) * HKV + (h)) * D)
 #define V_ROW(b, h) (v + ((size_t)(b) * HKV + (h)) * D)

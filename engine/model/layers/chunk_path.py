@@ -30,7 +30,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.model.kv_pool import GroupWrite, chunk_view
+from engine.model.forward_view import GroupWrite
+from engine.model.kv_pool import chunk_view
 from engine.model.layers import block
 from engine.model.layers.bound import BoundModel, unsupported
 from engine.model.layers.ops import ReferenceOps
