@@ -36,6 +36,20 @@ def prompts_of(lengths, vocab, seed=0):
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
+def serve_capturing_logits(engine, run_to_completion, seed: int):
+    """Three prompts (70, 5 and 300 tokens, 10 / 4 / 10 new tokens: batches of 3 rows, then 2) served to
+    the end -> (prompts, greedy tokens by request id, the logits of every decode of several rows)."""
+    runner = engine.runner
+    prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=seed)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
+    captured = []
+    head = runner._head
+    runner._head = lambda h: captured.append(head(h)) or captured[-1]
+    tokens = run_to_completion(engine)
+    return prompts, tokens, [c for c in captured if c.shape[0] > 1]
+
+
 @pytest.mark.parametrize("async_decode", [False, True])
 def test_decode_path_greedy_equals_mlx_lm(make_engine, tiny_parts, reference_greedy, run_to_completion,
                                          async_decode):
@@ -113,14 +127,7 @@ def test_compiled_layers_give_the_same_logits_and_greedy_tokens(make_engine, tin
         runner.use_paged_attention(ReferenceAttention(runner.pool.num_kv_heads, runner.pool.block_size))
         runner.use_decode_path(ReferenceOps(), compiled=compiled)
         assert (runner.decode_path.compiled is not None) == compiled
-        prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=11)
-        for i, p in enumerate(prompts):  # the short prompt stops first: batch sizes 3, then 2
-            engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
-        captured = []
-        head = runner._head
-        runner._head = lambda h: captured.append(head(h)) or captured[-1]
-        tokens = run_to_completion(engine)
-        return prompts, tokens, [c for c in captured if c.shape[0] > 1]
+        return serve_capturing_logits(engine, run_to_completion, seed=11)
 
     prompts, tokens, logits = run(True)
     _, plain_tokens, plain_logits = run(False)
@@ -177,14 +184,8 @@ def test_residual_matmul_gives_mlx_lm_greedy_tokens(make_engine, tiny_parts, ref
         ops.residual_matmul = fused
         runner.use_decode_path(ops, compiled=compiled)
         assert (runner.decode_path.compiled is not None) == compiled
-        prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=5)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
-        captured = []
-        head = runner._head
-        runner._head = lambda h: captured.append(head(h)) or captured[-1]
-        tokens = run_to_completion(engine)
-        return prompts, tokens, [c for c in captured if c.shape[0] > 1], getattr(ops, "calls", {}).get("add_rms_norm")
+        return (*serve_capturing_logits(engine, run_to_completion, seed=5),
+                getattr(ops, "calls", {}).get("add_rms_norm"))
 
     prompts, tokens, logits, adds = run(True)
     _, plain_tokens, plain_logits, plain_adds = run(False)
@@ -304,14 +305,7 @@ def test_rope_writing_the_pool_gives_the_scattering_loops_logits(make_engine, ti
         ops = ReferenceOps()
         ops.qk_rope, ops.rope_writes_kv = PoolWritingRope(), into_pool
         runner.use_decode_path(ops, compiled=compiled)
-        prompts = prompts_of([70, 5, 300], engine.memory.shape.vocab_size, seed=13)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=[10, 4, 10][i], ignore_eos=True))
-        captured = []
-        head = runner._head
-        runner._head = lambda h: captured.append(head(h)) or captured[-1]
-        tokens = run_to_completion(engine)
-        return prompts, tokens, [c for c in captured if c.shape[0] > 1], ops.qk_rope.into_pool
+        return (*serve_capturing_logits(engine, run_to_completion, seed=13), ops.qk_rope.into_pool)
 
     prompts, tokens, logits, writes = run(True)
     _, plain_tokens, plain_logits, plain_writes = run(False)
