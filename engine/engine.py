@@ -407,8 +407,7 @@ class Engine:
                               fused_rope=runner.ops.qk_rope is not None,
                               fused_residual=runner.ops.residual_matmul,
                               pack_step_inputs=runner.pool.pack_step_inputs and runner.paged_attention,
-                              rope_writes_kv=runner.ops.rope_writes_kv and runner.paged_attention
-                              and runner.pool.window is None and runner.pool.paged.reads_pool_after_queries,
+                              rope_writes_kv=decode is not None and decode.writes_kv_in_rope(runner.pool),
                               attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
                               launch_thread=self._stream is not None)

@@ -30,7 +30,7 @@ class RunnerOptions:
     # CUDA: decode's o and down products added to the residual inside their matmuls (None: on CUDA)
     fused_residual: Optional[bool] = None
     # CUDA: a paged decode's host-made inputs (KV write slots, block table, lengths, RoPE offsets) as views
-    # of one array, one managed-memory page fault a step instead of one each (forward_view.step_inputs; None: on CUDA)
+    # of one managed-memory array instead of four (forward_view.step_inputs, docs/decode.md; None: on CUDA)
     pack_step_inputs: Optional[bool] = None
     # CUDA, with fused_rope: a paged decode's keys and values written into the pool by the rope kernel, in
     # place, instead of two scatters a layer (qk_rope.CudaQKRope.rope_into_pool; None: on CUDA)

@@ -135,14 +135,9 @@ class CudaQKRope:
                  norms: Optional[tuple] = None) -> tuple:
         """qkv [B, 1, (H + 2 H_kv) d] -> q [B, H, 1, d], k and v [B, H_kv, 1, d]; `norms` as
         `ReferenceOps.rope_qkv`'s ((weight, eps) of the q heads' RMSNorm, the k heads'), or None."""
-        B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
-        nh = heads + 2 * kv_heads
-        q, k, v = self._kernel(
-            inputs=self._inputs(qkv, offsets, rope, norms), template=self._template(rope, heads, kv_heads, norms, dtype),
-            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
-            output_shapes=[(B, heads, 1, d), (B, kv_heads, 1, d), (B, kv_heads, 1, d)],
-            output_dtypes=[dtype, dtype, dtype])
-        return q, k, v
+        B, d = qkv.shape[0], rope.head_dim
+        return tuple(self._run(self._kernel, qkv, offsets, rope, heads, kv_heads, norms, [],
+                               [(B, heads, 1, d), (B, kv_heads, 1, d), (B, kv_heads, 1, d)]))
 
     def rope_into_pool(self, qkv: mx.array, offsets: mx.array, rope, heads: int, kv_heads: int,
                        norms: Optional[tuple], k_pool: mx.array, v_pool: mx.array, rows: mx.array) -> mx.array:
@@ -152,21 +147,14 @@ class CudaQKRope:
         MLX does not know the pool changed: what reads it must depend on q (the paged attention takes q),
         and nothing may hold the pool arrays as a graph's input expecting their old contents. Such a
         write needs no donated buffer, so it does not wait for forwards still reading the pool."""
-        B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
-        nh = heads + 2 * kv_heads
-        (q,) = self._pool_kernel(
-            inputs=self._inputs(qkv, offsets, rope, norms) + [k_pool, v_pool, rows.astype(mx.int32)],
-            template=self._template(rope, heads, kv_heads, norms, dtype),
-            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
-            output_shapes=[(B, heads, 1, d)], output_dtypes=[dtype])
+        (q,) = self._run(self._pool_kernel, qkv, offsets, rope, heads, kv_heads, norms,
+                         [k_pool, v_pool, rows.astype(mx.int32)], [(qkv.shape[0], heads, 1, rope.head_dim)])
         return q
 
-    @staticmethod
-    def _template(rope, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> list:
-        return [("T", dtype), ("D", rope.head_dim), ("H", heads), ("HKV", kv_heads), ("NORM", norms is not None),
-                ("FREQS", rope.freqs is not None)]
-
-    def _inputs(self, qkv: mx.array, offsets: mx.array, rope, norms: Optional[tuple]) -> list:
+    def _run(self, kernel, qkv: mx.array, offsets: mx.array, rope, heads: int, kv_heads: int,
+             norms: Optional[tuple], extra: list, output_shapes: list) -> list:
+        """`kernel` (either variant) over qkv: one block per (row, head) of d / 2 threads; `extra`: the
+        variant's inputs after the common ones."""
         B, d, dtype = qkv.shape[0], rope.head_dim, qkv.dtype
         params, freqs = self._params[rope]
         if norms is None:
@@ -176,8 +164,13 @@ class CudaQKRope:
             (q_norm, q_eps), (k_norm, k_eps) = norms
             pair = (float(q_eps), float(k_eps))
             eps = self._eps[pair] if pair in self._eps else device_constant(list(pair), mx.float32)
-        nh = qkv.shape[-1] // d
-        return [qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs]
+        nh = heads + 2 * kv_heads
+        return kernel(
+            inputs=[qkv.reshape(B, nh * d), offsets.astype(mx.int32), q_norm, k_norm, eps, params, freqs] + extra,
+            template=[("T", dtype), ("D", d), ("H", heads), ("HKV", kv_heads), ("NORM", norms is not None),
+                      ("FREQS", rope.freqs is not None)],
+            grid=(B * nh * (d // 2), 1, 1), threadgroup=(d // 2, 1, 1),
+            output_shapes=output_shapes, output_dtypes=[dtype] * len(output_shapes))
 
 
 def self_check(kernel, reference, ropes: list, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> None:
@@ -186,15 +179,20 @@ def self_check(kernel, reference, ropes: list, heads: int, kv_heads: int, norms:
     d = ropes[0].head_dim
     qkv = mx.random.normal((3, 1, (heads + 2 * kv_heads) * d), key=mx.random.key(7)).astype(dtype)
     offsets = mx.array([0, 7, 3000], mx.int32)
-    tolerance = 1e-4 if dtype == mx.float32 else 5e-2
     for rope in ropes:  # as the compiled decode layers call it (decode_path.CompiledLayers)
         got = mx.compile(lambda x, o, r=rope: kernel(x, o, r, heads, kv_heads, norms))(qkv, offsets)
         want = reference(qkv, offsets, rope, heads, kv_heads, norms)
         for name, a, b in zip("qkv", got, want):
-            b = b.astype(mx.float32)
-            err = mx.abs(a.astype(mx.float32) - b).max().item()
-            if not err <= tolerance * max(1.0, mx.abs(b).max().item()):  # relative to the values; NaN fails
-                raise RuntimeError(f"fused q/k rope kernel: {name} differs from the reference by {err}")
+            _require_close("fused q/k rope kernel", name, a, b)
+
+
+def _require_close(what: str, name: str, got: mx.array, want: mx.array) -> None:
+    """Raise unless `got` is `want` within the dtype's tolerance, relative to the values (NaN fails)."""
+    tolerance = 1e-4 if want.dtype == mx.float32 else 5e-2
+    want = want.astype(mx.float32)
+    err = mx.abs(got.astype(mx.float32) - want).max().item()
+    if not err <= tolerance * max(1.0, mx.abs(want).max().item()):
+        raise RuntimeError(f"{what}: {name} differs from the reference by {err}")
 
 
 def self_check_pool(kernel, reference, rope, heads: int, kv_heads: int, norms: Optional[tuple], dtype) -> None:
@@ -210,14 +208,10 @@ def self_check_pool(kernel, reference, rope, heads: int, kv_heads: int, norms: O
     q = kernel.rope_into_pool(qkv, offsets, rope, heads, kv_heads, norms, k_pool, v_pool, rows)
     mx.eval(q)
     want_q, want_k, want_v = reference(qkv, offsets, rope, heads, kv_heads, norms)
-    tolerance = 1e-4 if dtype == mx.float32 else 5e-2
     unwritten = mx.array([r for r in range(12 * kv_heads) if r not in set(rows.tolist())])
     for name, got, want in (("q", q, want_q), ("k", k_pool[rows], want_k.reshape(B * kv_heads, d)),
                             ("v", v_pool[rows], want_v.reshape(B * kv_heads, d))):
-        want = want.astype(mx.float32)
-        err = mx.abs(got.astype(mx.float32) - want).max().item()
-        if not err <= tolerance * max(1.0, mx.abs(want).max().item()):
-            raise RuntimeError(f"fused q/k rope kernel into the pool: {name} differs from the reference by {err}")
+        _require_close("fused q/k rope kernel into the pool", name, got, want)
     if mx.abs(k_pool[unwritten]).max().item() or mx.abs(v_pool[unwritten]).max().item():
         raise RuntimeError("fused q/k rope kernel into the pool: wrote rows it was not given")
 

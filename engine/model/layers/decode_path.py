@@ -92,13 +92,18 @@ class DecodePath:
             h, y = self.block_end(layer, h, out, self.next_norm(i))
         return y
 
+    def writes_kv_in_rope(self, pool) -> bool:
+        """Whether paged decodes of `pool` have their keys and values written into it by the fused q/k
+        rope kernel (in place, `rope_write`) instead of a scatter: where the runner enabled it
+        (`ops.rope_writes_kv`, for this path's ropes), the pool's paged attention reads it only after the
+        write (a kernel taking the queries: PagedAttention.reads_pool_after_queries), and no layer slides
+        a window (those layers gather, from the scattered KV)."""
+        return (self.ops.rope_writes_kv and self.ops.qk_rope is not None and pool.paged is not None
+                and pool.paged.reads_pool_after_queries and pool.window is None)
+
     def rope_into_pool(self, view) -> bool:
-        """Whether this forward's keys and values go into the pool from the fused q/k rope kernel (in
-        place, `rope_write`) instead of a scatter: where the runner enabled it (`ops.rope_writes_kv`), for
-        a paged decode without sliding windows (`ForwardView.writes_in_place`) whose attention reads the
-        pool only after the write (a kernel taking the queries: PagedAttention.reads_pool_after_queries)."""
-        return (self.ops.rope_writes_kv and self.ops.qk_rope is not None and view.writes_in_place
-                and view.pool.paged.reads_pool_after_queries and all(self.ops.qk_rope.handles(r) for r in self.ropes))
+        """`writes_kv_in_rope` for this forward: a paged decode's."""
+        return view.reads_paged and self.writes_kv_in_rope(view.pool)
 
     def rope_write(self, view, i: int, qkv: mx.array, offsets: mx.array) -> mx.array:
         """Layer i's q/k head norms and RoPE of its q/k/v product qkv [B, 1, (H + 2 H_kv) d], k and v
