@@ -110,7 +110,8 @@ class Engine:
         self.executor = StepExecutor(self.runner, self.memory, self.scheduler, config.seed,
                                      async_decode=step_options.async_decode,
                                      overlap_steps=backend == "cuda" if overlap is None else overlap,
-                                     make_sampler=self._make_sampler, launch_thread=self._stream is not None)
+                                     make_sampler=self._make_sampler, launch_thread=self._stream is not None,
+                                     launch_ahead=step_options.launch_ahead is not False)
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self._streams: dict[str, TextStream] = {}
         self._warmed = self._warm_chunk_shapes(config) if backend == "cuda" else (0, 0.0)  # (shapes, seconds)
@@ -407,10 +408,10 @@ class Engine:
                               fused_rope=runner.ops.qk_rope is not None,
                               fused_residual=runner.ops.residual_matmul,
                               pack_step_inputs=runner.pool.pack_step_inputs and runner.paged_attention,
-                              rope_writes_kv=decode is not None and decode.writes_kv_in_rope(runner.pool),
+                              rope_writes_kv=runner.decode_writes_in_place,
                               attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
-                              launch_thread=self._stream is not None)
+                              launch_thread=self._stream is not None, launch_ahead=self.executor.goes_ahead)
 
     def stats(self) -> EngineStats:
         s, kv, ex = self.scheduler, self.kv, self.executor

@@ -48,6 +48,9 @@ class _Inflight:
 
     plan: SchedulerOutput
     forward: Forward  # its tokens: [B], rows in plan.decodes order
+    # a copy of its tokens for the host (`launch_ahead`): reading an array on the host moves its buffer to
+    # managed memory, which must not happen to `tokens` while the next decode's encode reads them
+    host_tokens: Optional[mx.array] = None
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,13 @@ class StepExecutor:
     def __init__(self, runner: ModelRunner, memory: MemoryModel, scheduler: Scheduler, seed: int,
                  async_decode: bool, overlap_steps: bool,
                  make_sampler: Optional[Callable[[Request], RequestSampler]] = None,
-                 launch_thread: bool = False):
+                 launch_thread: bool = False, launch_ahead: bool = False):
         """`make_sampler`: a new row's sampler (the engine's gives it its grammar's matcher); else one
         from the request's sampling params and `seed`. `launch_thread`: pipelined decodes are encoded
         on a thread of their own (`LaunchThread`; the caller runs the engine on a stream any thread
-        may encode)."""
+        may encode). `launch_ahead` (with the thread; StepOptions'): the next pipelined decode is
+        encoded as soon as the one before is, not after it ends: for a runner whose decodes write the
+        pool without a donated buffer (`ModelRunner.decode_writes_in_place`)."""
         self.runner = runner
         self.make_sampler = make_sampler or (lambda r: RequestSampler(r.sampling, seed, r.prompt_token_ids))
         self.memory = memory
@@ -96,9 +101,17 @@ class StepExecutor:
         self._launcher: Optional[LaunchThread] = None
         self.num_thread_launches = 0  # decodes the launch thread encoded
         self._prev_encoded_s: Optional[float] = None  # when it returned from the last, from the step's start
+        self.launch_ahead = launch_ahead and launch_thread and async_decode
+        self.num_ahead_launches = 0  # decodes launched before the one before them had ended
         if launch_thread and async_decode:
             self._launcher = LaunchThread()
             weakref.finalize(self, self._launcher.close)
+
+    @property
+    def goes_ahead(self) -> bool:
+        """Whether pipelined decodes are launched ahead (`launch_ahead`): asked of the runner each time,
+        as its decode path can change after construction (tests install stand-ins)."""
+        return self.launch_ahead and self.runner.decode_writes_in_place
 
     @property
     def pipelining(self) -> bool:
@@ -344,7 +357,12 @@ class StepExecutor:
         """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
         last tokens."""
         work = self._decode_work(plan) if inputs is None else [DecodeWork(i, -1) for i in plan.decodes]
-        return _Inflight(plan, self.runner.decode(work, inputs, defer_sampling=self._constrained(plan.decodes)))
+        forward = self.runner.decode(work, inputs, defer_sampling=self._constrained(plan.decodes))
+        if not self.goes_ahead or forward.tokens is None:
+            return _Inflight(plan, forward)
+        host = forward.tokens + 0  # a copy (an astype to their own dtype would be the same array), computed last
+        forward.stages.append([host])
+        return _Inflight(plan, forward, host)
 
     def _constrained(self, request_ids) -> bool:
         """Whether a row has a grammar: its mask needs its previous token on the host, so its decode's
@@ -363,11 +381,15 @@ class StepExecutor:
                 sampler.accept(token, request.num_output_tokens)
 
     def _launch(self, decode: _Inflight, build_s: Optional[float] = None,
-                built_s: Optional[float] = None) -> None:
-        """Start a built decode; the device is idle (its transient is measured from here). `build_s`,
+                built_s: Optional[float] = None, ahead: bool = False) -> None:
+        """Start a built decode: the device is idle (its transient is measured from here), or, `ahead`,
+        the decode before it may still run (measured from when that one's record is taken). `build_s`,
         `built_s`: when its graph build started and ended (None: not timed)."""
         built_s = time.perf_counter() - self._t0 if built_s is None and build_s is not None else built_s
-        self._launch_base_bytes = _measure_start()
+        if ahead:
+            self.num_ahead_launches += 1
+        else:
+            self._launch_base_bytes = _measure_start()
         if self._launcher is None or decode.forward.sampling is not None:  # a grammar's mask: host work
             self._timed_launch(decode.forward, build_s, built_s)
             return
@@ -405,6 +427,13 @@ class StepExecutor:
             return None
         return self._build_decode(plan, inputs)
 
+    def _goes_ahead(self, prev: _Inflight, nxt: _Inflight) -> bool:
+        """Whether `nxt` is launched before `prev` ends (`launch_ahead`): its tokens copied for the host,
+        and both decodes' transients within the free memory and the configuration's bound (while the
+        device runs prev's last operations the host encodes nxt's first: both hold their arrays)."""
+        return (nxt.host_tokens is not None and prev.host_tokens is not None
+                and self.scheduler.fits(nxt.plan, beside=prev.plan.predicted_transient_bytes))
+
     def advance(self) -> StepRun:
         """A step of the decode pipeline (`pipelining`): see `_advance`."""
         self._begin()
@@ -422,6 +451,8 @@ class StepExecutor:
         else:
             next_error = None
         built_s = time.perf_counter() - self._t0
+        if nxt is not None and self._goes_ahead(prev, nxt):
+            return self._advance_ahead(prev, nxt, build_s, built_s)
         try:
             self._join_launch()
             finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
@@ -439,4 +470,28 @@ class StepExecutor:
             except Exception as exc:
                 next_error = exc
         return StepRun(prev.plan, dict(zip(prev.plan.decodes, tokens)), memory=memory, next_error=next_error,
+                       forwards=self._forward_timings())
+
+    def _advance_ahead(self, prev: _Inflight, nxt: _Inflight, build_s: float, built_s: float) -> StepRun:
+        """`_advance` with nxt launched as soon as prev is encoded, then prev's tokens read (their copy: a
+        wait on prev's event, which nothing encodes). nxt's rows and inputs do not depend on prev's tokens
+        on the host (no grammar: `_goes_ahead`). prev's record spans from its own measure's start to
+        here, where nxt's begins: it is predicted as both decodes (their arrays can be alive together)."""
+        try:
+            self._join_launch()
+        except Exception as exc:
+            return StepRun(prev.plan, error=exc)
+        self.num_steps += 1
+        self._launch(nxt, build_s, built_s, ahead=True)
+        self._inflight = nxt
+        try:
+            tokens = prev.host_tokens.tolist()
+        except Exception as exc:
+            return StepRun(prev.plan, error=exc)
+        prev.forward.stages = []
+        both = prev.plan.predicted_transient_bytes + nxt.plan.predicted_transient_bytes
+        memory = self._record_memory(both, 0, self._launch_base_bytes,
+                                     predicted_other=nxt.plan.predicted_transient_bytes, pipelined=True)
+        self._launch_base_bytes = mx.get_active_memory()
+        return StepRun(prev.plan, dict(zip(prev.plan.decodes, tokens)), memory=memory,
                        forwards=self._forward_timings())

@@ -340,11 +340,11 @@ def run_mlx_lm(lm, prompts, arrivals, args, settings: dict = MLX_LM_SERVER_DEFAU
 
 
 def make_engine(lm, prompts, args, options=None, async_decode: bool = True, grammar_compiler=None,
-                launch_thread=None, **overrides):
+                launch_thread=None, launch_ahead=None, **overrides):
     """This engine at its default config (max_num_seqs raised to the concurrency if that is larger),
     with a memory limit that admits every request. `options`: a RunnerOptions (None: the defaults);
-    `async_decode`: False runs decode steps one after another; `launch_thread`: StepOptions' (None: the
-    engine's choice); `overrides`: EngineConfig fields."""
+    `async_decode`: False runs decode steps one after another; `launch_thread`, `launch_ahead`:
+    StepOptions' (None: the engine's choice); `overrides`: EngineConfig fields."""
     from engine.config import EngineConfig
     from engine.core.types import StepOptions
     from engine.engine import Engine
@@ -362,7 +362,8 @@ def make_engine(lm, prompts, args, options=None, async_decode: bool = True, gram
         fields.update(json.loads(args.engine_config))
     fields.update(overrides)
     return Engine(lm.model, lm.tokenizer, EngineConfig(**fields), lm.config, runner_options=options,
-                  step_options=StepOptions(async_decode=async_decode, launch_thread=launch_thread),
+                  step_options=StepOptions(async_decode=async_decode, launch_thread=launch_thread,
+                                           launch_ahead=launch_ahead),
                   grammar_compiler=grammar_compiler)
 
 
@@ -384,6 +385,8 @@ def backend_runners() -> dict:
             "engine_tiled": with_options(run_engine_async, mma_attention=False),
             # pipelined decodes encoded on the engine thread (StepOptions.launch_thread off; on CUDA's default)
             "engine_no_launch_thread": (lambda *a, **k: run_engine_async(*a, **k, launch_thread=False)),
+            # each pipelined decode launched once the one before has ended (StepOptions.launch_ahead off)
+            "engine_no_launch_ahead": (lambda *a, **k: run_engine_async(*a, **k, launch_ahead=False)),
             "engine_sync_fused_rope": with_options(run_engine_sync, fused_rope=True),
             "engine_fused_rope": with_options(run_engine_async, fused_rope=True),
             # the decode's q/k norms and RoPE as separate kernels (RunnerOptions.fused_rope off; on CUDA's default)

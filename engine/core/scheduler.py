@@ -236,9 +236,12 @@ class Scheduler:
     def _fits(predicted: int, room: Optional[int]) -> bool:
         return room is None or predicted <= room
 
-    def fits(self, plan: SchedulerOutput) -> bool:
-        """Whether a plan's predicted transient fits the memory free now (the pipelined decode's next)."""
-        return self._fits(plan.predicted_transient_bytes, self.free_transient_bytes)
+    def fits(self, plan: SchedulerOutput, beside: int = 0) -> bool:
+        """Whether a plan's predicted transient fits the memory free now (the pipelined decode's next);
+        `beside`: with that many more bytes of a forward still in flight, also within the configuration's
+        transient bound (which sizes the KV budget)."""
+        predicted = plan.predicted_transient_bytes + beside
+        return (not beside or predicted <= self.transient_bound_bytes) and self._fits(predicted, self.free_transient_bytes)
 
     def _admit(self, budget: int, busy: bool) -> list[Request]:
         """Admit waiting requests, first come first served, while the token budget leaves each a chunk

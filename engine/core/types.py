@@ -302,9 +302,11 @@ class StepMemory:
 
     predicted_bytes: int
     measured_bytes: int
-    pipelined: bool = False  # a decode launched by the pipeline (measured from its launch to its end)
+    # a decode launched by the pipeline, measured from its launch to its end (launched ahead,
+    # StepOptions.launch_ahead: from the record of the decode before it to the ahead launch of the next)
+    pipelined: bool = False
     # the part of predicted_bytes not of this step's forwards (plan.memory_plan): pool growth, prefix
-    # copies, the tail of the previous step's deferred forward
+    # copies, the tail of the previous step's deferred forward, the next decode launched ahead
     other_predicted_bytes: int = 0
 
 
@@ -374,6 +376,10 @@ class StepOptions:
     # pipelined decodes encoded by a host thread of their own while the engine thread commits the step
     # before and builds the step after (engine/launch_thread.py); None: on CUDA only
     launch_thread: Optional[bool] = None
+    # with the launch thread, the next pipelined decode encoded as soon as the one before is, not once it
+    # has ended, where the runner's decodes write the KV pool without a donated buffer (the rope kernel
+    # writing it: ModelRunner.decode_writes_in_place) and both decodes' transients fit; None: wherever so
+    launch_ahead: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -394,6 +400,7 @@ class ExecutionPaths:
     num_warmed_chunk_shapes: int = 0  # prompt-chunk shapes whose attention graphs were built at start
     warmup_s: float = 0.0  # the time that took
     launch_thread: bool = False  # pipelined decodes encoded on a thread of their own (StepOptions.launch_thread)
+    launch_ahead: bool = False  # the next pipelined decode encoded before the one before ends (StepOptions.launch_ahead)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,12 @@ class ModelRunner:
         """Whether one-query forwards read the pool in place (else they gather)."""
         return self.pool.paged is not None
 
+    @property
+    def decode_writes_in_place(self) -> bool:
+        """Whether a decode writes its KV into the pool without a donated buffer (the rope kernel,
+        DecodePath.writes_kv_in_rope): it need not wait for earlier forwards to let go of the pool."""
+        return self.decode_path is not None and self.decode_path.writes_kv_in_rope(self.pool)
+
     def _loops_why_not(self) -> Optional[str]:
         """Why one-query forwards cannot read the pool in place (None: they can): only the engine's own
         layer loops call the paged kernel; mlx-lm's modules attend over what the cache returns."""

@@ -83,11 +83,12 @@ def make_engine(tiny_parts, model_cache_dir):
     from engine.engine import Engine
 
     def build(runner_options=None, async_decode: bool = True, overlap_steps=None, launch_thread=None,
-              **overrides):
+              launch_ahead=None, **overrides):
         """`runner_options`: a RunnerOptions (the runner's other ways, to compare); `async_decode`:
         False runs decode steps one after another (the engine pipelines them); `overlap_steps`: True
         leaves a step's last prompt chunk running into the next (None: the engine's choice);
-        `launch_thread`: True encodes pipelined decodes on a thread of their own (None: on CUDA only)."""
+        `launch_thread`: True encodes pipelined decodes on a thread of their own (None: on CUDA only);
+        `launch_ahead`: False keeps the thread from encoding the next decode before the one before ends."""
         from engine.core.types import StepOptions
         from engine.model.runner import RunnerOptions
 
@@ -96,6 +97,6 @@ def make_engine(tiny_parts, model_cache_dir):
                            memory_limit_bytes=overrides.pop("memory_limit_bytes", 4 << 30), **overrides)
         return Engine(model, tokenizer, cfg, model_config, runner_options=runner_options or RunnerOptions(),
                       step_options=StepOptions(async_decode=async_decode, overlap_steps=overlap_steps,
-                                                         launch_thread=launch_thread))
+                                                         launch_thread=launch_thread, launch_ahead=launch_ahead))
 
     return build
