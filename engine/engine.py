@@ -421,8 +421,8 @@ class Engine:
             kv_bytes_per_token=self.memory.kv_bytes_per_token, kv_cache_step=self.memory.kv_step,
             weights_bytes=self.memory.shape.weights_bytes, memory_limit_bytes=self.memory_limit_bytes,
             transient_bound_bytes=s.transient_bound_bytes,
-            max_predicted_transient_bytes=ex.max_predicted_bytes,
-            max_measured_transient_bytes=ex.max_measured_bytes, max_model_len=self.max_model_len,
+            max_predicted_transient_bytes=ex.meter.max_predicted_bytes,
+            max_measured_transient_bytes=ex.meter.max_measured_bytes, max_model_len=self.max_model_len,
             num_steps=ex.num_steps, num_forward_calls=self.runner.num_forward_calls,
             num_tokens_computed=self.runner.num_tokens_computed, prefix_cache_bytes=kv.cached_bytes,
             prefix_cache_hits=kv.prefix_cache.stats.num_hits,
@@ -432,5 +432,5 @@ class Engine:
             kv_allocated_bytes=self.runner.kv_allocated_bytes,
             floor_transient_bytes=s.floor_transient_bytes,
             free_transient_bytes=s.free_transient_bytes,
-            planned_transient_bytes=ex.last_predicted_bytes,
+            planned_transient_bytes=ex.meter.last_predicted_bytes,
         )

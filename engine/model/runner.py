@@ -6,8 +6,9 @@ Takes plain data from the scheduler (which rows compute which tokens) and return
   prompt's last position reaches the LM head.
 - Decode: every decoding row in one batched forward, one token each.
 Both only build their graph and return it as a `Forward`; `launch` starts it and `Forward.finish`
-waits for it. Forwards never overlap on the device (`finish` says why); the engine builds the next one
-while the current one runs (engine/executor.py).
+waits for it. Forwards never overlap on the device (`finish` says why; on CUDA a decode writing its KV
+in place is queued before the one before it ends: engine/decode_pipeline.py); the engine builds
+the next one while the current one runs (engine/executor.py).
 Both read and write the KV pool through a `ForwardView` (engine/model/forward_view.py): per layer a constant number of
 operations whatever the number of rows. The runner allocates nothing: each row's blocks, and how many
 blocks the pool must hold, come from the KV manager through the plan (engine/core/kv_manager.py).

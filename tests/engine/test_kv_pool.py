@@ -151,8 +151,9 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
     """Every forward writes the KV pool in place; on MLX's GPU backends a forward launched while the
     previous one still runs would copy whole pool arrays (work.finish). So no forward is launched
     before the previous one is finished, in steps mixing decode and prompt chunks and in pipelined
-    decode alike, and every launched forward is finished."""
-    import engine.executor
+    decode alike (but decodes launched ahead, which write the pool without a donated buffer:
+    test_decode_path.py), and every launched forward is finished."""
+    import engine.decode_pipeline
     import engine.model.work
 
     state = {"in_flight": False, "launches": 0}
@@ -163,7 +164,7 @@ def test_forwards_never_overlap_on_the_device(make_engine, monkeypatch, async_de
         state["in_flight"] = False
 
     monkeypatch.setattr(engine.model.work, "finish", finish)  # Forward.finish
-    monkeypatch.setattr(engine.executor, "finish", finish)  # the pipelined decode's wait
+    monkeypatch.setattr(engine.decode_pipeline, "finish", finish)  # the pipelined decode's wait
     eng = make_engine(max_num_seqs=4, prefill_chunk_size=8, max_num_batched_tokens=24,
                       async_decode=async_decode)
     real_launch = eng.runner.launch

@@ -366,8 +366,9 @@ class MemoryModel(ChunkTerms):
 
         Both formulas grow with every argument; a chunk attends to at most max_model_len keys and a
         decode step has at most max_num_seqs rows of at most max_model_len keys each. Forwards never
-        overlap on the device (engine/model/work.py finish), pipelined decode included; a step mixes its decode rows
-        into a chunk's forward only within this bound (Scheduler.schedule).
+        overlap on the device (engine/model/work.py finish); two pipelined decodes whose arrays can be
+        alive together (StepOptions.launch_ahead) and a step mixing its decode rows into a chunk's forward
+        are run only within this bound (Scheduler.fits, Scheduler.schedule).
         """
         chunk = min(prefill_chunk_size, max_model_len)
         return max(
