@@ -9,6 +9,7 @@ step's forwards that both record.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from engine.core.scheduler import Scheduler
-from engine.core.types import ForwardTiming, SchedulerOutput, StepRun
+from engine.core.types import ForwardTiming, SchedulerOutput, StepMemory, StepRun
 from engine.launch_thread import LaunchThread
 from engine.model.runner import ModelRunner
 from engine.model.work import DecodeWork, Forward, finish
 from engine.step_meter import StepMeter
+
+logger = logging.getLogger(__name__)
 
 
 class StepClock:
@@ -108,14 +111,14 @@ class DecodePipeline:
             return StepRun(plan, error=exc)
         return self.advance()
 
-    def build(self, plan: SchedulerOutput, inputs: Optional[mx.array] = None) -> Inflight:
+    def build(self, plan: SchedulerOutput, inputs: Optional[mx.array] = None, pipelined: bool = True) -> Inflight:
         """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
-        last tokens."""
+        last tokens; `pipelined`: False for a decode the executor runs as a step's forward."""
         requests = self.scheduler.requests
         work = ([DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes] if inputs is None
                 else [DecodeWork(i, -1) for i in plan.decodes])
         forward = self.runner.decode(work, inputs, defer_sampling=self._constrained(plan.decodes))
-        if not self.goes_ahead or forward.tokens is None:
+        if not pipelined or not self.goes_ahead or forward.tokens is None:
             return Inflight(plan, forward)
         host = forward.tokens + 0  # a copy (an astype to their own dtype would be the same array), computed last
         forward.stages.append([host])
@@ -207,12 +210,9 @@ class DecodePipeline:
         if nxt is not None and self._goes_ahead(prev, nxt):
             return self._advance_ahead(prev, nxt, build_s, built_s)
         try:
-            self._join_launch()
-            finish(prev.forward.tokens)  # prev is done and its buffers released: nxt writes in place
-            tokens = prev.forward.tokens.tolist()
+            tokens, memory = self._wait(prev)
         except Exception as exc:
             return StepRun(prev.plan, error=exc)
-        memory = self.meter.record(prev.plan.predicted_transient_bytes, 0, self._base_bytes, pipelined=True)
         if nxt is not None:
             self.num_launches += 1
             try:
@@ -224,25 +224,52 @@ class DecodePipeline:
         return StepRun(prev.plan, dict(zip(prev.plan.decodes, tokens)), memory=memory, next_error=next_error,
                        forwards=self.clock.forwards())
 
+    def _wait(self, prev: Inflight) -> tuple[list[int], StepMemory]:
+        """Wait for prev (the device idle after it: the next decode may write the pool in place) and read
+        its tokens -> (tokens, prev's record)."""
+        self._join_launch()
+        finish(prev.forward.tokens)
+        tokens = prev.forward.tokens.tolist()
+        return tokens, self.meter.record(prev.plan.predicted_transient_bytes, 0, self._base_bytes, pipelined=True)
+
     def _advance_ahead(self, prev: Inflight, nxt: Inflight, build_s: float, built_s: float) -> StepRun:
         """`advance` with nxt launched as soon as prev is encoded, then prev's tokens read (their copy: a
         wait on prev's event, which nothing encodes). nxt's rows and inputs do not depend on prev's tokens
-        on the host (no grammar: `_goes_ahead`). prev's record spans from its own measure's start to
-        here, where nxt's begins: it is predicted as both decodes (their arrays can be alive together)."""
+        on the host (no grammar: `_goes_ahead`). prev's record spans from the previous record to here and
+        is predicted as both decodes (their arrays can be alive together), over the base measured when the
+        device was last idle at a launch (a decode-only step keeps nothing: the base stays)."""
         try:
             self._join_launch()
         except Exception as exc:
             return StepRun(prev.plan, error=exc)
         self.num_launches += 1
-        self._launch(nxt, build_s, built_s, ahead=True)
+        try:
+            self._launch(nxt, build_s, built_s, ahead=True)
+        except Exception as exc:  # nothing but prev runs (a closed launch thread encodes on this one)
+            try:
+                tokens, memory = self._wait(prev)
+            except Exception as wait_exc:
+                return StepRun(prev.plan, error=wait_exc)
+            return StepRun(prev.plan, dict(zip(prev.plan.decodes, tokens)), memory=memory, next_error=exc,
+                           forwards=self.clock.forwards())
         self._inflight = nxt
         try:
             tokens = prev.host_tokens.tolist()
-        except Exception as exc:
+        except Exception as exc:  # prev's rows fail, and nxt's are among them: let nxt end, unread
+            self._drop_inflight()
             return StepRun(prev.plan, error=exc)
         prev.forward.stages = []
         both = prev.plan.predicted_transient_bytes + nxt.plan.predicted_transient_bytes
         memory = self.meter.record(both, 0, self._base_bytes, predicted_other=nxt.plan.predicted_transient_bytes,
                                    pipelined=True)
-        self._base_bytes = mx.get_active_memory()
         return StepRun(prev.plan, dict(zip(prev.plan.decodes, tokens)), memory=memory, forwards=self.clock.forwards())
+
+    def _drop_inflight(self) -> None:
+        """Wait for the decode in flight and let it go unread; the next measure starts after it."""
+        inflight, self._inflight = self._inflight, None
+        try:
+            self._join_launch()
+            finish(inflight.forward.tokens)
+        except Exception:
+            logger.exception("the decode launched ahead of a failed one failed too")
+        self._base_bytes = self.meter.start()

@@ -298,7 +298,8 @@ class Engine:
         Forwards that write the KV pool never overlap on the device (engine/model/work.py finish says why). Decode-
         only steps are pipelined on the host (`StepOptions.async_decode`), like mlx-lm's
         BatchGenerator but without overlapping two forwards: while decode k runs, the engine builds
-        decode k+1's graph (fed with k's tokens as a lazy array); once k is done it launches k+1
+        decode k+1's graph (fed with k's tokens as a lazy array); once k is done (on CUDA, where the
+        decode writes its KV in place, once k is encoded: `StepOptions.launch_ahead`) it launches k+1
         and, while k+1 runs, reads back and commits k (scheduler update, detokenizing, stops). So
         outputs come one step after their forward was launched. A row that stops on EOS or a stop
         string has had one more token computed, which is dropped; rows reaching max_tokens are left

@@ -186,7 +186,7 @@ class StepExecutor:
                 ids = ((first.request_id,) if first.sample else ()) + tuple(plan.decodes)
                 builds.append(_Build(ids, lambda: mixed))
         if plan.decodes and not builds:
-            builds.append(_Build(plan.decodes, lambda: self.pipeline.build(plan).forward))
+            builds.append(_Build(plan.decodes, lambda: self.pipeline.build(plan, pipelined=False).forward))
         for group in groups:
             singles = [_Build((w.request_id,), lambda w=w: self.runner.prefill(w), w.request_id) for w in group]
             if len(group) > 1:  # if it cannot be built, its chunks run apart (`_execute`)

@@ -1,5 +1,5 @@
 """The host thread that encodes the pipelined decodes on CUDA (`StepOptions.launch_thread`), for
-engine/executor.py's StepExecutor."""
+engine/decode_pipeline.py's DecodePipeline."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ class LaunchThread:
     (docs/decode.md): on the engine thread the host can do nothing else for most of a decode step, so
     the commit of the step before and the graph build of the step after ran while the device finished
     the window and then idled. Here the engine thread commits and builds while this thread encodes.
-    One thread encodes at a time: the engine thread joins this one before it waits for, or encodes,
-    anything else, on a stream of MLX's thread-unsafe kind (one encoder for both threads; the engine
-    makes it its default stream)."""
+    One thread encodes at a time: the engine thread joins this one before it encodes, or waits for the
+    device, on a stream of MLX's thread-unsafe kind (one encoder for both threads; the engine makes it
+    its default stream); while this one encodes, it may wait for an array already evaluated (a decode
+    launched ahead: engine/decode_pipeline.py), which encodes nothing."""
 
     def __init__(self):
         self._go = threading.Semaphore(0)
@@ -85,7 +86,7 @@ class LaunchThread:
         return self._ended_s
 
     def close(self) -> None:
-        """End the thread (from any thread: the executor's finalizer, or at exit). A job running goes on;
+        """End the thread (from any thread: the pipeline's finalizer, or at exit). A job running goes on;
         the engine thread still joins it, and encodes later ones itself."""
         with self._lock:
             if self._closed:

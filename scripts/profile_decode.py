@@ -1,7 +1,8 @@
 """Where a decode step's time goes: the engine's public step records of B rows decoding together.
 
-Per pipelined decode step (engine/executor.py: while decode k runs on the device the host builds k+1's
-graph, waits for k, launches k+1, then commits k's tokens) the records give, in host seconds: the graph
+Per pipelined decode step (engine/decode_pipeline.py: while decode k runs on the device the host builds
+k+1's graph, waits for k, launches k+1, then commits k's tokens; launched ahead, StepOptions.launch_ahead,
+k+1 is launched before the wait) the records give, in host seconds: the graph
 build of the next forward, the wait for the running one, the launch (MLX encoding the graph into CUDA
 graphs; the device starts on the first batches meanwhile) and the commit (scheduler update, detokenizing,
 outputs). When the wait is near zero the host is the bottleneck: the device idles while the host works.

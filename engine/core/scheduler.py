@@ -239,7 +239,7 @@ class Scheduler:
     def fits(self, plan: SchedulerOutput, beside: int = 0) -> bool:
         """Whether a plan's predicted transient fits the memory free now (the pipelined decode's next);
         `beside`: with that many more bytes of a forward still in flight, also within the configuration's
-        transient bound (which sizes the KV budget)."""
+        transient bound (the largest step it allows: MemoryModel.transient_bound_bytes)."""
         predicted = plan.predicted_transient_bytes + beside
         return (not beside or predicted <= self.transient_bound_bytes) and self._fits(predicted, self.free_transient_bytes)
 

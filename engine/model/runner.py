@@ -412,7 +412,7 @@ class ModelRunner:
             sampling.start()
         last = len(forward.stages) - 1 if sampling is None else len(forward.stages)
         if not self.stage_waits and sampling is None:
-            # one call: on a launch thread (engine/executor.py) the GIL is not taken again between stages
+            # one call: on a launch thread (engine/decode_pipeline.py) the GIL is not taken again between stages
             mx.async_eval(*(a for stage in forward.stages for a in stage))
             return
         try:
