@@ -114,15 +114,18 @@ class DecodePipeline:
     def build(self, plan: SchedulerOutput, inputs: Optional[mx.array] = None, pipelined: bool = True) -> Inflight:
         """Build (not run) the decode of `plan`; inputs: the lazy tokens that feed it, else the rows'
         last tokens; `pipelined`: False for a decode the executor runs as a step's forward."""
-        requests = self.scheduler.requests
-        work = ([DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes] if inputs is None
-                else [DecodeWork(i, -1) for i in plan.decodes])
+        work = self.decode_work(plan.decodes) if inputs is None else [DecodeWork(i, -1) for i in plan.decodes]
         forward = self.runner.decode(work, inputs, defer_sampling=self._constrained(plan.decodes))
         if not pipelined or not self.goes_ahead or forward.tokens is None:
             return Inflight(plan, forward)
         host = forward.tokens + 0  # a copy (an astype to their own dtype would be the same array), computed last
         forward.stages.append([host])
         return Inflight(plan, forward, host)
+
+    def decode_work(self, request_ids) -> list[DecodeWork]:
+        """These rows' decode, each with its last token as input."""
+        requests = self.scheduler.requests
+        return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in request_ids]
 
     def _constrained(self, request_ids) -> bool:
         """Whether a row has a grammar: its mask needs its previous token on the host, so its decode's

@@ -412,7 +412,7 @@ class Engine:
                               rope_writes_kv=runner.decode_writes_in_place,
                               attention_kernel=runner.attention_kernel,
                               num_warmed_chunk_shapes=self._warmed[0], warmup_s=self._warmed[1],
-                              launch_thread=self._stream is not None, launch_ahead=self.executor.goes_ahead)
+                              launch_thread=self._stream is not None, launch_ahead=self.executor.pipeline.goes_ahead)
 
     def stats(self) -> EngineStats:
         s, kv, ex = self.scheduler, self.kv, self.executor

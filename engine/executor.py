@@ -22,7 +22,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.types import NewRow, Request, SchedulerOutput, StepMemory, StepRun
 from engine.model.runner import ModelRunner
 from engine.decode_pipeline import DecodePipeline, StepClock
-from engine.model.work import DecodeWork, Forward, PrefillWork
+from engine.model.work import Forward, PrefillWork
 from engine.model.sampling import RequestSampler
 from engine.step_meter import StepMeter
 
@@ -161,11 +161,6 @@ class StepExecutor:
         return self.runner.kv_allocated_bytes
 
     # --- forwards of a step ---------------------------------------------------------------------------
-    def _decode_work(self, plan: SchedulerOutput) -> list[DecodeWork]:
-        """The plan's decode rows, each with its last token as input."""
-        requests = self.scheduler.requests
-        return [DecodeWork(i, requests[i].output_token_ids[-1]) for i in plan.decodes]
-
     def _builds(self, plan: SchedulerOutput) -> list["_Build"]:
         """The plan's forwards to build, in order: the decode (a mixed runner's decode rows ride with the
         first chunk, engine/model/layers/mixed.py), then the prompt chunks, several rows' packed into one
@@ -177,7 +172,7 @@ class StepExecutor:
         builds = []
         if plan.mixed:  # if that forward cannot be built, the two run apart: a chunk's error fails its row only
             try:
-                mixed = self.runner.mixed_forward(works[0], self._decode_work(plan))
+                mixed = self.runner.mixed_forward(works[0], self.pipeline.decode_work(plan.decodes))
             except Exception:
                 logger.exception("forward of %s with %d decode rows failed to build; running them apart",
                                  works[0].request_id, len(plan.decodes))
@@ -272,18 +267,6 @@ class StepExecutor:
         self.meter.carry(deferred.predicted_bytes, deferred.base_bytes)
 
     # --- pipelined decode ---------------------------------------------------------------------------
-    @property
-    def goes_ahead(self) -> bool:
-        return self.pipeline.goes_ahead
-
-    @property
-    def num_thread_launches(self) -> int:
-        return self.pipeline.num_thread_launches
-
-    @property
-    def num_ahead_launches(self) -> int:
-        return self.pipeline.num_ahead_launches
-
     def advance(self) -> StepRun:
         """A step of the decode pipeline (`pipelining`): DecodePipeline.advance."""
         self.clock.begin()

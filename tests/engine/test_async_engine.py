@@ -29,7 +29,7 @@ async def test_stream_matches_sync_generate(async_engine, make_engine):
     assert [t for o in outs for t in o.new_token_ids] == expected.token_ids
     assert "".join(o.new_text for o in outs) == expected.text
     engine = async_engine.engine
-    assert (engine.executor.num_thread_launches > 0) == engine.execution_paths().launch_thread
+    assert (engine.executor.pipeline.num_thread_launches > 0) == engine.execution_paths().launch_thread
 
 
 async def test_concurrent_streams(async_engine):

@@ -337,7 +337,7 @@ def test_decodes_launched_ahead_give_the_same_logits(make_engine, tiny_parts, re
 
     def run(ahead: bool):
         engine = engine_with_stand_ins(ahead)
-        return (*serve_capturing_logits(engine, run_to_completion, seed=17), engine.executor.num_ahead_launches)
+        return (*serve_capturing_logits(engine, run_to_completion, seed=17), engine.executor.pipeline.num_ahead_launches)
 
     prompts, tokens, logits, ahead = run(True)
     _, plain_tokens, plain_logits, plain_ahead = run(False)
@@ -356,7 +356,7 @@ def test_decodes_launched_ahead_give_the_same_logits(make_engine, tiny_parts, re
         memories += [record.memory] if record.memory is not None and record.memory.pipelined else []
         for out in record.outputs:
             uncaptured.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert uncaptured == tokens and engine.executor.num_ahead_launches == ahead
+    assert uncaptured == tokens and engine.executor.pipeline.num_ahead_launches == ahead
     assert len([m for m in memories if m.other_predicted_bytes]) >= ahead - 1
     assert all(m.measured_bytes <= m.predicted_bytes for m in memories)
 

@@ -72,7 +72,7 @@ def test_pipelined_decode_equals_synchronous_with_stops_and_aborts(make_engine):
                 out = engine.abort("4")
                 finish["4"] = out.finish_reason if out else None
         assert engine.kv.reserved_bytes == 0 and not engine.runner.rows
-        assert (engine.executor.num_thread_launches > 0) == launch_thread
+        assert (engine.executor.pipeline.num_thread_launches > 0) == launch_thread
         results[async_decode, launch_thread] = (tokens, finish)
     assert results[True, False] == results[False, False] == results[True, True]
     tokens, finish = results[True, True]
@@ -241,7 +241,7 @@ def test_a_dropped_engine_ends_its_launch_thread(make_engine):
     engine = make_engine(launch_thread=True)
     engine.generate(random_prompts([6], 49152, seed=5), SamplingParams(max_tokens=4, ignore_eos=True))
     ours = set(launch_threads()) - before
-    assert engine.executor.num_thread_launches > 0 and len(ours) == 1
+    assert engine.executor.pipeline.num_thread_launches > 0 and len(ours) == 1
     del engine
     gc.collect()
     thread = ours.pop()
