@@ -96,7 +96,7 @@ def parse_args(argv=None):
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     if args.start_app and not args.url:
         args.url = "http://127.0.0.1:8100"  # not serve.yaml's 8000, which a running app may hold
-    if not (args.engine_only or args.url or args.compare_mlx_lm):
+    if not (args.engine_only or args.url or args.compare_mlx_lm or args.trace_summary):
         p.error("give --url, --start-app, --compare-mlx-lm or --engine-only")
     return args
 
@@ -166,6 +166,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
                    help="--engine-only engine: AsyncEngine's own short warm-up before the same-shape pass (1) or not")
     p.add_argument("--trace-steps", type=int, default=0,
                    help="--engine-only: record where the host time of the first N steps goes (engine_sync, engine)")
+    p.add_argument("--trace-summary", default=None, metavar="FILE:KEY",
+                   help="no run: the median pipelined decode step (traced steps whose decode a launch thread "
+                   "encoded) of each run of a recorded result (KEY: a key of FILE, '/' between levels)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this process (how long a thread holds the GIL when "
                    "another waits for it; Python's default 0.005 s)")
@@ -173,7 +176,15 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.engine_only and args.constrained_fraction is not None:
+    if args.trace_summary:
+        from bench_serving_stats import trace_summary
+
+        path, _, key = args.trace_summary.partition(":")
+        data = json.loads(Path(path).read_text())
+        for part in ([key] if key in data else key.split("/")) if key else []:  # keys may hold a "/"
+            data = data[part]
+        result = trace_summary(data.get("result", data))
+    elif args.engine_only and args.constrained_fraction is not None:
         from bench_constrained import constrained_cost
 
         result = constrained_cost(args)

@@ -61,6 +61,16 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     )
 
 
+def trace_summary(result: dict) -> dict:
+    """Per run of a bench_serving result recorded with --trace-steps: its pipelined decode steps (traced
+    steps whose decode a launch thread encoded) and their median milliseconds."""
+    out = {}
+    for name, run in result["runs"].items():
+        steps = [t["step"] for t in run.get("step_trace_ms") or [] if "prev_encoded_at" in t]
+        out[name] = dict(pipelined_steps=len(steps), median_step_ms=round(statistics.median(steps), 2) if steps else None)
+    return out
+
+
 def arrival_times(n: int, rate: Optional[float], seed: int) -> list[float]:
     """All at 0 (closed loop), or a Poisson process of `rate` requests/s."""
     if not rate:

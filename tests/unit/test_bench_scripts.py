@@ -746,3 +746,14 @@ def test_an_ncu_log_is_summed_by_kind_and_a_steps_matmul_rate_read_from_it(tmp_p
     assert result["kinds"]["rope"]["ms"] == 0.004 and result["kinds"]["copy"]["ms"] == 0.005
     want = 2 * matmul_params(RANDOM_SHAPES["llama-8b"]) * 1000 / 2.5e-3 / 1e12
     assert result["gemm_tflops"]["tflops"] == round(want, 1)
+
+
+def test_trace_summary_takes_the_pipelined_decode_steps():
+    """bench_serving --trace-summary: only traced steps whose decode a launch thread encoded count."""
+    from bench_serving_stats import trace_summary
+
+    trace = [{"schedule": 20.0, "step": 400.0}, {"prev_encoded_at": 6.0, "step": 7.0},
+             {"prev_encoded_at": 5.0, "step": 9.0}, {"prev_encoded_at": 5.5, "step": 8.0}]
+    out = trace_summary({"runs": {"engine@64": {"step_trace_ms": trace}, "mlx_lm@64": {}}})
+    assert out == {"engine@64": {"pipelined_steps": 3, "median_step_ms": 8.0},
+                   "mlx_lm@64": {"pipelined_steps": 0, "median_step_ms": None}}
